@@ -1,0 +1,152 @@
+"""The offline engine: model + paged pool + radix cache + scheduler in one process.
+
+    engine = Engine(EngineConfig(model_dir="path/to/hf_checkpoint", cache=CacheConfig(kv_dtype="nvfp4")))
+    outs = engine.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
+
+The prefill and decode services wrap the same object (engine/engine_loop.py runs it on a thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention_paths import AttentionPaths
+from engine.config import EngineConfig
+from engine.integrity import IntegrityReport
+from engine.kv_pool import KVPool, PoolCapacity
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.page_allocator import PageAllocator
+from engine.radix_cache import RadixCache
+from engine.request import Request, StepOutput
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+from kernels.backends.registry import get_backend
+from kernels.kv_layout import bytes_per_token_per_layer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class GenerationOutput:
+    rid: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        loaded = load_model(config.model_dir, device=self.device, dtype=dtype)
+        self.model, self.model_config, self.fingerprint = loaded.model, loaded.config, loaded.fingerprint
+        self.tokenizer = Tokenizer.from_dir(config.model_dir)
+        mc, cc = self.model_config, config.cache
+        n_layers = mc.num_hidden_layers
+        self.k_scales = _per_layer(cc.k_scales, loaded.kv_scales, "k", n_layers)
+        self.v_scales = _per_layer(cc.v_scales, loaded.kv_scales, "v", n_layers)
+        if cc.kv_dtype == "fp8_e4m3":
+            ws_k, ws_v = self.k_scales, self.v_scales  # the workspace holds the pool's own FP8 bytes
+        else:
+            ws_k = _per_layer(cc.ws_k_scales, None, "k", n_layers)
+            ws_v = _per_layer(cc.ws_v_scales, None, "v", n_layers)
+        self.max_context_len = mc.max_position_embeddings
+        num_pages, ws_tokens = self._size_pool()
+        self.pool = KVPool(cc.kv_dtype, n_layers, num_pages, cc.page_size, mc.num_key_value_heads, mc.head_dim,
+                           device=self.device, k_scales=self.k_scales, v_scales=self.v_scales,
+                           ws_k_scales=ws_k, ws_v_scales=ws_v)
+        self.allocator = PageAllocator(num_pages)
+        self.cache = RadixCache(cc.page_size, self.allocator)
+        self.backend = get_backend(config.attention_backend, self.device)
+        self.paths = AttentionPaths(self.pool, self.backend, ws_tokens, mc.num_attention_heads,
+                                    mc.head_dim ** -0.5, self.device)
+        self.runner = ModelRunner(self.model, self.paths, self.device)
+        eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids or ())
+        self.scheduler = Scheduler(self.runner, self.allocator, self.cache, cc.page_size, config.scheduler,
+                                   self.max_context_len, ws_tokens, eos, self.device)
+        cap = self.capacity()
+        log.info("KV pool: %s, %d pages x %d tokens = %d tokens, %.2f GiB; workspace %d tokens (%.1f MiB); "
+                 "backend %s on %s", cap.kv_dtype, cap.num_pages, cap.page_size, cap.max_tokens,
+                 cap.total_bytes / 2**30, ws_tokens, self.paths.workspace_bytes / 2**20, self.backend.name,
+                 self.device)
+        self._ids = itertools.count()
+
+    def _size_pool(self) -> tuple[int, int]:
+        """(num_pages, workspace_tokens) from --max-total-tokens, --mem-fraction-static or the CPU default."""
+        mc, cc = self.model_config, self.config.cache
+        ws_tokens = cc.workspace_tokens or self.max_context_len
+        ws_row = 2 * mc.num_key_value_heads * mc.head_dim * (2 if cc.kv_dtype == "bf16" else 1)
+        if cc.max_total_tokens is not None:
+            tokens = cc.max_total_tokens
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1.0 - cc.mem_fraction_static) - ws_tokens * ws_row
+            per_token = mc.num_hidden_layers * bytes_per_token_per_layer(
+                cc.kv_dtype, mc.num_key_value_heads, mc.head_dim)
+            if budget < per_token * cc.page_size:
+                raise RuntimeError(
+                    f"no GPU memory left for the KV pool ({free / 2**30:.1f} GiB free of {total / 2**30:.1f}); "
+                    "raise --mem-fraction-static or set --max-total-tokens")
+            tokens = int(budget // per_token)
+        else:
+            tokens = cc.cpu_default_tokens
+        num_pages = max(1, tokens // cc.page_size)
+        return num_pages, min(ws_tokens, num_pages * cc.page_size)
+
+    # -- introspection ------------------------------------------------------------------------------
+    def capacity(self) -> PoolCapacity:
+        return self.pool.capacity()
+
+    def check_integrity(self) -> IntegrityReport:
+        return self.scheduler.check_integrity()
+
+    # -- offline API ------------------------------------------------------------------------------
+    def new_request(self, prompt: str | Sequence[int], sampling: SamplingParams, rid: str | None = None,
+                    **kw) -> Request:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        return Request(rid or f"req-{next(self._ids)}", ids, sampling, **kw)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
+        """Run prompts to completion with continuous batching; outputs in prompt order."""
+        if sampling is None:
+            sampling = SamplingParams()
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        reqs = [self.new_request(p, sp) for p, sp in zip(prompts, params)]
+        for r in reqs:
+            self.scheduler.submit(r)
+        results: dict[str, list[StepOutput]] = {r.rid: [] for r in reqs}
+        while self.scheduler.has_work:
+            for out in self.scheduler.step():
+                results[out.rid].append(out)
+        outs = []
+        for r in reqs:
+            ids = [t for o in results[r.rid] for t in o.new_token_ids]
+            outs.append(GenerationOutput(r.rid, r.prompt_ids, ids, self.tokenizer.decode(ids),
+                                         r.finish_reason, r.num_cached_tokens))
+        return outs
+
+
+def _per_layer(given: Sequence[float] | None, checkpoint: dict | None, key: str, n: int) -> list[float]:
+    """Per-layer scales: explicit config > checkpoint k_scale/v_scale > 1.0."""
+    vals = list(given) if given is not None else (list(checkpoint[key]) if checkpoint else [1.0] * n)
+    if len(vals) != n:
+        raise ValueError(f"{len(vals)} {key} scales given for a model of {n} layers")
+    if not all(math.isfinite(v) and v > 0 for v in vals):
+        raise ValueError(f"{key} scales must be finite and > 0, got {vals}")
+    return [float(v) for v in vals]

@@ -1,0 +1,158 @@
+"""Runs an Engine's scheduler on one dedicated thread; services talk to it through thread-safe calls.
+
+All scheduler state is touched only by the loop thread: every call here enqueues a command that
+the loop applies between steps. Outputs reach callers through the callback they registered, called
+on the loop thread (services hop back to their event loop with ``call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from engine.engine import Engine
+from engine.request import PullStart, Request, StepOutput
+
+log = logging.getLogger(__name__)
+
+OutputCallback = Callable[[StepOutput | PullStart], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, check_integrity_when_idle: bool = True):
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._check_idle = check_integrity_when_idle
+        self.last_integrity_error: str | None = None
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # -- commands (any thread) --------------------------------------------------------------------
+    def submit(self, req: Request, on_output: OutputCallback) -> None:
+        """Queue a request. Raises RequestRejected at once when it can never run (scheduler.validate
+        reads only immutable configuration, so it is safe off the loop thread)."""
+        self.scheduler.validate(req)
+
+        def cmd() -> None:
+            self._callbacks[req.rid] = on_output
+            try:
+                self.scheduler.submit(req)
+            except Exception as e:  # queue full or duplicate id: report through the callback
+                self._callbacks.pop(req.rid, None)
+                on_output(StepOutput(req.rid, [], "abort", req.prompt_len, 0, error=f"{type(e).__name__}: {e}"))
+
+        self._post(cmd)
+
+    def abort(self, rid: str) -> None:
+        def cmd() -> None:
+            self._callbacks.pop(rid, None)
+            self.scheduler.abort(rid)
+
+        self._post(cmd)
+
+    def complete_pull(self, rid: str, first_token: int) -> None:
+        def cmd() -> None:
+            if rid in self.scheduler.pulling:
+                self._dispatch([self.scheduler.complete_pull(rid, first_token)])
+
+        self._post(cmd)
+
+    def release(self, rid: str) -> None:
+        self._post(lambda: self.scheduler.release(rid))
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the loop thread between steps; the future holds its result."""
+        fut: Future = Future()
+
+        def cmd() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+        self._post(cmd)
+        return fut
+
+    def _post(self, cmd: Callable[[], None]) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        checked = False  # integrity is checked once each time the scheduler goes idle
+        while not self._stop.is_set():
+            self._drain()
+            if not self.scheduler.has_work:
+                if self._check_idle and not checked and not self.scheduler.pulling:
+                    self._idle_check()
+                    checked = True
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            checked = False
+            try:
+                outputs = self.scheduler.step()
+            except Exception as e:  # a failing batch must not take the service down
+                log.exception("engine step failed; aborting the requests of this step")
+                outputs = self._abort_all(f"engine error: {e}")
+            self._dispatch(outputs)
+            self._dispatch_pull_starts()
+
+    def _dispatch_pull_starts(self) -> None:
+        for req in self.scheduler.pull_starts:
+            cb = self._callbacks.get(req.rid)
+            if cb is not None:
+                cb(PullStart(req.rid, tuple(req.page_ids), req.kv_len, req.prompt_len))
+        self.scheduler.pull_starts.clear()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            cmd()
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            cb = self._callbacks.get(out.rid)
+            if out.finish_reason and out.finish_reason != "prefill":
+                self._callbacks.pop(out.rid, None)
+            if cb is not None:
+                try:
+                    cb(out)
+                except Exception:
+                    log.exception("output callback failed for %s", out.rid)
+
+    def _abort_all(self, message: str) -> list[StepOutput]:
+        outs = []
+        for rid in list(self.scheduler.requests):
+            req = self.scheduler.abort(rid)
+            if req is not None:
+                outs.append(StepOutput(rid, [], "abort", req.prompt_len, req.num_cached_tokens, error=message))
+        return outs
+
+    def _idle_check(self) -> None:
+        try:
+            self.scheduler.check_integrity()
+            self.last_integrity_error = None
+        except Exception as e:
+            if str(e) != self.last_integrity_error:
+                log.error("pool integrity check failed: %s", e)
+            self.last_integrity_error = str(e)

@@ -1,0 +1,234 @@
+"""Dense decoder-only transformer of the Qwen3 / Qwen2 / Llama / Mistral family, minus the attention.
+
+The model computes everything except softmax(q k^T) v: for each layer it hands q, k, v (after
+the optional per-head q/k RMSNorm and RoPE) to an ``AttnFn`` supplied by the caller, who owns the
+KV cache. A forward pass runs over a flattened batch of T tokens from any number of sequences:
+
+    input_ids [T] int64, positions [T] int64  -->  hidden [T, hidden_size] (after the final norm)
+    attn(layer_id, q [T, Hq, D], k [T, Hk, D], v [T, Hk, D]) -> [T, Hq, D]     (model dtype)
+
+Query head h attends with KV head ``h // num_q_per_kv`` (HF ``repeat_kv`` grouping).
+
+Parameters are fused where the math allows (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``);
+``checkpoint_targets`` maps each HF tensor name to the rows of the fused parameter it fills.
+Weights are allocated uninitialised: use ``engine.loader.load_model`` to get a usable model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_config import ModelConfig
+from engine.rope import RotaryEmbedding
+
+AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); weight ``[out, in]`` as in HF checkpoints, no initialisation."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = _param((out_features, in_features), dtype, device)
+        self.bias = _param((out_features,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) computed in float32, cast back to the input dtype, then times weight (HF order)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, dtype, device)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+
+    def forward(
+        self, layer_id: int, positions: torch.Tensor, x: torch.Tensor, attn: AttnFn, rope: RotaryEmbedding
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
+        if self.q_norm is not None:
+            assert self.k_norm is not None
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        o = attn(layer_id, q, k, v)
+        if o.shape != q.shape:
+            raise ValueError(f"attention function returned shape {tuple(o.shape)}, expected {tuple(q.shape)}")
+        return self.o_proj(o.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, dtype, device)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(
+        self, layer_id: int, positions: torch.Tensor, h: torch.Tensor, attn: AttnFn, rope: RotaryEmbedding
+    ) -> torch.Tensor:
+        h = h + self.self_attn(layer_id, positions, self.input_layernorm(h), attn, rope)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """The HF ``model.`` prefix: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class CausalLM(nn.Module):
+    """The language model; see the module docstring for the forward contract."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.model = Backbone(config, dtype, device)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, False, dtype, device)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                      config.max_position_embeddings, config.max_rope_positions)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        """hidden ``[T, hidden_size]`` (final norm applied) for ``input_ids`` / ``positions`` ``[T]`` int64."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"forward takes flat input_ids and positions of equal shape [T] "
+                f"(got {tuple(input_ids.shape)} and {tuple(positions.shape)})"
+            )
+        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        for layer_id, layer in enumerate(self.model.layers):
+            h = layer(layer_id, positions, h, attn, self.rotary)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """logits ``[N, vocab_size]`` float32 for hidden states ``[N, hidden_size]``."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def checkpoint_targets(self) -> dict[str, tuple[str, int | None, int | None]]:
+        """HF tensor name -> (parameter name, first row, end row); rows are None for a whole parameter.
+
+        Every entry must be present in a checkpoint; the fused parameters are filled row-block-wise:
+        ``qkv_proj = [q_proj; k_proj; v_proj]`` and ``gate_up_proj = [gate_proj; up_proj]``.
+        """
+        cfg = self.config
+        q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        targets: dict[str, tuple[str, int | None, int | None]] = {
+            "model.embed_tokens.weight": ("model.embed_tokens.weight", None, None),
+            "model.norm.weight": ("model.norm.weight", None, None),
+        }
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = ("lm_head.weight", None, None)
+        suffixes = ["weight"] + (["bias"] if cfg.attention_bias else [])
+        mlp_suffixes = ["weight"] + (["bias"] if cfg.mlp_bias else [])
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}"
+            for s in suffixes:
+                targets[f"{p}.self_attn.q_proj.{s}"] = (f"{p}.self_attn.qkv_proj.{s}", 0, q)
+                targets[f"{p}.self_attn.k_proj.{s}"] = (f"{p}.self_attn.qkv_proj.{s}", q, q + kv)
+                targets[f"{p}.self_attn.v_proj.{s}"] = (f"{p}.self_attn.qkv_proj.{s}", q + kv, q + 2 * kv)
+            for s in ["weight"] + (["bias"] if cfg.o_proj_bias else []):
+                targets[f"{p}.self_attn.o_proj.{s}"] = (f"{p}.self_attn.o_proj.{s}", None, None)
+            if cfg.qk_norm:
+                targets[f"{p}.self_attn.q_norm.weight"] = (f"{p}.self_attn.q_norm.weight", None, None)
+                targets[f"{p}.self_attn.k_norm.weight"] = (f"{p}.self_attn.k_norm.weight", None, None)
+            for s in mlp_suffixes:
+                targets[f"{p}.mlp.gate_proj.{s}"] = (f"{p}.mlp.gate_up_proj.{s}", 0, inter)
+                targets[f"{p}.mlp.up_proj.{s}"] = (f"{p}.mlp.gate_up_proj.{s}", inter, 2 * inter)
+                targets[f"{p}.mlp.down_proj.{s}"] = (f"{p}.mlp.down_proj.{s}", None, None)
+            targets[f"{p}.input_layernorm.weight"] = (f"{p}.input_layernorm.weight", None, None)
+            targets[f"{p}.post_attention_layernorm.weight"] = (f"{p}.post_attention_layernorm.weight", None, None)
+        return targets
+
+
+def causal_attention_no_cache(seq_lens: list[int], sm_scale: float | None = None) -> AttnFn:
+    """Reference ``AttnFn``: full causal attention inside each sequence of a ragged flat batch.
+
+    ``out[t,h] = softmax(q[t,h] · K_s[:j+1]^T * sm_scale) · V_s[:j+1]`` for token t = the j-th
+    token of its sequence s, in float32, GQA by ``h // (Hq/Hk)``; output in q's dtype. No cache:
+    every call attends only over the k, v it is given, so it is "full recompute".
+    """
+    lens = [int(n) for n in seq_lens]
+    if any(n <= 0 for n in lens):
+        raise ValueError(f"sequence lengths must be positive (got {lens})")
+    total = sum(lens)
+
+    def attn(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        if num_tokens != total or k.shape[0] != total or v.shape[0] != total:
+            raise ValueError(f"attention got {num_tokens} tokens but the sequence lengths {lens} sum to {total}")
+        group = num_heads // k.shape[1]
+        scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+        out = torch.empty_like(q)
+        start = 0
+        for n in lens:
+            qs = q[start:start + n].float()
+            ks = k[start:start + n].float().repeat_interleave(group, dim=1)
+            vs = v[start:start + n].float().repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            out[start:start + n] = torch.einsum("hqk,khd->qhd", probs, vs).to(q.dtype)
+            start += n
+        return out
+
+    return attn

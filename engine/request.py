@@ -1,0 +1,91 @@
+"""One generation request as the scheduler tracks it.
+
+Token regions of a request (``kv_len`` tokens have K/V in the pool):
+
+    tokens = prompt_ids + output_ids
+    [ cached prefix | computed by extend ...... | not yet in the pool ]
+    0          num_cached_tokens            kv_len               len(tokens)
+
+While decoding, exactly one token (the last sampled) is not yet in the pool: the next decode
+step writes its K/V and samples the token after it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, holds no pages
+    EXTENDING = "extending"  # holds pages, prompt being computed locally in chunks
+    PULLING = "pulling"  # holds pages, prompt pages arriving from a prefill service
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    # Only compute K/V and the first token (a prefill service's job); never decode.
+    prefill_only: bool = False
+    # Pull the prompt's pages from elsewhere instead of computing them (decode service).
+    remote_prefill: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    page_ids: list[int] = field(default_factory=list)  # the request holds one ref on each
+    kv_len: int = 0
+    num_cached_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    num_retractions: int = 0
+    error: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def extend_target_len(self) -> int:
+        """Tokens whose K/V the extend phase must compute (all but the last sampled token)."""
+        return self.num_tokens if not self.output_ids else self.num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class StepOutput:
+    """What one scheduler step produced for one request (streamed to its caller)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PullStart:
+    """A remote-prefill request was admitted: its pages are allocated; fill tokens [prefix_len, prompt_len)."""
+
+    rid: str
+    page_ids: tuple[int, ...]
+    prefix_len: int
+    num_tokens: int

@@ -1,0 +1,37 @@
+"""Attention backends by name, imported lazily so that CPU installs never import triton/flashinfer."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from kernels.backends.base import AttentionBackend
+
+_BACKENDS: dict[str, str] = {
+    "reference": "kernels.backends.reference:ReferenceBackend",
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    """Register ``"module.path:ClassName"`` under ``name`` (import deferred to first use)."""
+    _BACKENDS[name] = target
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_backend(name: str = "auto", device: torch.device | str | None = None) -> AttentionBackend:
+    """Instantiate a backend; ``auto`` picks the GPU backend on CUDA and the reference on CPU."""
+    if name == "auto":
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        name = "triton" if dev.type == "cuda" and "triton" in _BACKENDS else "reference"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
+    module_name, cls_name = _BACKENDS[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RuntimeError(f"attention backend {name!r} cannot be imported: {e}") from e
+    return getattr(module, cls_name)()

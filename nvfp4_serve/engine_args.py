@@ -1,0 +1,63 @@
+"""Engine command-line options shared by every service and the launcher (names follow SGLang)."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kernels.kv_layout import KV_DTYPES
+
+
+def default_model_dir() -> str:
+    from nvfp4_serve.default_model import default_model_dir as d
+
+    return d()
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    c, s = CacheConfig(), SchedulerConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="Hugging Face checkpoint directory (default: the embedded model)")
+    g.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--attention-backend", default="auto", help="auto, reference, triton")
+    g.add_argument("--kv-cache-dtype", default=c.kv_dtype, choices=KV_DTYPES)
+    g.add_argument("--page-size", type=int, default=c.page_size)
+    g.add_argument("--max-total-tokens", type=int, default=None, help="KV pool capacity in tokens")
+    g.add_argument("--mem-fraction-static", type=float, default=c.mem_fraction_static,
+                   help="fraction of GPU memory for weights + KV pool (GPU only)")
+    g.add_argument("--workspace-tokens", type=int, default=None,
+                   help="rows of the shared extend workspace (default: model context, capped by the pool)")
+    g.add_argument("--chunked-prefill-size", "--chunk-size", dest="chunk_size", type=int, default=s.chunk_size)
+    g.add_argument("--max-running-requests", type=int, default=s.max_running_requests)
+    g.add_argument("--max-waiting-requests", type=int, default=s.max_waiting_requests)
+    g.add_argument("--local-extend-min-cached-ratio", type=float, default=s.local_extend_min_cached_ratio,
+                   help="decode: extend locally when at least this fraction of the prompt is cached here")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    cache = CacheConfig(kv_dtype=a.kv_cache_dtype, page_size=a.page_size, max_total_tokens=a.max_total_tokens,
+                        mem_fraction_static=a.mem_fraction_static, workspace_tokens=a.workspace_tokens)
+    sched = SchedulerConfig(max_running_requests=a.max_running_requests, chunk_size=a.chunk_size,
+                            max_waiting_requests=a.max_waiting_requests,
+                            local_extend_min_cached_ratio=a.local_extend_min_cached_ratio)
+    return EngineConfig(model_dir=a.model or default_model_dir(), device=a.device, dtype=a.dtype,
+                        attention_backend=a.attention_backend, cache=cache, scheduler=sched, seed=a.seed)
+
+
+def engine_args_to_argv(a: argparse.Namespace) -> list[str]:
+    """The engine options of a parsed namespace as argv (the launcher passes them to child services)."""
+    out = []
+    for flag, key in [("--model", "model"), ("--device", "device"), ("--dtype", "dtype"),
+                      ("--attention-backend", "attention_backend"), ("--kv-cache-dtype", "kv_cache_dtype"),
+                      ("--page-size", "page_size"), ("--max-total-tokens", "max_total_tokens"),
+                      ("--mem-fraction-static", "mem_fraction_static"), ("--workspace-tokens", "workspace_tokens"),
+                      ("--chunked-prefill-size", "chunk_size"), ("--max-running-requests", "max_running_requests"),
+                      ("--max-waiting-requests", "max_waiting_requests"),
+                      ("--local-extend-min-cached-ratio", "local_extend_min_cached_ratio"), ("--seed", "seed")]:
+        v = getattr(a, key)
+        if v is not None:
+            out += [flag, str(v)]
+    return out

@@ -1,0 +1,56 @@
+"""Prometheus metrics of the prefill and decode services (one registry per service process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServiceMetrics:
+    def __init__(self, role: str):
+        self.role = role
+        r = self.registry = CollectorRegistry()
+        p = f"nvfp4_{role}"
+        self.requests = Counter(f"{p}_requests", "requests by outcome", ["outcome"], registry=r)
+        self.ttft = Histogram(f"{p}_ttft_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(f"{p}_inter_token_latency_seconds", "time between streamed tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.generated_tokens = Counter(f"{p}_generated_tokens", "tokens generated", registry=r)
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "prompt tokens received", registry=r)
+        self.cache_hit_tokens = Counter(f"{p}_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
+                                        registry=r)
+        self.queue_length = Gauge(f"{p}_queue_length", "requests waiting for admission", registry=r)
+        self.running = Gauge(f"{p}_running_requests", "requests holding pages", registry=r)
+        self.pages_total = Gauge(f"{p}_pool_pages_total", "KV pool pages", registry=r)
+        self.pages_used = Gauge(f"{p}_pool_pages_used", "KV pool pages not free", registry=r)
+        self.pages_cached = Gauge(f"{p}_pool_pages_cached", "pages held only by the prefix cache", registry=r)
+        self.evictions = Gauge(f"{p}_evicted_pages", "pages evicted from the prefix cache since start", registry=r)
+        self.retractions = Gauge(f"{p}_retractions", "requests retracted under pool pressure since start", registry=r)
+        self.transfer_bytes = Counter(f"{p}_kv_transfer_bytes", "KV page bytes sent or received", registry=r)
+        self.transfer_seconds = Counter(f"{p}_kv_transfer_seconds", "time spent in KV transfers", registry=r)
+        self.transfer_gbps = Gauge(f"{p}_kv_transfer_last_gbps", "GB/s of the last KV transfer", registry=r)
+        self.failed_transfers = Counter(f"{p}_failed_transfers", "KV transfers that failed", ["reason"], registry=r)
+
+    def observe_transfer(self, num_bytes: int, seconds: float) -> None:
+        self.transfer_bytes.inc(num_bytes)
+        self.transfer_seconds.inc(seconds)
+        if seconds > 0:
+            self.transfer_gbps.set(num_bytes / seconds / 1e9)
+
+    def update_pool(self, scheduler) -> None:
+        """Refresh the pool gauges (call on the engine loop thread or with its state quiescent)."""
+        alloc, cache = scheduler.allocator, scheduler.cache
+        self.pages_total.set(alloc.num_pages)
+        self.pages_used.set(alloc.num_pages - alloc.num_free)
+        self.pages_cached.set(cache.num_evictable_pages())
+        self.evictions.set(cache.num_evictions)
+        self.retractions.set(scheduler.num_retractions)
+        self.queue_length.set(len(scheduler.waiting))
+        self.running.set(scheduler.num_active)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+    def serve_http(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)

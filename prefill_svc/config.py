@@ -1,0 +1,37 @@
+"""Prefill service configuration."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from nvfp4_serve.engine_args import add_engine_args, engine_config_from_args
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_message_bytes: int = 16 * 1024 * 1024  # every KV message stays under this (minus a header margin)
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_message_bytes < 64 * 1024:
+            raise ValueError(f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser("nvfp4-serve prefill", description="Run the prefill gRPC service.")
+    p.add_argument("--host", default=PrefillConfig.host, help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=PrefillConfig.port)
+    p.add_argument("--max-message-bytes", type=int, default=PrefillConfig.max_message_bytes)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics over HTTP here")
+    add_engine_args(p)
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> PrefillConfig:
+    return PrefillConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
+                         max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port)
