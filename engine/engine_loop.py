@@ -53,7 +53,7 @@ class EngineLoop:
             self._callbacks[req.rid] = on_output
             try:
                 self.scheduler.submit(req)
-            except Exception as e:  # queue full or duplicate id: report through the callback
+            except Exception as e:  # noqa: BLE001 - reported through the callback
                 self._callbacks.pop(req.rid, None)
                 on_output(StepOutput(req.rid, [], "abort", req.prompt_len, 0, error=f"{type(e).__name__}: {e}"))
 
@@ -152,7 +152,7 @@ class EngineLoop:
         try:
             self.scheduler.check_integrity()
             self.last_integrity_error = None
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - logged, the loop goes on
             if str(e) != self.last_integrity_error:
                 log.error("pool integrity check failed: %s", e)
             self.last_integrity_error = str(e)

@@ -129,7 +129,7 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     targets = model.checkpoint_targets()
 
     filled: set[str] = set()
-    bad_shape: list[str] = []
+    bad_shape: dict[str, str] = {}
     unexpected: list[str] = []
     scales: dict[str, dict[int, float]] = {"k": {}, "v": {}}
     for path in files:
@@ -139,7 +139,7 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
                 if m:
                     value = f.get_tensor(name).float()
                     if value.numel() != 1:
-                        bad_shape.append(f"{name}: expected a scalar, got shape {tuple(value.shape)}")
+                        bad_shape[name] = f"expected a scalar, got shape {tuple(value.shape)}"
                         continue
                     scales[m.group(2) or m.group(3)][int(m.group(1))] = float(value.reshape(()))
                     continue
@@ -153,7 +153,7 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
                     dst = dst[start:stop]
                 tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != tuple(dst.shape):
-                    bad_shape.append(f"{name}: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}")
+                    bad_shape[name] = f"expected {tuple(dst.shape)}, got {tuple(tensor.shape)}"
                     continue
                 if tensor.dtype not in _FLOAT_DTYPES:
                     raise NotImplementedError(
@@ -165,11 +165,11 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
                 del tensor
 
     problems = []
-    missing = [name for name in targets if name not in filled]
+    missing = [name for name in targets if name not in filled and name not in bad_shape]
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
     if bad_shape:
-        problems.append(f"mis-shaped tensors: {'; '.join(bad_shape)}")
+        problems.append("mis-shaped tensors: " + "; ".join(f"{n}: {why}" for n, why in bad_shape.items()))
     if unexpected:
         problems.append(f"unexpected tensors (quantized or unsupported checkpoint?): {', '.join(sorted(unexpected))}")
     if problems:

@@ -21,9 +21,8 @@ PACKAGE = "nvfp4_serve_proto"
 
 def generate(out_root: Path) -> list[Path]:
     """Write <out_root>/nvfp4_serve_proto/*_pb2*.py(i) and return the written files."""
-    from grpc_tools import protoc  # imported here: grpcio-tools is a dev/test dependency only
-
     import grpc_tools
+    from grpc_tools import protoc  # imported here: grpcio-tools is a dev/test dependency only
 
     sources = sorted((PROTO_DIR / PACKAGE).glob("*.proto"))
     include = Path(grpc_tools.__file__).parent / "_proto"

@@ -20,7 +20,7 @@ log = logging.getLogger("prefill_svc")
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 
-async def serve(config: PrefillConfig, ready: asyncio.Event | None = None) -> None:
+async def serve(config: PrefillConfig) -> None:
     engine = Engine(config.engine)
     loop = EngineLoop(engine).start()
     metrics = ServiceMetrics("prefill")
@@ -35,8 +35,6 @@ async def serve(config: PrefillConfig, ready: asyncio.Event | None = None) -> No
     log.info("prefill service listening on %s:%d (kv %s, page %d)", config.host, port,
              config.engine.cache.kv_dtype, config.engine.cache.page_size)
     print(f"prefill service ready on {config.host}:{port}", flush=True)
-    if ready is not None:
-        ready.set()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

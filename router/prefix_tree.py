@@ -36,7 +36,7 @@ def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class _Node:
-    __slots__ = ("key", "children", "parent", "last_access")
+    __slots__ = ("children", "key", "last_access", "parent")
 
     def __init__(self, key: tuple[int, ...], parent: _Node | None, last_access: int) -> None:
         self.key = key

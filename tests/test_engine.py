@@ -133,7 +133,7 @@ def test_nvfp4_pool_holds_16_9_the_tokens_of_fp8_for_the_same_bytes(tiny_model_d
     from engine.kv_pool import KVPool
 
     budget = 1 << 20
-    args = dict(num_layers=2, page_size=4, num_kv_heads=2, head_dim=16)
+    args = {"num_layers": 2, "page_size": 4, "num_kv_heads": 2, "head_dim": 16}
     n8 = KVPool.num_pages_for_budget(budget, "fp8_e4m3", **args)
     n4 = KVPool.num_pages_for_budget(budget, "nvfp4", **args)
     c8 = KVPool("fp8_e4m3", num_pages=n8, **args).capacity()

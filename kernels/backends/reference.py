@@ -71,7 +71,7 @@ def _attention(
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * sm_scale
     if causal:
-        rows = torch.arange(num_q, device=q.device)[:, None] + (kv_len - num_q - 1)
+        rows = torch.arange(num_q, device=q.device)[:, None] + (kv_len - num_q)
         cols = torch.arange(kv_len, device=q.device)[None, :]
         scores = scores.masked_fill(cols > rows, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)

@@ -1,0 +1,57 @@
+"""Decode service configuration: engine options plus the deadlines of every transfer state."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from nvfp4_serve.engine_args import add_engine_args, engine_config_from_args
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds each state may last before the request fails and frees everything it holds."""
+
+    admission_s: float = 300.0  # queued until pages are allocated
+    prefill_first_message_s: float = 600.0  # pull started -> transfer header (includes prefill compute)
+    between_pages_s: float = 30.0  # between two messages of the transfer stream
+    between_tokens_s: float = 120.0  # between two generated tokens
+
+    def __post_init__(self) -> None:
+        for name in ("admission_s", "prefill_first_message_s", "between_pages_s", "between_tokens_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"timeout {name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 50061
+    max_message_bytes: int = 16 * 1024 * 1024
+    metrics_port: int | None = None
+    timeouts: Timeouts = Timeouts()
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser("nvfp4-serve decode", description="Run the decode gRPC service.")
+    p.add_argument("--host", default=DecodeConfig.host, help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=DecodeConfig.port)
+    p.add_argument("--max-message-bytes", type=int, default=DecodeConfig.max_message_bytes)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics over HTTP here")
+    t = Timeouts()
+    g = p.add_argument_group("deadlines (seconds)")
+    g.add_argument("--admission-timeout", type=float, default=t.admission_s)
+    g.add_argument("--prefill-first-message-timeout", type=float, default=t.prefill_first_message_s)
+    g.add_argument("--between-pages-timeout", type=float, default=t.between_pages_s)
+    g.add_argument("--between-tokens-timeout", type=float, default=t.between_tokens_s)
+    add_engine_args(p)
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> DecodeConfig:
+    t = Timeouts(a.admission_timeout, a.prefill_first_message_timeout, a.between_pages_timeout,
+                 a.between_tokens_timeout)
+    return DecodeConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
+                        max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port, timeouts=t)

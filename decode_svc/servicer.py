@@ -1,0 +1,42 @@
+"""Thin gRPC servicer of the Decode service: protobuf in, one worker/engine call, protobuf out."""
+
+from __future__ import annotations
+
+import asyncio
+
+from decode_svc.worker import DecodeWorker
+from engine.integrity import IntegrityError
+from nvfp4_serve.load import worker_load
+from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, worker: DecodeWorker):
+        self.worker = worker
+        self.loop = worker.loop
+
+    async def Generate(self, request, context):
+        async for msg in self.worker.generate(request):
+            yield msg
+
+    async def GetLoad(self, request, context):
+        return await worker_load(self.loop, "decode", self.worker.layout, self.worker.metrics)
+
+    async def GetMetrics(self, request, context):
+        await worker_load(self.loop, "decode", self.worker.layout, self.worker.metrics)
+        return common_pb2.MetricsResponse(prometheus_text=self.worker.metrics.text())
+
+    async def FlushCache(self, request, context):
+        def flush() -> tuple[int, bool]:
+            return self.loop.scheduler.flush_cache(), self.loop.scheduler.num_active == 0
+
+        freed, idle = await asyncio.wrap_future(self.loop.call(flush))
+        return decode_pb2.FlushCacheResponse(num_pages_freed=freed, flushed=idle)
+
+    async def CheckIntegrity(self, request, context):
+        try:
+            r = await asyncio.wrap_future(self.loop.call(self.loop.scheduler.check_integrity))
+        except IntegrityError as e:
+            return decode_pb2.IntegrityReport(ok=False, message=str(e))
+        return decode_pb2.IntegrityReport(ok=True, message="ok", num_total=r.num_total, num_free=r.num_free,
+                                          num_cached=r.num_cached, num_in_use=r.num_in_use)
