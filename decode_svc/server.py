@@ -29,7 +29,7 @@ async def serve(config: DecodeConfig) -> None:
     worker = DecodeWorker(loop, config, metrics)
     server = build_server(config.max_message_bytes)
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
-    add_health_and_reflection(server, [SERVICE_NAME])
+    await add_health_and_reflection(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port)
     await server.start()
     cap = engine.capacity()

@@ -6,7 +6,8 @@ import logging
 from collections.abc import Sequence
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.scheduler import RequestRejected
@@ -82,12 +83,13 @@ def build_server(max_message_bytes: int) -> grpc.aio.Server:
     return grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=server_options(max_message_bytes))
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> health.HealthServicer:
+async def add_health_and_reflection(server: grpc.aio.Server,
+                                    service_names: Sequence[str]) -> health_aio.HealthServicer:
     """Register grpc.health.v1 (SERVING for each service and for "") and server reflection."""
-    servicer = health.HealthServicer(experimental_non_blocking=True)
+    servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     for name in ("", *service_names):
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server)

@@ -16,6 +16,8 @@ class PrefillConfig:
     port: int = 50051
     max_message_bytes: int = 16 * 1024 * 1024  # every KV message stays under this (minus a header margin)
     metrics_port: int | None = None
+    # Fault injection for tests only: sleep this long before each KV page message.
+    debug_transfer_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 64 * 1024:
@@ -28,10 +30,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=PrefillConfig.port)
     p.add_argument("--max-message-bytes", type=int, default=PrefillConfig.max_message_bytes)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics over HTTP here")
+    p.add_argument("--debug-transfer-delay-s", type=float, default=0.0,
+                   help="testing only: sleep before each KV page message (to kill a prefill mid-transfer)")
     add_engine_args(p)
     return p
 
 
 def config_from_args(a: argparse.Namespace) -> PrefillConfig:
     return PrefillConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
-                         max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port)
+                         max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port,
+                         debug_transfer_delay_s=a.debug_transfer_delay_s)

@@ -28,8 +28,8 @@ async def serve(config: PrefillConfig) -> None:
         metrics.serve_http(config.metrics_port, config.host)
     server = build_server(config.max_message_bytes)
     prefill_pb2_grpc.add_PrefillServicer_to_server(
-        PrefillServicer(PrefillWorker(loop, config.max_message_bytes, metrics)), server)
-    add_health_and_reflection(server, [SERVICE_NAME])
+        PrefillServicer(PrefillWorker(loop, config.max_message_bytes, metrics, config.debug_transfer_delay_s)), server)
+    await add_health_and_reflection(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port)
     await server.start()
     log.info("prefill service listening on %s:%d (kv %s, page %d)", config.host, port,

@@ -20,8 +20,10 @@ _HEADER_MARGIN = 4096  # bytes kept free in each message for the protobuf framin
 
 
 class PrefillWorker:
-    def __init__(self, loop: EngineLoop, max_message_bytes: int, metrics: ServiceMetrics):
+    def __init__(self, loop: EngineLoop, max_message_bytes: int, metrics: ServiceMetrics,
+                 debug_transfer_delay_s: float = 0.0):
         self.loop = loop
+        self.debug_delay = debug_transfer_delay_s
         self.engine = loop.engine
         self.layout = layout_of(self.engine)
         self.metrics = metrics
@@ -73,6 +75,8 @@ class PrefillWorker:
             for layer in range(self.layout.num_layers):
                 for start in range(0, num_pages, self.pages_per_message):
                     run = pages[start:start + self.pages_per_message]
+                    if self.debug_delay:
+                        await asyncio.sleep(self.debug_delay)
                     payload = await asyncio.to_thread(self.engine.pool.export_pages, layer, run)
                     sent += len(payload.k) + len(payload.k_sf) + len(payload.v) + len(payload.v_sf)
                     yield prefill_pb2.PrefillMessage(request_id=rid, pages=prefill_pb2.KVPageRun(

@@ -142,10 +142,11 @@ async def generate_choice(ctx: GenerationContext, spec: ChoiceSpec, arrival: flo
             return
         except _AttemptFailed as failed:
             ctx.metrics.failures.labels(failed.kind).inc()
-            if not (failed.retryable and state.num_tokens == 0 and attempt < cfg.max_retries):
+            only_untried = failed.kind == "resource_exhausted"  # that worker is full: only another may help
+            if not (failed.retryable and state.num_tokens == 0 and attempt < cfg.max_retries) or (
+                    only_untried and not ctx.pool.has_untried("decode", tried_decode)):
                 raise failed.error from None
             ctx.metrics.retries.labels(failed.kind).inc()
-            only_untried = failed.kind == "resource_exhausted"
             if not only_untried:
                 await ctx.pool.probe(route)
         finally:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
-from starlette.responses import Response
+from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -41,7 +41,7 @@ def parse_sse(body: bytes) -> list[str]:
     return events
 
 
-class SSEResponse(Response):
+class SSEResponse(StreamingResponse):
     """Streams ``events`` as text/event-stream and stops as soon as the client disconnects.
 
     Unlike a plain StreamingResponse it also watches for the disconnect while the iterator waits for the
@@ -53,7 +53,8 @@ class SSEResponse(Response):
 
     def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]] | None = None,
                  headers: dict[str, str] | None = None) -> None:
-        super().__init__(content=None, status_code=200, headers={**SSE_HEADERS, **(headers or {})})
+        super().__init__(events, status_code=200, headers={**SSE_HEADERS, **(headers or {})},
+                         media_type=self.media_type)
         self._events = events
         self._on_close = on_close
 

@@ -263,6 +263,10 @@ class WorkerPool:
         caps = [w.max_total_tokens for w in self.healthy("decode") if w.max_total_tokens > 0]
         return min(caps) if caps else 0
 
+    def has_untried(self, role: str, tried: set[str]) -> bool:
+        """Whether a healthy ``role`` worker outside ``tried`` exists."""
+        return any(w.address not in tried for w in self.healthy(role))
+
     def _unavailable(self, role: str) -> OpenAIError:
         workers = self.decode if role == "decode" else self.prefill
         why = "; ".join(f"{w.address}: {w.last_error or 'unhealthy'}" for w in workers)

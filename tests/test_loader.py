@@ -170,7 +170,7 @@ def test_missing_paths_are_named(tmp_path):
 
 def test_missing_shard_is_named(tmp_path):
     path = make_tiny_model(tmp_path / "m", shard_size_bytes=50_000)
-    shard = sorted(path.glob("model-*.safetensors"))[-1]
+    shard = max(path.glob("model-*.safetensors"))
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=shard.name):
         load_model(path)

@@ -199,13 +199,13 @@ def _dynamic_freq(p, factor=2.0, orig=64):
 
 
 ROPE_CASES = {
-    "default": (None, dict(freq=BASE)),
-    "linear": ({"rope_type": "linear", "factor": 4.0}, dict(freq=[f / 4 for f in BASE])),
+    "default": (None, {"freq": BASE}),
+    "linear": ({"rope_type": "linear", "factor": 4.0}, {"freq": [f / 4 for f in BASE]}),
     "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}, dict(freq=_llama3_freq())),
+                "original_max_position_embeddings": 64}, {"freq": _llama3_freq()}),
     "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-             dict(freq=_yarn_freq(), scale=0.1 * math.log(4.0) + 1.0)),
-    "dynamic": ({"rope_type": "dynamic", "factor": 2.0}, dict(freq_at=_dynamic_freq)),
+             {"freq": _yarn_freq(), "scale": 0.1 * math.log(4.0) + 1.0}),
+    "dynamic": ({"rope_type": "dynamic", "factor": 2.0}, {"freq_at": _dynamic_freq}),
 }
 
 

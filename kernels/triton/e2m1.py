@@ -25,7 +25,7 @@ import triton.language as tl
 #   hi = (w & 0x80808080) | ((w >> 3) & 0x0E0E0E0E)     high nibble of every byte, as fp16 high bytes
 #   lo = same on w << 4                                 low nibble of every byte
 #   out0 = lo bytes 0,2 ; out1 = hi bytes 0,2 ; out2 = lo bytes 1,3 ; out3 = hi bytes 1,3 (-> fp16 high bytes)
-_SM90_ASM = """
+_SM90_ASM = tl.constexpr("""
 {
 .reg .b32 t, hi, lo, w4;
 shr.b32 t, $4, 3;
@@ -42,11 +42,11 @@ prmt.b32 $1, hi, 0, 0x2404;
 and.b32 $2, lo, 0xFF00FF00;
 and.b32 $3, hi, 0xFF00FF00;
 }
-"""
+""")
 
 # MODE 2. Same contract via cvt.rn.f16x2.e2m1x2 (lanes: low nibble -> low half). Build the byte
 # (nibble k of e0) | (nibble k of e1) << 4 for each k, then convert it.
-_SM100_ASM = """
+_SM100_ASM = tl.constexpr("""
 {
 .reg .b32 t0, t1, t2, t3, s;
 .reg .b8 b0, b1, b2, b3;
@@ -79,7 +79,7 @@ cvt.rn.f16x2.e2m1x2 $1, b1;
 cvt.rn.f16x2.e2m1x2 $2, b2;
 cvt.rn.f16x2.e2m1x2 $3, b3;
 }
-"""
+""")
 
 
 @triton.jit

@@ -1,0 +1,41 @@
+"""The `nvfp4-serve` command: `up` (all in one), or one service: `prefill`, `decode`, `router`."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: nvfp4-serve COMMAND [options]
+
+commands:
+  up        router + one prefill + N decode services on this machine (all-in-one)
+  prefill   one prefill gRPC service        (same as: python -m prefill_svc)
+  decode    one decode gRPC service         (same as: python -m decode_svc)
+  router    the OpenAI-compatible gateway   (same as: python -m router)
+
+`nvfp4-serve COMMAND --help` lists each command's options."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "up":
+        from nvfp4_serve.launcher import up
+
+        return up(rest)
+    if cmd == "prefill":
+        from prefill_svc.__main__ import main as run
+    elif cmd == "decode":
+        from decode_svc.__main__ import main as run
+    elif cmd == "router":
+        from router.__main__ import main as run
+    else:
+        print(f"nvfp4-serve: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return run(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""`nvfp4-serve up`: a router, one prefill service and N decode services on this machine.
+
+Each service is its own process (as in a multi-host deployment), started with free loopback
+ports; the launcher waits until the router's /health is green, prints the URL, and on Ctrl-C
+(SIGINT) or SIGTERM stops every child, or stops them all when any one of them dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from nvfp4_serve.engine_args import add_engine_args, default_model_dir, engine_args_to_argv
+
+_READY = re.compile(r"ready on (\S+):(\d+)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen
+    ready: threading.Event
+    address: str = ""
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str]) -> Child:
+    popen = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=env, start_new_session=True)
+    child = Child(name, popen, threading.Event())
+
+    def pump() -> None:
+        for line in popen.stdout:
+            sys.stdout.write(f"[{name}] {line}")
+            sys.stdout.flush()
+            m = _READY.search(line)
+            if m and not child.ready.is_set():
+                child.address = f"{m.group(1)}:{m.group(2)}"
+                child.ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    return child
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser("nvfp4-serve up", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="router bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="router HTTP port")
+    p.add_argument("--num-decode", type=int, default=1, help="decode services to start")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--log-level", default="info")
+    add_engine_args(p)
+    return p
+
+
+def _wait_ready(children: list[Child], deadline: float) -> None:
+    for c in children:
+        while not c.ready.wait(0.2):
+            if c.popen.poll() is not None:
+                raise RuntimeError(f"{c.name} exited with code {c.popen.returncode} during start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{c.name} not ready in time")
+
+
+def _wait_health(url: str, router: Child, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if router.popen.poll() is not None:
+            raise RuntimeError(f"router exited with code {router.popen.returncode} during start-up")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("router /health did not turn green in time")
+
+
+def stop_all(children: list[Child], grace: float = 15.0) -> None:
+    for c in children:
+        if c.popen.poll() is None:
+            c.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for c in children:
+        try:
+            c.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.popen.kill()
+            c.popen.wait()
+
+
+def up(argv: list[str] | None = None) -> int:
+    a = build_arg_parser().parse_args(argv)
+    if a.num_decode < 1:
+        raise SystemExit("--num-decode must be >= 1")
+    a.model = a.model or default_model_dir()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    common = [*engine_args_to_argv(a), "--log-level", a.log_level]
+    children: list[Child] = []
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        deadline = time.monotonic() + a.startup_timeout
+        prefill = _spawn("prefill", ["-m", "prefill_svc", "--port", str(free_port()), *common], env)
+        children.append(prefill)
+        decodes = [_spawn(f"decode-{i}", ["-m", "decode_svc", "--port", str(free_port()), *common], env)
+                   for i in range(a.num_decode)]
+        children += decodes
+        _wait_ready(children, deadline)
+        router_argv = ["-m", "router", "--host", a.host, "--port", str(a.port), "--model-dir", a.model,
+                       "--decode-addresses", *[d.address for d in decodes], "--prefill-addresses", prefill.address,
+                       "--log-level", a.log_level]
+        if a.served_model_name:
+            router_argv += ["--served-model-name", a.served_model_name]
+        if a.api_key:
+            env = {**env, "NVFP4_SERVE_API_KEY": a.api_key}
+        router = _spawn("router", router_argv, env)
+        children.append(router)
+        url = f"http://{a.host}:{a.port}"
+        _wait_health(url, router, deadline)
+        print(f"nvfp4-serve ready: {url}/v1  (model {a.model}, kv {a.kv_cache_dtype}, "
+              f"{a.num_decode} decode, prefill {prefill.address}); Ctrl-C stops", flush=True)
+        while not stop.wait(0.5):
+            dead = [c for c in children if c.popen.poll() is not None]
+            if dead:
+                print(f"nvfp4-serve: {dead[0].name} exited with code {dead[0].popen.returncode}; stopping all",
+                      file=sys.stderr, flush=True)
+                return 1
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"nvfp4-serve: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stop_all(children)
+        print("nvfp4-serve: stopped", flush=True)

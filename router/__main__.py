@@ -1,0 +1,23 @@
+"""``python -m router --decode-addresses HOST:PORT ... --prefill-addresses HOST:PORT ... --model-dir DIR``."""
+
+from __future__ import annotations
+
+import sys
+
+from router.app import serve
+from router.config import build_arg_parser, config_from_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the flags once, build the RouterConfig, serve until interrupted."""
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    serve(config)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

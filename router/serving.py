@@ -1,0 +1,421 @@
+"""The two generation endpoints: /v1/completions and /v1/chat/completions.
+
+    body (<= max_body_bytes) -> validate -> admission slot -> tokenize -> max_tokens vs context
+        -> n Generate flows per prompt (router.generation) -> JSON response | SSE chunks -> release slot
+
+A streamed response starts (HTTP 200) only once the first choice has been admitted by a decode worker, so
+errors before that (overload, bad input found by the worker, no healthy worker) keep their HTTP status;
+later errors become an SSE error event followed by [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from router.admission import AdmissionGate
+from router.config import ModelLimits, RouterConfig
+from router.generation import (
+    ChoiceEvent,
+    ChoiceFinished,
+    ChoiceSpec,
+    ChoiceStarted,
+    ChoiceText,
+    GenerationContext,
+    generate_choice,
+    merge_choices,
+)
+from router.metrics import RouterMetrics
+from router.openai_protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    OpenAIError,
+    SamplingOptions,
+    UsageInfo,
+    bad_request,
+    make_usage,
+    parse_request,
+)
+from router.sse import SSE_DONE, SSEResponse, sse_event
+from router.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as the OpenAI API; chat defaults to the rest of the context
+CHOICES_PER_N = 16  # a request may ask for at most max_n * CHOICES_PER_N choices (prompts x n)
+
+
+@dataclass
+class RouterState:
+    """Everything the endpoints share; built once by create_app."""
+
+    config: RouterConfig
+    tokenizer: Any
+    detokenizer_cls: Any
+    limits: ModelLimits
+    metrics: RouterMetrics
+    pool: WorkerPool
+    gate: AdmissionGate
+    generation: GenerationContext = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.generation = GenerationContext(self.config, self.pool, self.tokenizer, self.detokenizer_cls,
+                                            self.metrics)
+
+    def context_len(self) -> int:
+        """Longest prompt + completion: the model's context, capped by the decode workers' pool capacity."""
+        cap = self.pool.context_cap()
+        return min(self.limits.context_len, cap) if cap else self.limits.context_len
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, or 413 as soon as it is known to exceed ``max_bytes``."""
+    declared = request.headers.get("content-length")
+    too_large = OpenAIError(413, f"request body exceeds the limit of {max_bytes} bytes (--max-body-bytes)",
+                            code="request_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_model(config: RouterConfig, model: str) -> None:
+    if model not in (config.model_name, config.model_dir):
+        raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{config.model_name}'",
+                          param="model", code="model_not_found")
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, context_len: int, default_cap: int | None,
+                       param: str) -> int:
+    """max_tokens to ask for: the request's (400 when prompt + it exceed the context), else the default
+    (the rest of the context, capped by ``default_cap``)."""
+    room = context_len - prompt_len
+    if room <= 0:
+        raise bad_request(f"This model's maximum context length is {context_len} tokens, but the prompt has "
+                          f"{prompt_len} tokens; shorten the prompt", param, code="context_length_exceeded")
+    if requested is None:
+        return min(room, default_cap) if default_cap else room
+    if requested > room:
+        raise bad_request(f"This model's maximum context length is {context_len} tokens. However, you requested "
+                          f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                          f"completion); reduce the prompt or max_tokens", "max_tokens",
+                          code="context_length_exceeded")
+    return requested
+
+
+def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    if vocab_size and any(t < 0 or t >= vocab_size for t in ids):
+        bad = next(t for t in ids if t < 0 or t >= vocab_size)
+        raise bad_request(f"token id {bad} is out of the vocabulary (0..{vocab_size - 1})", param)
+
+
+def _options(req: Any, max_tokens: int, vocab_size: int) -> SamplingOptions:
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    stop_ids = list(req.stop_token_ids or ())
+    _check_token_ids(stop_ids, vocab_size, "stop_token_ids")
+    return SamplingOptions(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                           min_p=req.min_p, seed=req.seed, stop=stop, stop_token_ids=tuple(stop_ids),
+                           ignore_eos=req.ignore_eos)
+
+
+class _Slot:
+    """The request's admission slot; released exactly once, by the endpoint or by the stream it returns."""
+
+    def __init__(self, gate: AdmissionGate) -> None:
+        self._gate = gate
+        self.handed_over = False
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._gate.release()
+
+    async def release_async(self) -> None:
+        self.release()
+
+
+@dataclass
+class _Job:
+    kind: str  # "completion" | "chat"
+    response_id: str
+    model: str
+    prompts: list[tuple[int, ...]]
+    options: list[SamplingOptions]  # per prompt
+    n: int
+    stream: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+
+async def completions(state: RouterState, request: Request) -> Response:
+    """POST /v1/completions."""
+    arrival = time.perf_counter()
+    req: CompletionRequest = parse_request(CompletionRequest, await read_body(request, state.config.max_body_bytes))
+    check_model(state.config, req.model)
+    prompts = req.prompts()
+    _check_n(state.config, req.n, len(prompts))
+    slot = _Slot(state.gate)
+    await state.gate.acquire()
+    try:
+        token_prompts = []
+        for p in prompts:
+            ids = await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise bad_request("prompt must contain at least one token", "prompt")
+            _check_token_ids(ids, state.limits.vocab_size, "prompt")
+            token_prompts.append(tuple(ids))
+        context = state.context_len()
+        options = [_options(req, resolve_max_tokens(req.max_tokens, len(ids), context,
+                                                     COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt"),
+                            state.limits.vocab_size) for ids in token_prompts]
+        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", state.config.model_name, token_prompts, options,
+                   req.n, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+        return await _run(state, request, job, arrival, slot)
+    finally:
+        if not slot.handed_over:
+            slot.release()
+
+
+async def chat_completions(state: RouterState, request: Request) -> Response:
+    """POST /v1/chat/completions."""
+    arrival = time.perf_counter()
+    req: ChatCompletionRequest = parse_request(ChatCompletionRequest,
+                                               await read_body(request, state.config.max_body_bytes))
+    check_model(state.config, req.model)
+    _check_n(state.config, req.n, 1)
+    messages = [m.template_dict() for m in req.messages]
+    slot = _Slot(state.gate)
+    await state.gate.acquire()
+    try:
+        try:
+            text = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages,
+                                           add_generation_prompt=req.add_generation_prompt, tools=req.tools)
+        except ValueError as exc:  # the template rejected the messages (ChatTemplateError) or has none
+            raise bad_request(str(exc), "messages") from None
+        ids = await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens=False)
+        if not ids:
+            raise bad_request("the rendered chat prompt has no tokens", "messages")
+        max_tokens = resolve_max_tokens(req.requested_max_tokens, len(ids), state.context_len(), None, "messages")
+        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", state.config.model_name, [tuple(ids)],
+                   [_options(req, max_tokens, state.limits.vocab_size)], req.n, req.stream,
+                   bool(req.stream_options and req.stream_options.include_usage))
+        return await _run(state, request, job, arrival, slot)
+    finally:
+        if not slot.handed_over:
+            slot.release()
+
+
+def _check_n(config: RouterConfig, n: int, num_prompts: int) -> None:
+    if n > config.max_n:
+        raise bad_request(f"n must be <= {config.max_n} (--max-n), got {n}", "n")
+    if n * num_prompts > config.max_n * CHOICES_PER_N:
+        raise bad_request(f"at most {config.max_n * CHOICES_PER_N} choices (prompts x n) per request, got "
+                          f"{n * num_prompts}", "prompt")
+
+
+def _events(state: RouterState, job: _Job, arrival: float) -> AsyncIterator[ChoiceEvent]:
+    streams = []
+    for p, (prompt, opts) in enumerate(zip(job.prompts, job.options, strict=True)):
+        for i in range(job.n):
+            index = p * job.n + i
+            seed = opts.seed + i if opts.seed is not None else None
+            spec = ChoiceSpec(index, f"{job.response_id}-{index}", prompt, opts, seed)
+            streams.append(generate_choice(state.generation, spec, arrival))
+    return merge_choices(streams)
+
+
+class _Tally:
+    """Per-choice results and the request's usage (the prompt counts once per prompt, not per choice)."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.texts: dict[int, list[str]] = {i: [] for i in range(job.num_choices)}
+        self.finish: dict[int, str] = {}
+        self.completion_tokens: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+
+    def add(self, event: ChoiceEvent) -> None:
+        if isinstance(event, ChoiceStarted):
+            self.cached[event.index] = event.cached_tokens  # a retry overwrites
+        elif isinstance(event, ChoiceText):
+            self.texts[event.index].append(event.text)
+        else:
+            self.finish[event.index] = event.finish_reason
+            self.completion_tokens[event.index] = event.completion_tokens
+
+    def usage(self) -> UsageInfo:
+        n = self.job.n
+        prompt_tokens = sum(len(p) for p in self.job.prompts)
+        cached = sum(min(self.cached.get(p * n + i, 0) for i in range(n)) for p in range(len(self.job.prompts)))
+        return make_usage(prompt_tokens, sum(self.completion_tokens.values()), cached)
+
+
+async def _run(state: RouterState, request: Request, job: _Job, arrival: float, slot: _Slot) -> Response:
+    events = _events(state, job, arrival)
+    if not job.stream:
+        tally = _Tally(job)
+
+        async def collect() -> None:
+            async for event in events:
+                tally.add(event)
+
+        try:
+            gone = await _until_disconnect(request, collect())
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+        if gone:
+            log.info("%s: client disconnected before the response", job.response_id)
+            return Response(status_code=499)
+        _log_done(job, tally, arrival, 200)
+        return JSONResponse(_full_response(job, tally).model_dump(mode="json"))
+    peeked: list[ChoiceEvent | None] = []
+
+    async def peek() -> None:  # the HTTP status is decided by the first event (or error)
+        peeked.append(await anext(events, None))
+
+    try:
+        gone = await _until_disconnect(request, peek())
+    except BaseException:
+        await events.aclose()  # type: ignore[attr-defined]
+        raise
+    if gone or peeked[0] is None:
+        await events.aclose()  # type: ignore[attr-defined]
+        if gone:
+            log.info("%s: client disconnected before the first token", job.response_id)
+            return Response(status_code=499)
+        raise OpenAIError(502, "the decode worker stream ended before any event")
+    first = peeked[0]
+    slot.handed_over = True
+    return SSEResponse(_sse_body(job, events, first, arrival), on_close=slot.release_async)
+
+
+async def _until_disconnect(request: Request, work: Any) -> bool:
+    """Run ``work``; True (and ``work`` cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return True
+    task.result()  # re-raises the work's error
+    return False
+
+
+def _full_response(job: _Job, tally: _Tally) -> CompletionResponse | ChatCompletionResponse:
+    usage = tally.usage()
+    indices = range(job.num_choices)
+    if job.kind == "completion":
+        return CompletionResponse(id=job.response_id, created=job.created, model=job.model, usage=usage, choices=[
+            CompletionChoice(index=i, text="".join(tally.texts[i]), finish_reason=tally.finish.get(i))
+            for i in indices])
+    return ChatCompletionResponse(id=job.response_id, created=job.created, model=job.model, usage=usage, choices=[
+        ChatChoice(index=i, message=AssistantMessage(content="".join(tally.texts[i])),
+                   finish_reason=tally.finish.get(i)) for i in indices])
+
+
+class _Chunks:
+    """SSE chunk encoders for one streamed response."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+
+    def _chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> bytes:
+        job = self.job
+        cls = CompletionResponse if job.kind == "completion" else ChatCompletionChunk
+        return sse_event(cls(id=job.response_id, created=job.created, model=job.model, choices=choices,
+                             usage=usage).model_dump_json())
+
+    def start(self) -> list[bytes]:
+        if self.job.kind == "completion":
+            return []
+        return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                for i in range(self.job.num_choices)]
+
+    def text(self, index: int, text: str) -> bytes:
+        if self.job.kind == "completion":
+            return self._chunk([CompletionChoice(index=index, text=text)])
+        return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=text))])
+
+    def finish(self, index: int, reason: str) -> bytes:
+        if self.job.kind == "completion":
+            return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
+        return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=reason)])
+
+    def usage(self, usage: UsageInfo) -> bytes:
+        return self._chunk([], usage)
+
+
+async def _sse_body(job: _Job, events: AsyncIterator[ChoiceEvent], first: ChoiceEvent,
+                    arrival: float) -> AsyncIterator[bytes]:
+    chunks, tally = _Chunks(job), _Tally(job)
+    status = 200
+    try:
+        for chunk in chunks.start():
+            yield chunk
+        event: ChoiceEvent | None = first
+        while event is not None:
+            tally.add(event)
+            if isinstance(event, ChoiceText):
+                yield chunks.text(event.index, event.text)
+            elif isinstance(event, ChoiceFinished):
+                yield chunks.finish(event.index, event.finish_reason)
+            event = await anext(events, None)
+        if job.include_usage:
+            yield chunks.usage(tally.usage())
+    except OpenAIError as err:
+        status = err.status
+        yield sse_event(err.body())
+    except (GeneratorExit, asyncio.CancelledError):
+        status = 499  # the client went away
+        raise
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+        _log_done(job, tally, arrival, status)
+    yield SSE_DONE
+
+
+def _log_done(job: _Job, tally: _Tally, arrival: float, status: int) -> None:
+    log.info("%s %s: %d choice(s), prompt_tokens=%d completion_tokens=%d cached=%d status=%d %.3fs",
+             job.response_id, job.kind, job.num_choices, sum(len(p) for p in job.prompts),
+             sum(tally.completion_tokens.values()), tally.usage().prompt_tokens_details.cached_tokens, status,
+             time.perf_counter() - arrival)
