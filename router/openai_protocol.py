@@ -219,6 +219,8 @@ def parse_request(model_cls: type[_Request], body: bytes) -> Any:
         if err["type"] in ("json_invalid", "json_type"):
             raise bad_request(f"request body is not valid JSON: {err['msg']}") from None
         loc = [str(x) for x in err["loc"]]
+        if not loc and err["type"] == "model_type":
+            raise bad_request("request body must be a JSON object") from None
         param = loc[0] if loc else None
         msg = err["msg"].removeprefix("Value error, ")
         where = ".".join(loc)

@@ -158,7 +158,9 @@ class _Slot:
 
 
 @dataclass
-class _Job:
+class Job:
+    """One validated, tokenized request: ``len(prompts) * n`` choices, choice index = prompt index * n + i."""
+
     kind: str  # "completion" | "chat"
     response_id: str
     model: str
@@ -195,7 +197,7 @@ async def completions(state: RouterState, request: Request) -> Response:
         options = [_options(req, resolve_max_tokens(req.max_tokens, len(ids), context,
                                                      COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt"),
                             state.limits.vocab_size) for ids in token_prompts]
-        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", state.config.model_name, token_prompts, options,
+        job = Job("completion", f"cmpl-{uuid.uuid4().hex}", state.config.model_name, token_prompts, options,
                    req.n, req.stream, bool(req.stream_options and req.stream_options.include_usage))
         return await _run(state, request, job, arrival, slot)
     finally:
@@ -223,7 +225,7 @@ async def chat_completions(state: RouterState, request: Request) -> Response:
         if not ids:
             raise bad_request("the rendered chat prompt has no tokens", "messages")
         max_tokens = resolve_max_tokens(req.requested_max_tokens, len(ids), state.context_len(), None, "messages")
-        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", state.config.model_name, [tuple(ids)],
+        job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", state.config.model_name, [tuple(ids)],
                    [_options(req, max_tokens, state.limits.vocab_size)], req.n, req.stream,
                    bool(req.stream_options and req.stream_options.include_usage))
         return await _run(state, request, job, arrival, slot)
@@ -240,7 +242,7 @@ def _check_n(config: RouterConfig, n: int, num_prompts: int) -> None:
                           f"{n * num_prompts}", "prompt")
 
 
-def _events(state: RouterState, job: _Job, arrival: float) -> AsyncIterator[ChoiceEvent]:
+def _events(state: RouterState, job: Job, arrival: float) -> AsyncIterator[ChoiceEvent]:
     streams = []
     for p, (prompt, opts) in enumerate(zip(job.prompts, job.options, strict=True)):
         for i in range(job.n):
@@ -254,7 +256,7 @@ def _events(state: RouterState, job: _Job, arrival: float) -> AsyncIterator[Choi
 class _Tally:
     """Per-choice results and the request's usage (the prompt counts once per prompt, not per choice)."""
 
-    def __init__(self, job: _Job) -> None:
+    def __init__(self, job: Job) -> None:
         self.job = job
         self.texts: dict[int, list[str]] = {i: [] for i in range(job.num_choices)}
         self.finish: dict[int, str] = {}
@@ -277,7 +279,7 @@ class _Tally:
         return make_usage(prompt_tokens, sum(self.completion_tokens.values()), cached)
 
 
-async def _run(state: RouterState, request: Request, job: _Job, arrival: float, slot: _Slot) -> Response:
+async def _run(state: RouterState, request: Request, job: Job, arrival: float, slot: _Slot) -> Response:
     events = _events(state, job, arrival)
     if not job.stream:
         tally = _Tally(job)
@@ -313,7 +315,7 @@ async def _run(state: RouterState, request: Request, job: _Job, arrival: float, 
         raise OpenAIError(502, "the decode worker stream ended before any event")
     first = peeked[0]
     slot.handed_over = True
-    return SSEResponse(_sse_body(job, events, first, arrival), on_close=slot.release_async)
+    return SSEResponse(sse_body(job, events, first, arrival), on_close=slot.release_async)
 
 
 async def _until_disconnect(request: Request, work: Any) -> bool:
@@ -341,7 +343,7 @@ async def _until_disconnect(request: Request, work: Any) -> bool:
     return False
 
 
-def _full_response(job: _Job, tally: _Tally) -> CompletionResponse | ChatCompletionResponse:
+def _full_response(job: Job, tally: _Tally) -> CompletionResponse | ChatCompletionResponse:
     usage = tally.usage()
     indices = range(job.num_choices)
     if job.kind == "completion":
@@ -356,7 +358,7 @@ def _full_response(job: _Job, tally: _Tally) -> CompletionResponse | ChatComplet
 class _Chunks:
     """SSE chunk encoders for one streamed response."""
 
-    def __init__(self, job: _Job) -> None:
+    def __init__(self, job: Job) -> None:
         self.job = job
 
     def _chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> bytes:
@@ -385,8 +387,10 @@ class _Chunks:
         return self._chunk([], usage)
 
 
-async def _sse_body(job: _Job, events: AsyncIterator[ChoiceEvent], first: ChoiceEvent,
-                    arrival: float) -> AsyncIterator[bytes]:
+async def sse_body(job: Job, events: AsyncIterator[ChoiceEvent], first: ChoiceEvent,
+                   arrival: float) -> AsyncIterator[bytes]:
+    """The SSE chunks of a streamed response: (chat: a role chunk per choice), text chunks, a finish chunk per
+    choice, (a usage chunk), ``data: [DONE]``; an error becomes an error event before [DONE]."""
     chunks, tally = _Chunks(job), _Tally(job)
     status = 200
     try:
@@ -414,7 +418,7 @@ async def _sse_body(job: _Job, events: AsyncIterator[ChoiceEvent], first: Choice
     yield SSE_DONE
 
 
-def _log_done(job: _Job, tally: _Tally, arrival: float, status: int) -> None:
+def _log_done(job: Job, tally: _Tally, arrival: float, status: int) -> None:
     log.info("%s %s: %d choice(s), prompt_tokens=%d completion_tokens=%d cached=%d status=%d %.3fs",
              job.response_id, job.kind, job.num_choices, sum(len(p) for p in job.prompts),
              sum(tally.completion_tokens.values()), tally.usage().prompt_tokens_details.cached_tokens, status,

@@ -34,8 +34,10 @@ def parse_sse(body: bytes) -> list[str]:
     for block in body.decode().split("\n\n"):
         if not block.strip():
             continue
-        lines = [line for line in block.split("\n") if not line.startswith(":")]
-        if not lines or not all(line.startswith("data: ") for line in lines):
+        lines = [line for line in block.split("\n") if not line.startswith(":")]  # ":" lines are comments
+        if not lines:
+            continue
+        if not all(line.startswith("data: ") for line in lines):
             raise ValueError(f"malformed SSE event: {block!r}")
         events.append("\n".join(line[len("data: "):] for line in lines))
     return events

@@ -5,8 +5,10 @@ longest tail that is a proper prefix of some stop string:
 
     emitted ........ | held back  ("Hello wor" with stop "world": "wor" is held)
 
-Invariant: every occurrence of a stop string in the full text starts inside the held-back tail or in text
-not yet pushed, so the text before the earliest occurrence is exactly what was emitted plus the cut, and
+Semantics: after each delta, the text so far is cut before the earliest occurrence of any stop string (the
+delta that completes one ends generation: later text never comes).
+Invariant: every occurrence of a stop string in the text so far starts inside the held-back tail or in
+the new delta, so the text before the earliest occurrence is exactly what was emitted plus the cut, and
 no character of a stop string is ever emitted.
 """
 

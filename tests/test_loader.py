@@ -23,7 +23,7 @@ def _rewrite(model_dir: Path, edit) -> None:
     """Apply ``edit(tensors) -> tensors`` to every safetensors file of a checkpoint."""
     for path in sorted(model_dir.glob("*.safetensors")):
         tensors = read_checkpoint_file(path)
-        save_file(edit(tensors), str(path))
+        save_file(edit(tensors), str(path), metadata={"format": "pt"})
 
 
 def read_checkpoint_file(path: Path) -> dict[str, torch.Tensor]:
@@ -201,3 +201,31 @@ def test_missing_misshaped_and_unexpected_tensors_are_listed(tmp_path):
     assert "model.layers.1.mlp.up_proj.weight" in msg and "lm_head.weight" in msg
     assert "model.layers.0.self_attn.k_proj.weight: expected (32, 64), got (8, 64)" in msg
     assert "unexpected tensors" in msg and "down_proj.weight_scale" in msg
+
+
+HF_CASES = {
+    "qwen3": ("qwen3", False, None),
+    "qwen2-tied": ("qwen2", True, None),
+    "mistral": ("mistral", False, None),
+    "llama-llama3": ("llama", True, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen3-yarn": ("qwen3", False, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama-linear": ("llama", False, {"rope_type": "linear", "factor": 4.0}),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_logits_match_hf_transformers(tmp_path, case):
+    """Parity with the HF implementation (runs where transformers is installed, e.g. the GPU image)."""
+    transformers = pytest.importorskip("transformers")
+    arch, tied, scaling = HF_CASES[case]
+    path = make_tiny_model(tmp_path / "m", arch=arch, tie_word_embeddings=tied, rope_scaling=scaling,
+                           dtype="float32", max_position_embeddings=256, seed=3)
+    _perturb_norms(path)
+    ids = torch.randint(0, 512, (200,), generator=torch.Generator().manual_seed(0))
+    ours = load_model(path).model
+    got = ours.compute_logits(ours(ids, torch.arange(200), causal_attention_no_cache([200])))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0].float()
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-4)

@@ -1,0 +1,137 @@
+"""FlashInfer-based pieces: ragged causal prefill on FP8/BF16 K/V, and the FlashInfer decode baselines.
+
+Imported only on CUDA machines (the triton backend imports it lazily); ``flashinfer_available()`` says
+whether the package imports. Every FlashInfer kernel JIT-compiles on first use (about 25 s each); set
+FLASHINFER_WORKSPACE_BASE to keep the cache between processes.
+
+``FlashInferPrefill``  out = causal attention of BF16 q over K/V rows (bf16, or fp8 with per-layer scales),
+                       bottom-right aligned like ``AttentionBackend.prefill``.
+``FlashInferDecode``   FlashInfer's paged decode over one pool layer in our layout (NHD pages), for bf16,
+                       fp8_e4m3 and nvfp4 pools; used as the baseline in benchmarks.kernels and as the FP8
+                       decode path when it is faster than ours.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from kernels.kv_layout import LayerKV
+
+_WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+@functools.cache
+def flashinfer_available() -> bool:
+    """True when ``import flashinfer`` works (never raises)."""
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return False
+    return True
+
+
+@functools.cache
+def _workspace(device: torch.device) -> torch.Tensor:
+    # FlashInfer requires the float workspace zeroed before its first use; shared by all wrappers.
+    return torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
+def _require() -> None:
+    if not flashinfer_available():
+        raise RuntimeError("flashinfer is not importable; install the 'gpu' extra (flashinfer-python) "
+                           "or use the reference/triton backend")
+
+
+class FlashInferPrefill:
+    """Ragged causal prefill via ``BatchPrefillWithRaggedKVCacheWrapper`` (FA2 backend)."""
+
+    def __init__(self, device: torch.device) -> None:
+        _require()
+        import flashinfer
+
+        self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device), "NHD", backend="fa2")
+        self._planned: tuple | None = None
+
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
+             head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, sm_scale: float) -> None:
+        key = (qo_indptr.data_ptr(), kv_indptr.data_ptr(), tuple(qo_indptr.tolist()), tuple(kv_indptr.tolist()),
+               num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale)
+        if key == self._planned:
+            return
+        self._wrapper.plan(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, causal=True,
+                           sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
+        self._planned = key
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+        """q [Tq, Hq, D] bf16; k, v [Tkv, Hk, D] bf16 or float8_e4m3fn (real = stored * scale)."""
+        if k.dtype == torch.float8_e4m3fn:
+            return self._wrapper.run(q, k, v, k_scale=k_scale, v_scale=v_scale)
+        return self._wrapper.run(q, k, v)
+
+
+def paged_indices(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(indptr, indices, last_page_len) int32 in FlashInfer's CSR form from a [B, max_pages] page table."""
+    lens = seq_lens.to(torch.int64)
+    num_pages = (lens + page_size - 1) // page_size
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int64, device=page_table.device)
+    indptr[1:] = torch.cumsum(num_pages, 0)
+    cols = torch.arange(page_table.shape[1], device=page_table.device)
+    indices = page_table[cols[None, :] < num_pages[:, None]]
+    last = lens - (num_pages - 1) * page_size
+    return indptr.to(torch.int32), indices.to(torch.int32).contiguous(), last.to(torch.int32)
+
+
+class FlashInferDecode:
+    """FlashInfer paged decode over a pool layer (bf16 / fp8_e4m3 / nvfp4), planned once per batch.
+
+    ``use_tensor_cores`` picks FlashInfer's prefill-style (tensor core) or CUDA-core decode kernel;
+    ``kv_layout`` "NHD" reads our pool pages as they are, "HND" expects pages laid out [P, Hk, S, ...]
+    (what FlashInfer's NVFP4 kernels prefer; the benchmark uses it for a fair baseline).
+    """
+
+    def __init__(self, device: torch.device, use_tensor_cores: bool = True, kv_layout: str = "NHD") -> None:
+        _require()
+        import flashinfer
+
+        self.kv_layout = kv_layout
+        self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            _workspace(device), kv_layout, use_tensor_cores=use_tensor_cores)
+
+    def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
+             head_dim: int, page_size: int, kv_dtype: str, q_dtype: torch.dtype, sm_scale: float) -> None:
+        indptr, indices, last = paged_indices(page_table, seq_lens, page_size)
+        data_type = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "nvfp4": torch.uint8}[kv_dtype]
+        self._wrapper.plan(indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size,
+                           q_data_type=q_dtype, kv_data_type=data_type, sm_scale=sm_scale)
+
+    def run(self, q: torch.Tensor, layer: LayerKV, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+            k_sf: torch.Tensor | None = None, v_sf: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode q [B, Hq, D] over ``layer`` (or over explicit k/v/scale tensors in ``kv_layout``)."""
+        k = layer.k if k is None else k
+        v = layer.v if v is None else v
+        if layer.kv_dtype == "bf16":
+            return self._wrapper.run(q, (k, v))
+        if layer.kv_dtype == "fp8_e4m3":
+            return self._wrapper.run(q, (k, v), k_scale=layer.k_scale, v_scale=layer.v_scale)
+        k_sf = layer.k_sf.view(torch.uint8) if k_sf is None else k_sf
+        v_sf = layer.v_sf.view(torch.uint8) if v_sf is None else v_sf
+        return self._wrapper.run(q, (k, v), k_scale=layer.k_scale, v_scale=layer.v_scale, kv_cache_sf=(k_sf, v_sf))
+
+
+def nvfp4_dequantize_rows(data: torch.Tensor, scales: torch.Tensor, global_scale: float) -> torch.Tensor:
+    """FlashInfer's own NVFP4 KV dequantize of rows [M, D/2] + [M, D/16] -> fp32 [M, D] (format check)."""
+    _require()
+    import flashinfer
+
+    g = torch.tensor([global_scale], dtype=torch.float32, device=data.device)
+    out = flashinfer.nvfp4_kv_dequantize(data.contiguous(), scales.view(torch.uint8).contiguous(), g,
+                                         output_dtype=torch.bfloat16)
+    return out.float()
+
+
+def default_sm_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
