@@ -63,7 +63,7 @@ class Engine:
         else:
             ws_k = _per_layer(cc.ws_k_scales, None, "k", n_layers)
             ws_v = _per_layer(cc.ws_v_scales, None, "v", n_layers)
-        self.max_context_len = mc.max_position_embeddings
+        self.max_context_len = mc.max_context_len
         num_pages, ws_tokens = self._size_pool()
         self.pool = KVPool(cc.kv_dtype, n_layers, num_pages, cc.page_size, mc.num_key_value_heads, mc.head_dim,
                            device=self.device, k_scales=self.k_scales, v_scales=self.v_scales,

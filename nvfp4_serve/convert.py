@@ -14,7 +14,7 @@ def sampling_from_proto(sp: common_pb2.SamplingParams, default_max_tokens: int =
             temperature=sp.temperature, top_p=sp.top_p or 1.0, top_k=sp.top_k, min_p=sp.min_p,
             seed=sp.seed if sp.HasField("seed") else None, max_tokens=sp.max_tokens or default_max_tokens,
             stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise InvalidRequest(f"invalid sampling parameters: {e}") from e
 
 

@@ -26,34 +26,22 @@ from router.admission import AdmissionGate
 from router.config import ModelLimits, RouterConfig
 from router.generation import (
     ChoiceEvent,
-    ChoiceFinished,
     ChoiceSpec,
-    ChoiceStarted,
-    ChoiceText,
     GenerationContext,
     generate_choice,
     merge_choices,
 )
 from router.metrics import RouterMetrics
 from router.openai_protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
     OpenAIError,
     SamplingOptions,
-    UsageInfo,
     bad_request,
-    make_usage,
     parse_request,
 )
-from router.sse import SSE_DONE, SSEResponse, sse_event
+from router.responses import Job, Tally, full_response, log_done, sse_body
+from router.sse import SSEResponse
 from router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -157,25 +145,6 @@ class _Slot:
         self.release()
 
 
-@dataclass
-class Job:
-    """One validated, tokenized request: ``len(prompts) * n`` choices, choice index = prompt index * n + i."""
-
-    kind: str  # "completion" | "chat"
-    response_id: str
-    model: str
-    prompts: list[tuple[int, ...]]
-    options: list[SamplingOptions]  # per prompt
-    n: int
-    stream: bool
-    include_usage: bool
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def num_choices(self) -> int:
-        return len(self.prompts) * self.n
-
-
 async def completions(state: RouterState, request: Request) -> Response:
     """POST /v1/completions."""
     arrival = time.perf_counter()
@@ -198,7 +167,7 @@ async def completions(state: RouterState, request: Request) -> Response:
                                                      COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt"),
                             state.limits.vocab_size) for ids in token_prompts]
         job = Job("completion", f"cmpl-{uuid.uuid4().hex}", state.config.model_name, token_prompts, options,
-                   req.n, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+                  req.n, req.stream, bool(req.stream_options and req.stream_options.include_usage))
         return await _run(state, request, job, arrival, slot)
     finally:
         if not slot.handed_over:
@@ -226,8 +195,8 @@ async def chat_completions(state: RouterState, request: Request) -> Response:
             raise bad_request("the rendered chat prompt has no tokens", "messages")
         max_tokens = resolve_max_tokens(req.requested_max_tokens, len(ids), state.context_len(), None, "messages")
         job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", state.config.model_name, [tuple(ids)],
-                   [_options(req, max_tokens, state.limits.vocab_size)], req.n, req.stream,
-                   bool(req.stream_options and req.stream_options.include_usage))
+                  [_options(req, max_tokens, state.limits.vocab_size)], req.n, req.stream,
+                  bool(req.stream_options and req.stream_options.include_usage))
         return await _run(state, request, job, arrival, slot)
     finally:
         if not slot.handed_over:
@@ -253,36 +222,10 @@ def _events(state: RouterState, job: Job, arrival: float) -> AsyncIterator[Choic
     return merge_choices(streams)
 
 
-class _Tally:
-    """Per-choice results and the request's usage (the prompt counts once per prompt, not per choice)."""
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.texts: dict[int, list[str]] = {i: [] for i in range(job.num_choices)}
-        self.finish: dict[int, str] = {}
-        self.completion_tokens: dict[int, int] = {}
-        self.cached: dict[int, int] = {}
-
-    def add(self, event: ChoiceEvent) -> None:
-        if isinstance(event, ChoiceStarted):
-            self.cached[event.index] = event.cached_tokens  # a retry overwrites
-        elif isinstance(event, ChoiceText):
-            self.texts[event.index].append(event.text)
-        else:
-            self.finish[event.index] = event.finish_reason
-            self.completion_tokens[event.index] = event.completion_tokens
-
-    def usage(self) -> UsageInfo:
-        n = self.job.n
-        prompt_tokens = sum(len(p) for p in self.job.prompts)
-        cached = sum(min(self.cached.get(p * n + i, 0) for i in range(n)) for p in range(len(self.job.prompts)))
-        return make_usage(prompt_tokens, sum(self.completion_tokens.values()), cached)
-
-
 async def _run(state: RouterState, request: Request, job: Job, arrival: float, slot: _Slot) -> Response:
     events = _events(state, job, arrival)
     if not job.stream:
-        tally = _Tally(job)
+        tally = Tally(job)
 
         async def collect() -> None:
             async for event in events:
@@ -295,8 +238,8 @@ async def _run(state: RouterState, request: Request, job: Job, arrival: float, s
         if gone:
             log.info("%s: client disconnected before the response", job.response_id)
             return Response(status_code=499)
-        _log_done(job, tally, arrival, 200)
-        return JSONResponse(_full_response(job, tally).model_dump(mode="json"))
+        log_done(job, tally, arrival, 200)
+        return JSONResponse(full_response(job, tally).model_dump(mode="json"))
     peeked: list[ChoiceEvent | None] = []
 
     async def peek() -> None:  # the HTTP status is decided by the first event (or error)
@@ -343,83 +286,3 @@ async def _until_disconnect(request: Request, work: Any) -> bool:
     return False
 
 
-def _full_response(job: Job, tally: _Tally) -> CompletionResponse | ChatCompletionResponse:
-    usage = tally.usage()
-    indices = range(job.num_choices)
-    if job.kind == "completion":
-        return CompletionResponse(id=job.response_id, created=job.created, model=job.model, usage=usage, choices=[
-            CompletionChoice(index=i, text="".join(tally.texts[i]), finish_reason=tally.finish.get(i))
-            for i in indices])
-    return ChatCompletionResponse(id=job.response_id, created=job.created, model=job.model, usage=usage, choices=[
-        ChatChoice(index=i, message=AssistantMessage(content="".join(tally.texts[i])),
-                   finish_reason=tally.finish.get(i)) for i in indices])
-
-
-class _Chunks:
-    """SSE chunk encoders for one streamed response."""
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
-
-    def _chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> bytes:
-        job = self.job
-        cls = CompletionResponse if job.kind == "completion" else ChatCompletionChunk
-        return sse_event(cls(id=job.response_id, created=job.created, model=job.model, choices=choices,
-                             usage=usage).model_dump_json())
-
-    def start(self) -> list[bytes]:
-        if self.job.kind == "completion":
-            return []
-        return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-                for i in range(self.job.num_choices)]
-
-    def text(self, index: int, text: str) -> bytes:
-        if self.job.kind == "completion":
-            return self._chunk([CompletionChoice(index=index, text=text)])
-        return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=text))])
-
-    def finish(self, index: int, reason: str) -> bytes:
-        if self.job.kind == "completion":
-            return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
-        return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=reason)])
-
-    def usage(self, usage: UsageInfo) -> bytes:
-        return self._chunk([], usage)
-
-
-async def sse_body(job: Job, events: AsyncIterator[ChoiceEvent], first: ChoiceEvent,
-                   arrival: float) -> AsyncIterator[bytes]:
-    """The SSE chunks of a streamed response: (chat: a role chunk per choice), text chunks, a finish chunk per
-    choice, (a usage chunk), ``data: [DONE]``; an error becomes an error event before [DONE]."""
-    chunks, tally = _Chunks(job), _Tally(job)
-    status = 200
-    try:
-        for chunk in chunks.start():
-            yield chunk
-        event: ChoiceEvent | None = first
-        while event is not None:
-            tally.add(event)
-            if isinstance(event, ChoiceText):
-                yield chunks.text(event.index, event.text)
-            elif isinstance(event, ChoiceFinished):
-                yield chunks.finish(event.index, event.finish_reason)
-            event = await anext(events, None)
-        if job.include_usage:
-            yield chunks.usage(tally.usage())
-    except OpenAIError as err:
-        status = err.status
-        yield sse_event(err.body())
-    except (GeneratorExit, asyncio.CancelledError):
-        status = 499  # the client went away
-        raise
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
-        _log_done(job, tally, arrival, status)
-    yield SSE_DONE
-
-
-def _log_done(job: Job, tally: _Tally, arrival: float, status: int) -> None:
-    log.info("%s %s: %d choice(s), prompt_tokens=%d completion_tokens=%d cached=%d status=%d %.3fs",
-             job.response_id, job.kind, job.num_choices, sum(len(p) for p in job.prompts),
-             sum(tally.completion_tokens.values()), tally.usage().prompt_tokens_details.cached_tokens, status,
-             time.perf_counter() - arrival)

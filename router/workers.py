@@ -168,8 +168,8 @@ class Dispatch:
     route: Route
     prompt_len: int
     metrics: RouterMetrics
-    _prefill_open: bool = field(default=True)
-    _open: bool = field(default=True)
+    _prefill_open: bool = field(default=True, init=False)
+    _open: bool = field(default=True, init=False)
 
     def prefill_done(self) -> None:
         if self._prefill_open and self.route.prefill is not None:

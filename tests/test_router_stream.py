@@ -11,7 +11,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from router.generation import ChoiceFinished, ChoiceStarted, ChoiceText
 from router.openai_protocol import OpenAIError, SamplingOptions
-from router.serving import Job, sse_body
+from router.responses import Job, sse_body
 from router.sse import SSE_DONE, SSEResponse, parse_sse, sse_event
 from router.stop_strings import StopStringMatcher
 

@@ -1,0 +1,116 @@
+"""NVFP4 quantize-on-write and the workspace dequant: @triton.jit kernels, bit-identical to kernels.nvfp4.
+
+``nvfp4_quantize_kernel``  rows x [T, HK, D] (bf16/fp16/fp32, any strides) -> pool slots: packed codes
+                           [P*S, HK, D/2] uint8 and E4M3 scales [P*S, HK, D/16] (both contiguous).
+``nvfp4_to_fp8_kernel``    pool slots -> FP8 workspace rows [N, HK, D]: fp8(dequant(code) / ws_scale).
+
+Every fp32 operation follows the order fixed in kernels/nvfp4.py (two correctly rounded divisions for the
+scale, one multiply for the denominator, a correctly rounded division per value) and the E4M3/E2M1
+roundings are done with integer ops, so the result does not depend on the target's conversion
+instructions (and the same code runs in Triton's CPU interpreter).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def e4m3_rne_positive(s):
+    """fp32 s in [0, 448] -> (E4M3 byte, its fp32 value), round to nearest even incl. subnormals."""
+    bits = s.to(tl.int32, bitcast=True)
+    # normal range (s >= 2**-6): keep 3 mantissa bits, ties to even; a carry bumps the exponent
+    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == 0xFFF00000
+    byte_n = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
+    val_n = rb.to(tl.float32, bitcast=True)
+    # subnormal range: multiples of 2**-9; rint via the 2**23 magic (exact, s * 512 < 8)
+    k = (s * 512.0 + 8388608.0) - 8388608.0
+    byte_s = k.to(tl.int32)
+    val_s = k * 0.001953125  # 2**-9
+    normal = s >= 0.015625  # 2**-6
+    return tl.where(normal, byte_n, byte_s), tl.where(normal, val_n, val_s)
+
+
+@triton.jit
+def e2m1_code(y):
+    """fp32 y -> E2M1 code 0..15: nearest magnitude with ties to the even code, |y| > 6 -> 6, sign bit of y."""
+    a = tl.abs(y)
+    mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+           + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+    return mag | (sign << 3)
+
+
+@triton.jit
+def nvfp4_quantize_kernel(
+    X, SLOTS, DATA, SCALES, num_rows, global_scale,
+    stride_xt, stride_xh,
+    HK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Row r = (token r // HK, head r % HK) -> pool slot SLOTS[token], head h."""
+    NS: tl.constexpr = D // 16
+    pid = tl.program_id(0)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < num_rows
+    t = r // HK
+    h = r % HK
+    slot = tl.load(SLOTS + t, mask=r_ok, other=0)
+    col = tl.arange(0, D)
+    x = tl.load(X + (t.to(tl.int64) * stride_xt + h * stride_xh)[:, None] + col[None, :], mask=r_ok[:, None],
+                other=0.0).to(tl.float32)
+    xb = tl.reshape(x, [BLOCK_R, NS, 16])
+    amax = tl.max(tl.abs(xb), 2)
+    s32 = tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, 6.0), global_scale), 448.0)
+    sbyte, sval = e4m3_rne_positive(s32)
+    nonzero = sval != 0.0
+    denom = tl.where(nonzero, sval * global_scale, 1.0)
+    y = tl.math.div_rn(xb, denom[:, :, None])
+    code = tl.where(nonzero[:, :, None], e2m1_code(y), 0)
+    lo, hi = tl.split(tl.reshape(code, [BLOCK_R, D // 2, 2]))
+    packed = (lo | (hi << 4)).to(tl.uint8)
+    row = slot.to(tl.int64) * HK + h
+    tl.store(DATA + (row * (D // 2))[:, None] + tl.arange(0, D // 2)[None, :], packed, mask=r_ok[:, None])
+    tl.store(SCALES + (row * NS)[:, None] + tl.arange(0, NS)[None, :], sbyte.to(tl.uint8), mask=r_ok[:, None])
+
+
+@triton.jit
+def e4m3_rne_signed_sat(x):
+    """fp32 x (finite) -> E4M3 byte of clamp(x, -448, 448), round to nearest even, sign kept for zeros."""
+    sign = ((x.to(tl.int32, bitcast=True) >> 31) & 1) << 7
+    byte, _ = e4m3_rne_positive(tl.minimum(tl.abs(x), 448.0))
+    return byte | sign
+
+
+@triton.jit
+def nvfp4_to_fp8_kernel(
+    DATA, SCALES, SLOTS, OUT, num_rows, global_scale, ws_scale,
+    HK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """OUT[i, h] = fp8((E2M1[code] * float(s)) * g / ws_scale) for row (i, h) of pool slot SLOTS[i]."""
+    NS: tl.constexpr = D // 16
+    pid = tl.program_id(0)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < num_rows
+    i = r // HK
+    h = r % HK
+    slot = tl.load(SLOTS + i, mask=r_ok, other=0)
+    row = slot.to(tl.int64) * HK + h
+    packed = tl.load(DATA + (row * (D // 2))[:, None] + tl.arange(0, D // 2)[None, :], mask=r_ok[:, None],
+                     other=0).to(tl.int32)
+    code = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_R, NS, 16])
+    sb = tl.load(SCALES + (row * NS)[:, None] + tl.arange(0, NS)[None, :], mask=r_ok[:, None], other=0).to(tl.int32)
+    # E4M3 byte -> fp32 (scales are >= 0): exponent field 0 is subnormal (m * 2**-9)
+    e = (sb >> 3) & 0xF
+    m = sb & 7
+    s_norm = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
+    s = tl.where(e == 0, m.to(tl.float32) * 0.001953125, s_norm)
+    # E2M1 magnitude: code&7 -> 0, .5, 1, 1.5, 2, 3, 4, 6 ; fp16-style bits give it exactly
+    c = code & 7
+    mag = tl.where(c < 4, c.to(tl.float32) * 0.5, tl.where(c < 6, (c - 2).to(tl.float32), (c - 4).to(tl.float32) * 2.0))
+    v = (mag.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)  # code 8 is -0.0
+    val = (v * s[:, :, None]) * global_scale
+    q = e4m3_rne_signed_sat(tl.math.div_rn(val, ws_scale))
+    out_row = i.to(tl.int64) * HK + h
+    tl.store(OUT + (out_row * D)[:, None] + tl.arange(0, D)[None, :], tl.reshape(q, [BLOCK_R, D]).to(tl.uint8),
+             mask=r_ok[:, None])

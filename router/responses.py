@@ -1,0 +1,160 @@
+"""OpenAI response bodies of one request: the JSON of a non-streamed response, the SSE chunks of a streamed one.
+
+Usage counts each prompt once however many choices it has (n); ``cached_tokens`` of a prompt is the least any
+of its choices reused (a retry's report replaces the failed attempt's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.generation import ChoiceEvent, ChoiceFinished, ChoiceStarted, ChoiceText
+from router.openai_protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    OpenAIError,
+    SamplingOptions,
+    UsageInfo,
+    make_usage,
+)
+from router.sse import SSE_DONE, sse_event
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """One validated, tokenized request: ``len(prompts) * n`` choices, choice index = prompt index * n + i."""
+
+    kind: str  # "completion" | "chat"
+    response_id: str
+    model: str
+    prompts: list[tuple[int, ...]]
+    options: list[SamplingOptions]  # per prompt
+    n: int
+    stream: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+
+class Tally:
+    """Per-choice results and the request's usage (the prompt counts once per prompt, not per choice)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.texts: dict[int, list[str]] = {i: [] for i in range(job.num_choices)}
+        self.finish: dict[int, str] = {}
+        self.completion_tokens: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+
+    def add(self, event: ChoiceEvent) -> None:
+        if isinstance(event, ChoiceStarted):
+            self.cached[event.index] = event.cached_tokens  # a retry overwrites
+        elif isinstance(event, ChoiceText):
+            self.texts[event.index].append(event.text)
+        else:
+            self.finish[event.index] = event.finish_reason
+            self.completion_tokens[event.index] = event.completion_tokens
+
+    def usage(self) -> UsageInfo:
+        n = self.job.n
+        prompt_tokens = sum(len(p) for p in self.job.prompts)
+        cached = sum(min(self.cached.get(p * n + i, 0) for i in range(n)) for p in range(len(self.job.prompts)))
+        return make_usage(prompt_tokens, sum(self.completion_tokens.values()), cached)
+
+
+def full_response(job: Job, tally: Tally) -> CompletionResponse | ChatCompletionResponse:
+    usage = tally.usage()
+    indices = range(job.num_choices)
+    if job.kind == "completion":
+        return CompletionResponse(id=job.response_id, created=job.created, model=job.model, usage=usage, choices=[
+            CompletionChoice(index=i, text="".join(tally.texts[i]), finish_reason=tally.finish.get(i))
+            for i in indices])
+    return ChatCompletionResponse(id=job.response_id, created=job.created, model=job.model, usage=usage, choices=[
+        ChatChoice(index=i, message=AssistantMessage(content="".join(tally.texts[i])),
+                   finish_reason=tally.finish.get(i)) for i in indices])
+
+
+class Chunks:
+    """SSE chunk encoders for one streamed response."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def _chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> bytes:
+        job = self.job
+        cls = CompletionResponse if job.kind == "completion" else ChatCompletionChunk
+        return sse_event(cls(id=job.response_id, created=job.created, model=job.model, choices=choices,
+                             usage=usage).model_dump_json())
+
+    def start(self) -> list[bytes]:
+        if self.job.kind == "completion":
+            return []
+        return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                for i in range(self.job.num_choices)]
+
+    def text(self, index: int, text: str) -> bytes:
+        if self.job.kind == "completion":
+            return self._chunk([CompletionChoice(index=index, text=text)])
+        return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=text))])
+
+    def finish(self, index: int, reason: str) -> bytes:
+        if self.job.kind == "completion":
+            return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
+        return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=reason)])
+
+    def usage(self, usage: UsageInfo) -> bytes:
+        return self._chunk([], usage)
+
+
+async def sse_body(job: Job, events: AsyncIterator[ChoiceEvent], first: ChoiceEvent,
+                   arrival: float) -> AsyncIterator[bytes]:
+    """The SSE chunks of a streamed response: (chat: a role chunk per choice), text chunks, a finish chunk per
+    choice, (a usage chunk), ``data: [DONE]``; an error becomes an error event before [DONE]."""
+    chunks, tally = Chunks(job), Tally(job)
+    status = 200
+    try:
+        for chunk in chunks.start():
+            yield chunk
+        event: ChoiceEvent | None = first
+        while event is not None:
+            tally.add(event)
+            if isinstance(event, ChoiceText):
+                yield chunks.text(event.index, event.text)
+            elif isinstance(event, ChoiceFinished):
+                yield chunks.finish(event.index, event.finish_reason)
+            event = await anext(events, None)
+        if job.include_usage:
+            yield chunks.usage(tally.usage())
+    except OpenAIError as err:
+        status = err.status
+        yield sse_event(err.body())
+    except (GeneratorExit, asyncio.CancelledError):
+        status = 499  # the client went away
+        raise
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+        log_done(job, tally, arrival, status)
+    yield SSE_DONE
+
+
+def log_done(job: Job, tally: Tally, arrival: float, status: int) -> None:
+    log.info("%s %s: %d choice(s), prompt_tokens=%d completion_tokens=%d cached=%d status=%d %.3fs",
+             job.response_id, job.kind, job.num_choices, sum(len(p) for p in job.prompts),
+             sum(tally.completion_tokens.values()), tally.usage().prompt_tokens_details.cached_tokens, status,
+             time.perf_counter() - arrival)
