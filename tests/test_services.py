@@ -38,7 +38,7 @@ async def integrity(address: str) -> decode_pb2.IntegrityReport:
 async def metric(address: str, name: str) -> float:
     async with grpc.aio.insecure_channel(address) as ch:
         text = (await decode_pb2_grpc.DecodeStub(ch).GetMetrics(common_pb2.MetricsRequest())).prometheus_text
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
 
 
@@ -194,3 +194,29 @@ def test_prefill_is_pulled_only_for_pages_past_the_cached_prefix(procs, tiny_mod
     per_page_all_layers = before / 11  # first request: 42 tokens = 11 pages of 4
     assert after - before == pytest.approx(per_page_all_layers * 2)  # tokens 40..44 = 2 pages
     time.sleep(0)
+
+
+def test_prefill_frees_its_transient_pages_when_the_decode_side_cancels(procs, tiny_model_dir):
+    from nvfp4_serve_proto import prefill_pb2_grpc
+
+    args = ("--model", tiny_model_dir, "--page-size", "4")
+    p = procs("prefill_svc", *args, "--debug-transfer-delay-s", "1.0")
+    d = procs("decode_svc", *args)
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(d.address) as ch:
+            call = decode_pb2_grpc.DecodeStub(ch).Generate(gen_request("x", prompt(40), p.address))
+            await asyncio.sleep(1.5)  # mid-transfer: the prefill holds the prompt's pages
+            call.cancel()
+        async with grpc.aio.insecure_channel(p.address) as ch:
+            for _ in range(50):
+                load = await prefill_pb2_grpc.PrefillStub(ch).GetLoad(common_pb2.GetLoadRequest())
+                if load.pool_pages_in_use == 0 and load.num_running == 0:
+                    return load
+                await asyncio.sleep(0.1)
+            return load
+
+    load = run(scenario())
+    assert load.pool_pages_in_use == 0 and load.num_running == 0
+    rep = run(integrity(d.address))
+    assert rep.ok and rep.num_in_use == 0
