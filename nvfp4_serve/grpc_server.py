@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 from collections.abc import Sequence
 
 import grpc
@@ -103,4 +105,22 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
         raise RuntimeError(f"cannot bind gRPC server to {host}:{port}")
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s:%d (not loopback): anyone who can reach it can use it", host, bound)
+    return bound
+
+
+async def start_and_wait(server: grpc.aio.Server, service_names: Sequence[str], role: str, host: str,
+                         port: int, metrics=None, metrics_port: int | None = None) -> int:
+    """Register health + reflection, bind, start, print the "ready on HOST:PORT" line the launcher and
+    tests wait for, then block until SIGINT/SIGTERM and stop the server gracefully. Returns the port."""
+    if metrics is not None and metrics_port is not None:
+        metrics.serve_http(metrics_port, host)
+    await add_health_and_reflection(server, service_names)
+    bound = bind(server, host, port)
+    await server.start()
+    print(f"{role} service ready on {host}:{bound}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2)
     return bound
