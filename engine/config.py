@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from kernels.kv_layout import KV_DTYPES
 
@@ -93,20 +93,3 @@ class EngineConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-
-def add_dataclass_args(parser, cls, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
-    """Add ``--field-name`` options for the scalar fields of a config dataclass (defaults from it)."""
-    defaults = cls()
-    for f in fields(cls):
-        if f.name in skip:
-            continue
-        default = getattr(defaults, f.name)
-        if isinstance(default, (tuple, list, dict)) or f.name.endswith("scales"):
-            continue
-        flag = "--" + prefix + f.name.replace("_", "-")
-        if isinstance(default, bool):
-            parser.add_argument(flag, action="store_true", default=default)
-        elif default is None:
-            parser.add_argument(flag, type=int, default=None)
-        else:
-            parser.add_argument(flag, type=type(default), default=default)
