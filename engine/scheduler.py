@@ -168,6 +168,8 @@ class Scheduler:
             ws_left -= req.kv_len + n
             if budget == 0:
                 break
+        if not batch:
+            return
         sample_mask = [r.kv_len + n == r.extend_target_len and not r.output_ids for r, n in zip(batch, lens)]
         hook = None
         if self.on_layer_done is not None:
