@@ -5,9 +5,10 @@ An int16 element holds 4 E2M1 codes (2 packed bytes, even element in the LOW nib
     bits  15..12   11..8    7..4    3..0
           nib 3    nib 2    nib 1   nib 0        value index 4j+3, 4j+2, 4j+1, 4j
 
-``e2m1x4(w)`` returns four fp16 tensors, output k = E2M1[nibble k] * 2**-14, exactly. The fp16 with bits
-``(c & 8) << 12 | (c & 7) << 9`` equals E2M1[c] * 2**-14 (0.5 lands on an fp16 subnormal), so callers fold
-2**14 into sm_scale (K) and into the output scale (V).
+``e2m1x4(w, MODE)`` returns four fp16 tensors, output k = E2M1[nibble k] * UNIT, exactly, with UNIT = 2**-14
+for modes 0 and 1 and UNIT = 1 for mode 2. The fp16 with bits ``(c & 8) << 12 | (c & 7) << 9`` equals
+E2M1[c] * 2**-14 (0.5 lands on an fp16 subnormal); callers fold 1/UNIT into sm_scale (K) and into the
+output scale (V) (``triton_backend.e2m1_fold``).
 
 Three implementations of the same elementwise function, picked by the constexpr ``MODE``:
   0  plain Triton integer ops (any target, also the CPU interpreter)
@@ -44,7 +45,7 @@ and.b32 $3, hi, 0xFF00FF00;
 }
 """)
 
-# MODE 2. Same contract via cvt.rn.f16x2.e2m1x2 (lanes: low nibble -> low half). Build the byte
+# MODE 2. Same lanes via cvt.rn.f16x2.e2m1x2 (low nibble -> low half), values unscaled. Build the byte
 # (nibble k of e0) | (nibble k of e1) << 4 for each k, then convert it.
 _SM100_ASM = tl.constexpr("""
 {
@@ -91,7 +92,7 @@ def _nibble_to_f16(w, SHIFT: tl.constexpr):
 
 @triton.jit
 def e2m1x4(w, MODE: tl.constexpr):
-    """int16 tensor of 4 codes -> (v0, v1, v2, v3) fp16, v_k = E2M1[nibble k] * 2**-14."""
+    """int16 tensor of 4 codes -> (v0, v1, v2, v3) fp16, v_k = E2M1[nibble k] * UNIT (see module doc)."""
     if MODE == 1:
         v0, v1, v2, v3 = tl.inline_asm_elementwise(
             _SM90_ASM, "=r,=r,=r,=r,r", [w],

@@ -1,0 +1,146 @@
+"""CPU checks of the Triton kernels: they compile for Hopper and Blackwell, and compute the right thing.
+
+* Cross-compile (no GPU): the decode kernel for sm_90a with the software E2M1 decode (tensor-core HMMA in
+  the SASS, no local-memory spills), for sm_100a / sm_120a with the hardware ``cvt.rn.f16x2.e2m1x2``
+  path (and that path is rejected on sm_90a); the quantize and workspace kernels for sm_90a.
+* Triton's CPU interpreter runs the backend (in a subprocess, since the interpreter must be chosen
+  before the kernels are defined): quantize and workspace bytes equal the reference, decode matches it.
+
+Skipped only when triton is not importable.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+_DECODE_SIG = {"Q": "*bf16", "K16": "*i16", "KSF": "*u8", "V16": "*i16", "VSF": "*u8", "PAGE_TABLE": "*i32",
+               "SEQ_LENS": "*i32", "O_PART": "*fp32", "LSE_PART": "*fp32", "qk_scale": "fp32", "out_scale": "fp32",
+               **{n: "i32" for n in ("stride_qb", "stride_qh", "stride_ptb", "stride_pb", "stride_ph", "stride_ps",
+                                     "stride_lb", "stride_lh", "chunk_tokens")}}
+
+
+def _compile(fn, signature: dict, constexprs: dict, arch: int, num_warps: int = 4):
+    sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(signature) if signature[k].startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": 2})
+
+
+def _sass(kernel, tmp_path) -> str:
+    path = tmp_path / "k.cubin"
+    path.write_bytes(kernel.asm["cubin"])
+    return subprocess.run([os.path.join(_TOOLS, "cuobjdump"), "-sass", str(path)], capture_output=True,
+                          text=True, check=True).stdout
+
+
+def _decode_constexprs(mode: int, d: int = 128, group: int = 4) -> dict:
+    return {"HK": 8, "G": group, "GP": 16, "D": d, "PAGE": 16, "NW": 4, "BW": 16 if d > 128 else 32, "MODE": mode}
+
+
+def test_decode_kernel_compiles_for_sm90a_with_tensor_cores_and_no_spills(tmp_path):
+    from kernels.triton.nvfp4_decode import nvfp4_decode_kernel
+
+    k = _compile(nvfp4_decode_kernel, _DECODE_SIG, _decode_constexprs(mode=1), arch=90)
+    assert k.metadata.name == "nvfp4_decode_kernel"
+    sass = _sass(k, tmp_path)
+    assert "HMMA" in sass  # QK and PV on tensor cores
+    assert "PRMT" in sass and "LOP3" in sass  # the software E2M1 decode on packed words
+    assert "STL" not in sass and "LDL" not in sass  # no register spills to local memory
+    assert "cvt.rn.f16x2.e2m1x2" not in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("arch", [100, 120])
+def test_decode_kernel_blackwell_path_uses_hardware_e2m1_conversion(arch):
+    from kernels.triton.nvfp4_decode import nvfp4_decode_kernel
+
+    k = _compile(nvfp4_decode_kernel, _DECODE_SIG, _decode_constexprs(mode=2), arch=arch)
+    assert "cvt.rn.f16x2.e2m1x2" in k.asm["ptx"]
+    assert len(k.asm["cubin"]) > 0
+
+
+def test_hardware_e2m1_conversion_is_rejected_on_hopper():
+    from kernels.triton.nvfp4_decode import nvfp4_decode_kernel
+
+    with pytest.raises(Exception):  # noqa: B017 - ptxas refuses the instruction for sm_90a
+        _compile(nvfp4_decode_kernel, _DECODE_SIG, _decode_constexprs(mode=2), arch=90)
+
+
+def test_quantize_and_workspace_kernels_compile_for_sm90a():
+    from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_kernel
+
+    q = _compile(nvfp4_quantize_kernel, {"X": "*bf16", "SLOTS": "*i64", "DATA": "*u8", "SCALES": "*u8",
+                                         "num_rows": "i32", "global_scale": "fp32", "stride_xt": "i32",
+                                         "stride_xh": "i32"}, {"HK": 8, "D": 128, "BLOCK_R": 32}, arch=90)
+    assert "div.rn.f32" in q.asm["ptx"]  # correctly rounded divisions, as the spec requires
+    w = _compile(nvfp4_to_fp8_kernel, {"DATA": "*u8", "SCALES": "*u8", "SLOTS": "*i64", "OUT": "*u8",
+                                       "num_rows": "i32", "global_scale": "fp32", "ws_scale": "fp32"},
+                 {"HK": 8, "D": 128, "BLOCK_R": 32}, arch=90)
+    assert "div.rn.f32" in w.asm["ptx"]
+
+
+_INTERPRETED = textwrap.dedent("""
+    import math, os, sys
+    import torch
+    import triton.runtime.interpreter as ti
+    _orig = ti._patch_lang_tensor
+    def _patched(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array; triton 3.6 relies on it
+        _orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    ti._patch_lang_tensor = _patched
+    from kernels import nvfp4
+    from kernels.backends.reference import ReferenceBackend
+    from kernels.backends.triton_backend import DecodeConfig, TritonBackend
+    from kernels.kv_layout import LayerKV
+
+    torch.manual_seed(0)
+    P, S, HK, G = 12, 16, 2, 4
+    for D in (64, 128):
+        def layer():
+            z = lambda last, dt: torch.zeros(P, S, HK, last, dtype=dt)
+            return LayerKV("nvfp4", S, HK, D, z(D // 2, torch.uint8), z(D // 2, torch.uint8),
+                           z(D // 16, torch.float8_e4m3fn), z(D // 16, torch.float8_e4m3fn), 0.05, 0.02, 0.01, 0.005)
+        ours, ref = layer(), layer()
+        tb, rb = TritonBackend(DecodeConfig(2, 16, 2)), ReferenceBackend()
+        slots = torch.randperm(P * S)[:150]
+        k = torch.randn(150, HK, D) * torch.exp(torch.randn(150, HK, D) * 2)
+        k[0] = 0
+        v = torch.randn(150, HK, D).to(torch.bfloat16)
+        tb.write_kv(ours, slots, k, v)
+        rb.write_kv(ref, slots, k, v)
+        for n in ("k", "v", "k_sf", "v_sf"):
+            assert torch.equal(getattr(ours, n).view(torch.uint8), getattr(ref, n).view(torch.uint8)), n
+        ws = [torch.zeros(150, HK, D, dtype=torch.float8_e4m3fn) for _ in range(4)]
+        tb.gather_workspace(ours, slots, ws[0], ws[1])
+        rb.gather_workspace(ref, slots, ws[2], ws[3])
+        assert torch.equal(ws[0].view(torch.uint8), ws[2].view(torch.uint8))
+        assert torch.equal(ws[1].view(torch.uint8), ws[3].view(torch.uint8))
+        tb.write_kv(ours, torch.arange(P * S), torch.randn(P * S, HK, D), torch.randn(P * S, HK, D))
+        pt = torch.randperm(P).reshape(3, 4).to(torch.int32)
+        seq = torch.tensor([64, 33, 1], dtype=torch.int32)
+        q = torch.randn(3, HK * G, D).to(torch.bfloat16)
+        out = tb.decode(tb.plan_decode(pt, seq, HK * G, HK, D, S), q, ours, 1 / math.sqrt(D)).float()
+        expect = rb.decode(rb.plan_decode(pt, seq, HK * G, HK, D, S), q, ours, 1 / math.sqrt(D)).float()
+        err = ((out - expect).norm() / expect.norm()).item()
+        assert err < 1e-2, err
+    print("interpreter ok")
+""")
+
+
+def test_backend_in_triton_interpreter_matches_reference():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=REPO, env=env, capture_output=True, text=True, check=False,
+                         timeout=240)
+    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
