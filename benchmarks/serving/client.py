@@ -1,0 +1,160 @@
+"""Streamed /v1/completions requests, at most C in flight, timed chunk by chunk.
+
+Every time is in seconds since the point's start (``t0``, a ``time.perf_counter()`` value). A *chunk* is an
+SSE event whose choice carries non-empty text: the router streams detokenized text, so one chunk can hold
+several tokens (an incomplete UTF-8 character waits for the next token) and a token can produce no chunk.
+TTFT is taken at the first chunk (as ``sglang.bench_serving`` does). Token counts come from the final usage
+event (``stream_options.include_usage``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from benchmarks.serving.config import Target
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it. ``chunk_times[0]`` is the first chunk's arrival (TTFT = it - start);
+    ``end`` is when the stream closed. ``error`` "" means success."""
+
+    index: int
+    start: float
+    chunk_times: list[float] = field(default_factory=list)
+    end: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.start if self.chunk_times else None
+
+    @property
+    def itl(self) -> list[float]:
+        """Gaps between consecutive chunks (seconds)."""
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first: (end - first chunk) / (completion_tokens - 1)."""
+        if not self.chunk_times or self.completion_tokens < 2:
+            return None
+        return (self.end - self.chunk_times[0]) / (self.completion_tokens - 1)
+
+    def to_json(self) -> dict:
+        r6 = lambda x: round(x, 6)  # microseconds are plenty
+        ttft = self.ttft
+        return {"index": self.index, "start": r6(self.start), "ttft": r6(ttft) if ttft is not None else None,
+                "end": r6(self.end), "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens, "finish_reason": self.finish_reason,
+                "num_chunks": len(self.chunk_times), "itl": [r6(x) for x in self.itl], "error": self.error}
+
+
+def make_http_client(target: Target, max_connections: int, timeout_s: float) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=max_connections + 4, max_keepalive_connections=max_connections + 4)
+    return httpx.AsyncClient(base_url=target.base_url, headers=target.headers, limits=limits,
+                             timeout=httpx.Timeout(timeout_s, connect=30.0))
+
+
+def _error_text(status: int, body: bytes) -> str:
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body.decode(errors="replace")[:300]
+    return f"HTTP {status}: {message}"
+
+
+async def send_completion(client: httpx.AsyncClient, model: str, prompt: Sequence[int] | np.ndarray,
+                          max_tokens: int, ignore_eos: bool, index: int, t0: float) -> RequestResult:
+    """POST one streamed completion of ``prompt`` (token ids) and time it; errors are recorded, not raised."""
+    ids = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult(index, time.perf_counter() - t0)
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = _error_text(response.status_code, await response.aread())
+            else:
+                await _read_stream(response, result, t0)
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.end = time.perf_counter() - t0
+    if result.ok and not result.finish_reason:
+        result.error = "the stream ended without a finish reason"
+    return result
+
+
+async def _read_stream(response: httpx.Response, result: RequestResult, t0: float) -> None:
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        now = time.perf_counter() - t0
+        event = json.loads(payload)
+        if "error" in event:
+            result.error = f"stream error: {event['error'].get('message', event['error'])}"
+            return
+        for choice in event.get("choices") or ():
+            if choice.get("text"):
+                result.chunk_times.append(now)
+            if choice.get("finish_reason"):
+                result.finish_reason = choice["finish_reason"]
+        usage = event.get("usage")
+        if usage:
+            result.prompt_tokens = usage.get("prompt_tokens", 0)
+            result.completion_tokens = usage.get("completion_tokens", 0)
+            result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def arrival_gaps(num: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds to wait before sending each request: 0 for inf, else exponential gaps (a Poisson process)."""
+    if math.isinf(request_rate):
+        return [0.0] * num
+    gaps = np.random.default_rng([seed, 2]).exponential(1.0 / request_rate, size=num)
+    gaps[0] = 0.0
+    return gaps.tolist()
+
+
+async def run_requests(client: httpx.AsyncClient, model: str, prompts: Sequence[Sequence[int]] | np.ndarray,
+                       max_tokens: int, concurrency: int, ignore_eos: bool, t0: float,
+                       request_rate: float = math.inf, seed: int = 0,
+                       on_done: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
+    """Send every prompt, at most ``concurrency`` in flight (FIFO), the i-th not before its arrival time.
+
+    A request's ``start`` is when it got its slot and was sent, not its arrival."""
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, prompt: Sequence[int] | np.ndarray) -> RequestResult:
+        async with slots:
+            result = await send_completion(client, model, prompt, max_tokens, ignore_eos, i, t0)
+        if on_done is not None:
+            on_done(result)
+        return result
+
+    tasks = []
+    gaps = arrival_gaps(len(prompts), request_rate, seed)
+    for i, (prompt, gap) in enumerate(zip(prompts, gaps, strict=True)):
+        if gap > 0:
+            await asyncio.sleep(gap)
+        tasks.append(asyncio.create_task(one(i, prompt)))
+    return list(await asyncio.gather(*tasks))
