@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from nvfp4_serve.engine_args import add_engine_args, engine_config_from_args
+from nvfp4_serve.tls import TLSConfig, add_tls_args, tls_from_args
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,15 @@ class DecodeConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     metrics_port: int | None = None
     timeouts: Timeouts = Timeouts()
+    tls: TLSConfig = field(default_factory=TLSConfig)  # server side, and the client side of the pulls from prefill
+    # Fault injection for tests only: stall the engine loop this long after each token it produces.
+    debug_token_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_message_bytes < 64 * 1024:
+            raise ValueError(f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
+        if self.debug_token_delay_s < 0:
+            raise ValueError(f"--debug-token-delay-s must be >= 0, got {self.debug_token_delay_s}")
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -46,6 +56,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-first-message-timeout", type=float, default=t.prefill_first_message_s)
     g.add_argument("--between-pages-timeout", type=float, default=t.between_pages_s)
     g.add_argument("--between-tokens-timeout", type=float, default=t.between_tokens_s)
+    p.add_argument("--debug-token-delay-s", type=float, default=0.0,
+                   help="testing only: stall the engine loop after each token it produces (to trip token deadlines)")
+    add_tls_args(p)
     add_engine_args(p)
     return p
 
@@ -54,4 +67,5 @@ def config_from_args(a: argparse.Namespace) -> DecodeConfig:
     t = Timeouts(a.admission_timeout, a.prefill_first_message_timeout, a.between_pages_timeout,
                  a.between_tokens_timeout)
     return DecodeConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
-                        max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port, timeouts=t)
+                        max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port, timeouts=t,
+                        tls=tls_from_args(a), debug_token_delay_s=a.debug_token_delay_s)

@@ -19,12 +19,18 @@ from nvfp4_serve.errors import InvalidRequest, LayoutMismatch, PrefillUnavailabl
 from nvfp4_serve.grpc_server import server_options
 from nvfp4_serve.layout import check_layout
 from nvfp4_serve.metrics import ServiceMetrics
+from nvfp4_serve.tls import TLSConfig, open_channel
 from nvfp4_serve_proto import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+# A restarted prefill is reached again within a second (gRPC's default backoff grows to 120 s).
+_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                      ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class KVReceiver:
     def __init__(self, pool: KVPool, layout: common_pb2.KVLayout, metrics: ServiceMetrics, timeouts: Timeouts,
-                 max_message_bytes: int, run_on_engine: Callable[[Callable[[], None]], Awaitable[None]]):
+                 max_message_bytes: int, run_on_engine: Callable[[Callable[[], None]], Awaitable[None]],
+                 tls: TLSConfig | None = None):
         """``run_on_engine`` runs a pool write on the engine loop thread: writes are ordered before any
         later abort of the request, so a page is never written after it was freed."""
         self.pool = pool
@@ -33,13 +39,14 @@ class KVReceiver:
         self.metrics = metrics
         self.timeouts = timeouts
         self.max_message_bytes = max_message_bytes
+        self.tls = tls or TLSConfig()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=server_options(self.max_message_bytes))
+            ch = self._channels[address] = open_channel(
+                address, self.tls, [*server_options(self.max_message_bytes), *_RECONNECT_OPTIONS])
         return prefill_pb2_grpc.PrefillStub(ch)
 
     async def close(self) -> None:
@@ -56,7 +63,7 @@ class KVReceiver:
         t0, received = time.perf_counter(), 0
         try:
             stream = call.__aiter__()
-            header = await self._next(stream, self.timeouts.prefill_first_message_s, "the transfer header", address)
+            header = await self._next(stream, self.timeouts.prefill_first_message_s, "transfer header", address)
             if header.WhichOneof("payload") != "header":
                 raise PrefillUnavailable(f"prefill {address} sent {header.WhichOneof('payload')} before its header")
             h = header.header
@@ -71,7 +78,7 @@ class KVReceiver:
             missing = {(layer, p) for layer in range(self.layout.num_layers)
                        for p in range(first_page, first_page + num_pages)}
             while True:
-                msg = await self._next(stream, self.timeouts.between_pages_s, "the next KV pages", address)
+                msg = await self._next(stream, self.timeouts.between_pages_s, "next KV page message", address)
                 if msg.request_id != start.rid:
                     raise PrefillUnavailable(f"message for request {msg.request_id!r} on the stream of {start.rid!r}")
                 kind = msg.WhichOneof("payload")
@@ -101,7 +108,7 @@ class KVReceiver:
         try:
             return await asyncio.wait_for(stream.__anext__(), timeout)
         except TimeoutError:
-            raise TransferTimeout(f"no {what} from prefill {address} within {timeout:g} s") from None
+            raise TransferTimeout(f"prefill {address} sent no {what} within {timeout:g} s") from None
         except StopAsyncIteration:
             raise PrefillUnavailable(f"prefill {address} ended the stream before it was done") from None
 

@@ -28,7 +28,8 @@ async def serve(config: DecodeConfig) -> None:
     cap = engine.capacity()
     log.info("decode service: KV pool %s holds %d tokens", cap.kv_dtype, cap.max_tokens)
     try:
-        await start_and_wait(server, [SERVICE_NAME], "decode", config.host, config.port, metrics, config.metrics_port)
+        await start_and_wait(server, [SERVICE_NAME], "decode", config.host, config.port, metrics, config.metrics_port,
+                             config.tls, alive=loop.is_alive)
     finally:
         await worker.receiver.close()
         loop.stop()

@@ -8,11 +8,18 @@
 
 Every exit path that is not a normal finish aborts the request on the engine loop, which frees
 all its pages; a cancelled pull cancels the Prefill stream.
+
+Checked before anything is queued (INVALID_ARGUMENT): request id (non-empty, printable, <= 256 characters,
+not already in flight here), token ids and stop token ids inside the vocabulary, sampling parameters, the
+prompt within the context and the pool, prefill address of the form host:port. max_tokens past the context
+or the pool is clamped to it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -21,10 +28,12 @@ from decode_svc.kv_receiver import KVReceiver
 from engine.engine_loop import EngineLoop
 from engine.request import PullStart, Request, StepOutput
 from nvfp4_serve.convert import check_token_ids, sampling_from_proto
-from nvfp4_serve.errors import InvalidRequest, ServiceError, TransferTimeout
+from nvfp4_serve.errors import InvalidRequest, TransferTimeout, check_request_id, engine_error
 from nvfp4_serve.layout import layout_of
 from nvfp4_serve.metrics import ServiceMetrics
 from nvfp4_serve_proto import decode_pb2
+
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")  # host:port, [v6]:port
 
 
 class DecodeWorker:
@@ -36,28 +45,52 @@ class DecodeWorker:
         self.metrics = metrics
         self.layout = layout_of(self.engine)
         self.receiver = KVReceiver(self.engine.pool, self.layout, metrics, config.timeouts,
-                                   config.max_message_bytes, self._run_on_engine)
+                                   config.max_message_bytes, self._run_on_engine, config.tls)
+        self.debug_token_delay = config.debug_token_delay_s
+        self._in_flight: set[str] = set()  # request ids between submit and the end of their stream
+        self.max_sequence_len = min(self.engine.max_context_len, self.engine.capacity().max_tokens)
 
     async def _run_on_engine(self, fn) -> None:
         await asyncio.wrap_future(self.loop.call(fn))
 
     def _build_request(self, request: decode_pb2.GenerateRequest) -> Request:
-        if not request.request_id:
-            raise InvalidRequest("request_id is empty")
-        ids = check_token_ids(request.token_ids, self.engine.model_config.vocab_size)
+        rid = check_request_id(request.request_id)
+        if rid in self._in_flight:
+            raise InvalidRequest(f"request_id {rid!r} is already in flight on this decode service")
+        vocab = self.engine.model_config.vocab_size
+        ids = check_token_ids(request.token_ids, vocab)
         sampling = sampling_from_proto(request.sampling)
-        return Request(request.request_id, ids, sampling, remote_prefill=bool(request.prefill_address))
+        bad_stop = [t for t in sampling.stop_token_ids if t >= vocab]  # negative ones fail in SamplingParams
+        if bad_stop:
+            raise InvalidRequest(f"stop_token_ids has ids outside the vocabulary [0, {vocab}), e.g. {bad_stop[0]}")
+        # max_tokens past the context (or the whole pool) is clamped: the request ends with "length" there
+        # instead of being retracted forever, and load reports never count tokens that cannot be generated.
+        # A prompt that does not fit at all is rejected by the scheduler's validate().
+        room = self.max_sequence_len - len(ids)
+        if 0 < room < sampling.max_tokens:
+            sampling = dataclasses.replace(sampling, max_tokens=room)
+        address = request.prefill_address
+        if address and not _ADDRESS.match(address):
+            raise InvalidRequest(f"prefill_address {address[:80]!r} is not host:port")
+        return Request(rid, ids, sampling, remote_prefill=bool(address))
 
     async def generate(self, request: decode_pb2.GenerateRequest) -> AsyncIterator[decode_pb2.GenerateResponse]:
         req = self._build_request(request)
         rid, aio_loop = req.rid, asyncio.get_running_loop()
         events: asyncio.Queue[StepOutput | PullStart] = asyncio.Queue()
-        self.loop.submit(req, lambda ev: aio_loop.call_soon_threadsafe(events.put_nowait, ev))
+
+        def on_output(ev: StepOutput | PullStart) -> None:  # on the engine loop thread
+            aio_loop.call_soon_threadsafe(events.put_nowait, ev)
+            if self.debug_token_delay and isinstance(ev, StepOutput) and ev.new_token_ids and not ev.finish_reason:
+                time.sleep(self.debug_token_delay)  # test-only fault: the whole loop stalls after this token
+
+        self.loop.submit(req, on_output)
         self.metrics.prompt_tokens.inc(req.prompt_len)
         t0 = last = time.perf_counter()
         get = pull = None
         finished, first, num_generated = False, True, 0
         deadline, state = self.timeouts.admission_s, "admission"
+        self._in_flight.add(rid)
         try:
             while True:
                 if get is None:
@@ -79,7 +112,7 @@ class DecodeWorker:
                         self.receiver.pull(request.prefill_address, ev, req.prompt_ids, req.sampling))
                     continue
                 if ev.error:
-                    raise ServiceError(ev.error)
+                    raise engine_error(ev.error)
                 now = time.perf_counter()
                 if first:
                     self.metrics.ttft.observe(now - t0)
@@ -90,6 +123,8 @@ class DecodeWorker:
                 self.metrics.generated_tokens.inc(len(ev.new_token_ids))
                 num_generated += len(ev.new_token_ids)
                 finished = ev.finish_reason is not None
+                if finished:  # counted before the last yield: the caller may cancel right after receiving it
+                    self.metrics.requests.labels(ev.finish_reason).inc()
                 yield decode_pb2.GenerateResponse(
                     request_id=rid, token_ids=ev.new_token_ids, prompt_tokens=ev.num_prompt_tokens if first else 0,
                     cached_tokens=ev.num_cached_tokens if first else 0, finish_reason=ev.finish_reason or "",
@@ -97,9 +132,9 @@ class DecodeWorker:
                 first = False
                 deadline, state = self.timeouts.between_tokens_s, "the next token"
                 if finished:
-                    self.metrics.requests.labels(ev.finish_reason).inc()
                     return
         finally:
+            self._in_flight.discard(rid)
             for fut in (get, pull):
                 if fut is not None and not fut.done():
                     fut.cancel()

@@ -77,10 +77,13 @@ class EngineLoop:
         self._post(lambda: self.scheduler.release(rid))
 
     def call(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` on the loop thread between steps; the future holds its result."""
+        """Run ``fn`` on the loop thread between steps; the future holds its result. A future the caller
+        cancelled before the loop got to it (e.g. through asyncio.wrap_future) skips ``fn``."""
         fut: Future = Future()
 
         def cmd() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
             try:
                 fut.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -121,13 +124,20 @@ class EngineLoop:
                 cb(PullStart(req.rid, tuple(req.page_ids), req.kv_len, req.prompt_len))
         self.scheduler.pull_starts.clear()
 
+    def is_alive(self) -> bool:
+        """False once the loop thread has ended (stopped, or died): a service must not keep serving then."""
+        return self._thread.is_alive()
+
     def _drain(self) -> None:
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            cmd()
+            try:
+                cmd()
+            except Exception:  # no command may end the loop thread: every request would hang
+                log.exception("engine loop command failed")
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         for out in outputs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import _async as health_aio
@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.scheduler import RequestRejected
 from nvfp4_serve.errors import ServiceError
+from nvfp4_serve.tls import TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,34 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
+class _Undecodable:
+    """Stands in for a request whose bytes do not parse (gRPC would answer INTERNAL; it is the caller's fault)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _lenient(deserializer):
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as e:  # noqa: BLE001 - DecodeError, invalid UTF-8 in a string field, ...
+            return _Undecodable(e)
+
+    return deserialize
+
+
+def _undecodable_status(method: str, request: _Undecodable) -> tuple[grpc.StatusCode, str]:
+    why = f"{type(request.error).__name__}: {request.error}"
+    return grpc.StatusCode.INVALID_ARGUMENT, f"the request to {method} is not a valid protobuf message ({why})"
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Turns exceptions raised by (thin) servicers into gRPC statuses with a clear message."""
+    """Turns exceptions raised by (thin) servicers into gRPC statuses with a clear message, and requests
+    that do not parse into INVALID_ARGUMENT."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -43,17 +70,21 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary_unary(request, context):
+                if isinstance(request, _Undecodable):
+                    await context.abort(*_undecodable_status(method, request))
                 try:
                     return await inner(request, context)
                 except Exception as e:  # noqa: BLE001
                     await _abort(context, method, e)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer)
+                unary_unary, _lenient(handler.request_deserializer), handler.response_serializer)
         if handler.unary_stream:
             inner_stream = handler.unary_stream
 
             async def unary_stream(request, context):
+                if isinstance(request, _Undecodable):
+                    await context.abort(*_undecodable_status(method, request))
                 try:
                     async for msg in inner_stream(request, context):
                         yield msg
@@ -61,7 +92,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(context, method, e)
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer)
+                unary_stream, _lenient(handler.request_deserializer), handler.response_serializer)
         return handler
 
 
@@ -69,8 +100,11 @@ async def _abort(context, method: str, exc: Exception) -> None:
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
     code, msg = status_for(exc)
+    # Messages of expected errors are ours and carry no request content; an unexpected exception's text
+    # might, so above debug level only its type is logged.
     if code is grpc.StatusCode.INTERNAL:
-        log.exception("%s failed", method)
+        log.error("%s failed with %s (traceback at debug level)", method, type(exc).__name__)
+        log.debug("%s failed", method, exc_info=exc)
     else:
         log.info("%s -> %s: %s", method, code.name, msg)
     await context.abort(code, msg)
@@ -98,29 +132,62 @@ async def add_health_and_reflection(server: grpc.aio.Server,
     return servicer
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind an insecure port (0 picks a free one); returns the bound port."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None = None) -> int:
+    """Bind a port (0 picks a free one), secure when ``tls`` is enabled; returns the bound port."""
+    tls = tls or TLSConfig()
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.server_credentials()) if tls.enabled else \
+        server.add_insecure_port(address)
     if bound == 0:
-        raise RuntimeError(f"cannot bind gRPC server to {host}:{port}")
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s:%d (not loopback): anyone who can reach it can use it", host, bound)
+        raise RuntimeError(f"cannot bind gRPC server to {address}")
+    if host in LOOPBACK:
+        log.info("gRPC on %s:%d (%s), loopback only: pass --host 0.0.0.0 to serve other hosts", host, bound,
+                 tls.describe())
+    else:
+        log.warning("gRPC on %s:%d (%s), NOT loopback: anyone who can reach it can use it%s", host, bound,
+                    tls.describe(), "" if tls.mutual else " (--tls-cert/--tls-key/--tls-ca require certificates)")
     return bound
 
 
 async def start_and_wait(server: grpc.aio.Server, service_names: Sequence[str], role: str, host: str,
-                         port: int, metrics=None, metrics_port: int | None = None) -> int:
+                         port: int, metrics=None, metrics_port: int | None = None,
+                         tls: TLSConfig | None = None, alive: Callable[[], bool] | None = None) -> int:
     """Register health + reflection, bind, start, print the "ready on HOST:PORT" line the launcher and
-    tests wait for, then block until SIGINT/SIGTERM and stop the server gracefully. Returns the port."""
+    tests wait for, then block until SIGINT/SIGTERM and stop the server gracefully. Returns the port.
+
+    ``alive`` (the engine loop's liveness) is polled: when it turns False the service reports NOT_SERVING,
+    drops its streams and raises, so the process exits non-zero instead of hanging every request."""
     if metrics is not None and metrics_port is not None:
         metrics.serve_http(metrics_port, host)
-    await add_health_and_reflection(server, service_names)
-    bound = bind(server, host, port)
+    health = await add_health_and_reflection(server, service_names)
+    bound = bind(server, host, port, tls)
     await server.start()
     print(f"{role} service ready on {host}:{bound}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    watchdog = asyncio.ensure_future(_watch(alive, stop)) if alive is not None else None
     await stop.wait()
+    if watchdog is not None and watchdog.done() and watchdog.result():
+        log.critical("%s service: the engine loop died; exiting so that it can be restarted", role)
+        await health.enter_graceful_shutdown()
+        await server.stop(grace=0)
+        raise RuntimeError(f"{role} service: engine loop thread died (its traceback is above)")
+    if watchdog is not None:
+        watchdog.cancel()
+    await health.enter_graceful_shutdown()
     await server.stop(grace=2)
     return bound
+
+
+async def _watch(alive: Callable[[], bool], stop: asyncio.Event, interval_s: float = 0.5) -> bool:
+    """Set ``stop`` and return True as soon as ``alive()`` is False."""
+    while not stop.is_set():
+        if not alive():
+            stop.set()
+            return True
+        await asyncio.sleep(interval_s)
+    return False

@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from nvfp4_serve.engine_args import add_engine_args, default_model_dir, engine_args_to_argv
+from nvfp4_serve.tls import add_tls_args, tls_argv, tls_from_args
 
 _READY = re.compile(r"ready on (\S+):(\d+)")
 
@@ -64,9 +65,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument("--num-decode", type=int, default=1, help="decode services to start")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
+    p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--log-level", default="info")
+    add_tls_args(p)
     add_engine_args(p)
     return p
 
@@ -112,8 +115,12 @@ def up(argv: list[str] | None = None) -> int:
     if a.num_decode < 1:
         raise SystemExit("--num-decode must be >= 1")
     a.model = a.model or default_model_dir()
+    try:
+        tls = tls_argv(tls_from_args(a))  # the same certificate files for every child (server and client)
+    except ValueError as e:
+        raise SystemExit(f"nvfp4-serve up: {e}") from None
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    common = [*engine_args_to_argv(a), "--log-level", a.log_level]
+    common = [*engine_args_to_argv(a), "--log-level", a.log_level, *tls]
     children: list[Child] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -128,7 +135,9 @@ def up(argv: list[str] | None = None) -> int:
         _wait_ready(children, deadline)
         router_argv = ["-m", "router", "--host", a.host, "--port", str(a.port), "--model-dir", a.model,
                        "--decode-addresses", *[d.address for d in decodes], "--prefill-addresses", prefill.address,
-                       "--log-level", a.log_level]
+                       "--log-level", a.log_level, *tls]
+        if a.metrics_require_key:
+            router_argv.append("--metrics-require-key")
         if a.served_model_name:
             router_argv += ["--served-model-name", a.served_model_name]
         if a.api_key:

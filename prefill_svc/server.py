@@ -18,11 +18,12 @@ async def serve(config: PrefillConfig) -> None:
     engine = Engine(config.engine)
     loop = EngineLoop(engine).start()
     metrics = ServiceMetrics("prefill")
-    worker = PrefillWorker(loop, config.max_message_bytes, metrics, config.debug_transfer_delay_s)
+    worker = PrefillWorker(loop, config.max_message_bytes, metrics, config.debug_transfer_delay_s,
+                           config.debug_header_delay_s)
     server = build_server(config.max_message_bytes)
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
     try:
         await start_and_wait(server, [SERVICE_NAME], "prefill", config.host, config.port, metrics,
-                             config.metrics_port)
+                             config.metrics_port, config.tls, alive=loop.is_alive)
     finally:
         loop.stop()

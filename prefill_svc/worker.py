@@ -4,6 +4,7 @@ turns their pages into the transfer stream: header, page runs layer by layer, fi
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
 from collections.abc import AsyncIterator
@@ -11,7 +12,7 @@ from collections.abc import AsyncIterator
 from engine.engine_loop import EngineLoop
 from engine.request import Request, StepOutput
 from nvfp4_serve.convert import check_token_ids, sampling_from_proto
-from nvfp4_serve.errors import InvalidRequest, ServiceError
+from nvfp4_serve.errors import InvalidRequest, check_request_id, engine_error
 from nvfp4_serve.layout import check_layout, layout_of
 from nvfp4_serve.metrics import ServiceMetrics
 from nvfp4_serve_proto import prefill_pb2
@@ -21,9 +22,12 @@ _HEADER_MARGIN = 4096  # bytes kept free in each message for the protobuf framin
 
 class PrefillWorker:
     def __init__(self, loop: EngineLoop, max_message_bytes: int, metrics: ServiceMetrics,
-                 debug_transfer_delay_s: float = 0.0):
+                 debug_transfer_delay_s: float = 0.0, debug_header_delay_s: float = 0.0):
         self.loop = loop
         self.debug_delay = debug_transfer_delay_s
+        self.debug_header_delay = debug_header_delay_s
+        # Engine request ids are made unique here: callers are independent decode services whose ids may collide.
+        self._seq = itertools.count()
         self.engine = loop.engine
         self.layout = layout_of(self.engine)
         self.metrics = metrics
@@ -35,8 +39,7 @@ class PrefillWorker:
                              f"{max_message_bytes}: lower --page-size or raise the limit")
 
     def _validate(self, request: prefill_pb2.PrefillRequest) -> list[int]:
-        if not request.request_id:
-            raise InvalidRequest("request_id is empty")
+        check_request_id(request.request_id)
         ids = check_token_ids(request.token_ids, self.engine.model_config.vocab_size)
         p = request.prefix_len
         if p < 0 or p % self.page_size or p > len(ids):
@@ -49,7 +52,7 @@ class PrefillWorker:
     async def prefill(self, request: prefill_pb2.PrefillRequest) -> AsyncIterator[prefill_pb2.PrefillMessage]:
         ids = self._validate(request)
         rid = request.request_id
-        req = Request(rid, ids, sampling_from_proto(request.sampling), prefill_only=True)
+        req = Request(f"{rid}#{next(self._seq)}", ids, sampling_from_proto(request.sampling), prefill_only=True)
         aio_loop = asyncio.get_running_loop()
         done: asyncio.Future[StepOutput] = aio_loop.create_future()
 
@@ -63,8 +66,10 @@ class PrefillWorker:
         try:
             out = await done
             if out.error or out.finish_reason != "prefill":
-                raise ServiceError(out.error or f"prefill ended with {out.finish_reason}")
+                raise engine_error(out.error or f"prefill ended with {out.finish_reason}")
             self.metrics.ttft.observe(time.perf_counter() - t0)
+            if self.debug_header_delay:
+                await asyncio.sleep(self.debug_header_delay)
             first_page = request.prefix_len // self.page_size
             num_pages = math.ceil(len(ids) / self.page_size) - first_page
             yield prefill_pb2.PrefillMessage(request_id=rid, header=prefill_pb2.TransferHeader(
@@ -90,4 +95,4 @@ class PrefillWorker:
             self.metrics.requests.labels("failed").inc()
             raise
         finally:
-            self.loop.abort(rid)  # frees (or caches) its transient pages whatever ended the stream
+            self.loop.abort(req.rid)  # frees (or caches) its transient pages whatever ended the stream

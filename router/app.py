@@ -99,7 +99,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error on %s %s", request.method, request.url.path)
+        # the exception's text might quote request content: above debug level only its type is logged
+        log.error("internal error on %s %s: %s (traceback at debug level)", request.method, request.url.path,
+                  type(exc).__name__)
+        log.debug("internal error on %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(OpenAIError(500, f"internal server error: {type(exc).__name__}"))
 
 
@@ -185,5 +188,6 @@ def serve(config: RouterConfig) -> None:
                     "" if config.api_key else " WITHOUT an API key (--api-key)")
     else:
         log.info("router binds to %s only (pass --host 0.0.0.0 to serve other hosts)", config.host)
+    log.info("gRPC links to the workers: %s", config.tls.describe())
     uvicorn.run(create_app(config), host=config.host, port=config.port, loop=loop, log_level=config.log_level,
                 timeout_graceful_shutdown=5)

@@ -13,6 +13,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from nvfp4_serve.tls import TLSConfig
+
 API_KEY_ENV = "NVFP4_SERVE_API_KEY"  # read when --api-key is absent (keeps the key out of `ps`)
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -62,6 +64,10 @@ class RouterConfig:
     tree_max_tokens: int = field(
         default=1 << 21, metadata=_opt("tokens the router's prefix tree keeps per decode worker"))
     grpc_max_message_bytes: int = field(default=64 << 20, metadata=_opt("gRPC send/receive message limit"))
+    tls_cert: str = field(default="", metadata=_opt("PEM client certificate for the gRPC links (enables TLS)"))
+    tls_key: str = field(default="", metadata=_opt("PEM private key of --tls-cert"))
+    tls_ca: str = field(default="", metadata=_opt("PEM CA that signs the workers' certificates"))
+    tls_server_name: str = field(default="", metadata=_opt("verify workers against this name, not their host"))
     log_level: str = field(default="info", metadata=_opt("log level: " + "|".join(_LOG_LEVELS)))
 
     def __post_init__(self) -> None:
@@ -100,6 +106,12 @@ class RouterConfig:
             raise ValueError(f"--balance-rel-threshold must be >= 1, got {self.balance_rel_threshold}")
         if self.log_level not in _LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {_LOG_LEVELS}, got {self.log_level!r}")
+        self.tls  # noqa: B018 - validates the TLS files and their combination
+
+    @property
+    def tls(self) -> TLSConfig:
+        """The client side of the router's gRPC links (plaintext when no certificate is given)."""
+        return TLSConfig(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca, server_name=self.tls_server_name)
 
     @property
     def model_name(self) -> str:

@@ -24,6 +24,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from nvfp4_serve.tls import open_channel
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -71,7 +72,7 @@ class Worker:
 
     def open(self) -> None:
         """Create the channel (inside the running event loop: grpc.aio binds channels to it)."""
-        self._channel = grpc.aio.insecure_channel(self.address, options=channel_options(self._config))
+        self._channel = open_channel(self.address, self._config.tls, channel_options(self._config))
         stub_cls = decode_pb2_grpc.DecodeStub if self.role == "decode" else prefill_pb2_grpc.PrefillStub
         self._stub = stub_cls(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

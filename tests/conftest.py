@@ -4,13 +4,20 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run tests marked slow (e.g. the 1,000-request soak); skipped by default")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    skip_slow = pytest.mark.skip(reason="slow: pass --run-slow to run it")
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    cuda = torch.cuda.is_available()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
+            item.add_marker(skip_slow)
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(skip_gpu)
 
 
 @pytest.fixture(scope="session")
