@@ -56,13 +56,18 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         mc, cc = self.model_config, config.cache
         n_layers = mc.num_hidden_layers
-        self.k_scales = _per_layer(cc.k_scales, loaded.kv_scales, "k", n_layers)
-        self.v_scales = _per_layer(cc.v_scales, loaded.kv_scales, "v", n_layers)
+        # Checkpoint k_scale/v_scale are FP8 scales (amax / 448, the vLLM/ModelOpt convention): an nvfp4
+        # pool uses them for its FP8 workspace and scale / 6 (= amax / (6 * 448)) as its global scale.
+        ckpt = loaded.kv_scales if cc.k_scales is None and cc.v_scales is None else None
+        pool_div = 6.0 if cc.kv_dtype == "nvfp4" else 1.0
+        ckpt_pool = {key: [x / pool_div for x in vals] for key, vals in ckpt.items()} if ckpt else None
+        self.k_scales = _per_layer(cc.k_scales, ckpt_pool, "k", n_layers)
+        self.v_scales = _per_layer(cc.v_scales, ckpt_pool, "v", n_layers)
         if cc.kv_dtype == "fp8_e4m3":
             ws_k, ws_v = self.k_scales, self.v_scales  # the workspace holds the pool's own FP8 bytes
         else:
-            ws_k = _per_layer(cc.ws_k_scales, None, "k", n_layers)
-            ws_v = _per_layer(cc.ws_v_scales, None, "v", n_layers)
+            ws_k = _per_layer(cc.ws_k_scales, ckpt, "k", n_layers)
+            ws_v = _per_layer(cc.ws_v_scales, ckpt, "v", n_layers)
         self.max_context_len = mc.max_context_len
         num_pages, ws_tokens = self._size_pool()
         self.pool = KVPool(cc.kv_dtype, n_layers, num_pages, cc.page_size, mc.num_key_value_heads, mc.head_dim,

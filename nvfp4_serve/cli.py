@@ -1,4 +1,5 @@
-"""The `nvfp4-serve` command: `up` (all in one), or one service: `prefill`, `decode`, `router`."""
+"""The `nvfp4-serve` command: `up` (all in one), one service (`prefill`, `decode`, `router`), or a tool
+(`calibrate`, `eval`, `bench`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ commands:
   prefill   one prefill gRPC service        (same as: python -m prefill_svc)
   decode    one decode gRPC service         (same as: python -m decode_svc)
   router    the OpenAI-compatible gateway   (same as: python -m router)
+  calibrate per-layer KV global scales from calibration text (for --kv-scales FILE)
+  eval      KV-cache accuracy on held-out text: perplexity, KL vs bf16, greedy agreement
+  bench     serving benchmark through the OpenAI API (run | sweep | plot; python -m benchmarks.serving)
 
 `nvfp4-serve COMMAND --help` lists each command's options."""
 
@@ -31,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         from decode_svc.__main__ import main as run
     elif cmd == "router":
         from router.__main__ import main as run
+    elif cmd == "calibrate":
+        from engine.calibration import main as run
+    elif cmd == "eval":
+        from engine.evaluation import main as run
+    elif cmd == "bench":
+        from benchmarks.serving.__main__ import main as run
     else:
         print(f"nvfp4-serve: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

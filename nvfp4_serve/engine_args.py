@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kernels.kv_layout import KV_DTYPES
@@ -23,6 +24,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--attention-backend", default="auto", help="auto, reference, triton")
     g.add_argument("--kv-cache-dtype", default=c.kv_dtype, choices=KV_DTYPES)
+    g.add_argument("--kv-scales", default=None, metavar="FILE",
+                   help="per-layer K/V global scales from `nvfp4-serve calibrate` (nvfp4 pools take its "
+                        "nvfp4 scales and its fp8 scales for the FP8 workspace, fp8_e4m3 pools its fp8 "
+                        "scales); default: the checkpoint's k_scale/v_scale, else 1.0")
     g.add_argument("--page-size", type=int, default=c.page_size)
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV pool capacity in tokens")
     g.add_argument("--mem-fraction-static", type=float, default=c.mem_fraction_static,
@@ -37,13 +42,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
+def kv_scales_for(path: str, model_dir: str, kv_dtype: str) -> dict[str, tuple[float, ...]]:
+    """``CacheConfig`` scale arguments from a ``--kv-scales`` file checked against the model's fingerprint."""
+    from engine.calibration import KVScales
+    from engine.loader import model_fingerprint
+
+    return KVScales.load(path, model_fingerprint(model_dir)).cache_scales(kv_dtype)
+
+
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """The engine config of parsed engine options. Scale precedence (per layer, K and V): the
+    ``--kv-scales`` file, else the checkpoint's k_scale/v_scale, else 1.0 (``engine.engine``)."""
+    model_dir = a.model or default_model_dir()
+    scales = kv_scales_for(a.kv_scales, model_dir, a.kv_cache_dtype) if a.kv_scales else {}
     cache = CacheConfig(kv_dtype=a.kv_cache_dtype, page_size=a.page_size, max_total_tokens=a.max_total_tokens,
-                        mem_fraction_static=a.mem_fraction_static, workspace_tokens=a.workspace_tokens)
+                        mem_fraction_static=a.mem_fraction_static, workspace_tokens=a.workspace_tokens,
+                        **scales)
     sched = SchedulerConfig(max_running_requests=a.max_running_requests, chunk_size=a.chunk_size,
                             max_waiting_requests=a.max_waiting_requests,
                             local_extend_min_cached_ratio=a.local_extend_min_cached_ratio)
-    return EngineConfig(model_dir=a.model or default_model_dir(), device=a.device, dtype=a.dtype,
+    return EngineConfig(model_dir=model_dir, device=a.device, dtype=a.dtype,
                         attention_backend=a.attention_backend, cache=cache, scheduler=sched, seed=a.seed)
 
 
@@ -52,6 +70,7 @@ def engine_args_to_argv(a: argparse.Namespace) -> list[str]:
     out = []
     for flag, key in [("--model", "model"), ("--device", "device"), ("--dtype", "dtype"),
                       ("--attention-backend", "attention_backend"), ("--kv-cache-dtype", "kv_cache_dtype"),
+                      ("--kv-scales", "kv_scales"),
                       ("--page-size", "page_size"), ("--max-total-tokens", "max_total_tokens"),
                       ("--mem-fraction-static", "mem_fraction_static"), ("--workspace-tokens", "workspace_tokens"),
                       ("--chunked-prefill-size", "chunk_size"), ("--max-running-requests", "max_running_requests"),
@@ -59,5 +78,6 @@ def engine_args_to_argv(a: argparse.Namespace) -> list[str]:
                       ("--local-extend-min-cached-ratio", "local_extend_min_cached_ratio"), ("--seed", "seed")]:
         v = getattr(a, key)
         if v is not None:
-            out += [flag, str(v)]
+            # children may run elsewhere in the tree: pass the scales file as an absolute path
+            out += [flag, str(Path(v).resolve()) if key == "kv_scales" else str(v)]
     return out
