@@ -38,7 +38,7 @@ def test_compose_commands_parse_with_the_real_cli_parsers():
     from router.config import build_arg_parser as router_parser
 
     parsers = {"prefill": prefill_parser, "decode": decode_parser, "router": router_parser}
-    for name, svc in load_compose()["services"].items():
+    for svc in load_compose()["services"].values():
         cmd = [re.sub(r"\$\{(\w+):-([^}]*)\}", r"\2", c) for c in svc["command"]]
         parsers[cmd[0]]().parse_args(cmd[1:])  # raises SystemExit on an unknown or bad option
 
