@@ -36,9 +36,6 @@ from engine.evaluation_report import mean_se, render_markdown
 from engine.model import AttnFn
 from engine.sampling import SamplingParams
 from engine.synthetic_kv import synthetic_attention_error
-from kernels.backends.reference import ReferenceBackend
-from kernels.kv_layout import LayerKV
-from kernels.nvfp4_block_select import quantize_block_select
 
 
 @dataclass(frozen=True)
@@ -93,24 +90,6 @@ class EvalConfig:
             )
 
 
-class BlockSelectBackend(ReferenceBackend):
-    """The reference backend, except that NVFP4 pool writes use ``quantize_block_select`` (same decode)."""
-
-    name = "reference+block-select"
-
-    def write_kv(self, layer: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if layer.kv_dtype != "nvfp4":
-            return super().write_kv(layer, slots, k, v)
-        slots = slots.long()
-        for x, data_t, sf_t, scale in (
-            (k, layer.k, layer.k_sf, layer.k_scale),
-            (v, layer.v, layer.v_sf, layer.v_scale),
-        ):
-            data, sf = quantize_block_select(x, scale)
-            data_t.view(-1, *data_t.shape[2:])[slots] = data
-            sf_t.view(torch.uint8).view(-1, *sf_t.shape[2:])[slots] = sf.view(torch.uint8)
-
-
 def make_engine(
     cfg: EvalConfig, variant: KVVariant, scales: KVScales, pool_tokens: int, chunk: int
 ) -> Engine:
@@ -134,12 +113,11 @@ def make_engine(
             model_dir=cfg.model_dir,
             device=cfg.device,
             dtype=cfg.dtype,
+            attention_backend="reference-block-select" if variant.block_select else "reference",
             cache=cache,
             scheduler=SchedulerConfig(chunk_size=chunk),
         )
     )
-    if variant.block_select:
-        engine.backend = engine.paths.backend = BlockSelectBackend()
     return engine
 
 

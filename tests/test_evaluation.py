@@ -11,7 +11,6 @@ import torch
 from engine.calibration import KVScales, calibrate
 from engine.evaluation import (
     VARIANTS,
-    BlockSelectBackend,
     ContextSpec,
     EvalConfig,
     KVVariant,
@@ -25,6 +24,7 @@ from engine.evaluation_report import render_markdown
 from engine.loader import model_fingerprint
 from engine.synthetic_kv import synthetic_attention_error, synthetic_kv
 from kernels import nvfp4
+from kernels.backends.block_select import BlockSelectBackend
 from kernels.kv_layout import LayerKV
 from kernels.nvfp4_block_select import quantize_block_select
 from tests.engine_reference import PathReference
@@ -204,3 +204,17 @@ def test_uncalibrated_variants_ignore_checkpoint_scales(tmp_path):
     assert cal.k_scales == [1.0, 1.0] and cal.pool.layers[0].ws_k_scale == 6.0
     pool_only = make_engine(cfg, KVVariant("p", "nvfp4", calibrated=True, pool_only=True), scales, 64, 16)
     assert pool_only.pool.layers[0].ws_k_scale == 1.0
+
+
+def test_block_select_is_a_serving_option_by_backend_name(tiny_model_dir):
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    eng = Engine(EngineConfig(model_dir=tiny_model_dir, device="cpu", dtype="float32",
+                              attention_backend="reference-block-select",
+                              cache=CacheConfig(kv_dtype="nvfp4", page_size=4, max_total_tokens=512)))
+    assert isinstance(eng.backend, BlockSelectBackend)
+    out = eng.generate([list(range(5, 40))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+    eng.check_integrity()

@@ -10,6 +10,7 @@ from kernels.backends.base import AttentionBackend
 
 _BACKENDS: dict[str, str] = {
     "reference": "kernels.backends.reference:ReferenceBackend",
+    "reference-block-select": "kernels.backends.block_select:BlockSelectBackend",
     "triton": "kernels.backends.triton_backend:TritonBackend",
 }
 
