@@ -58,12 +58,37 @@ def _spawn(name: str, argv: list[str], env: dict[str, str]) -> Child:
     return child
 
 
+def gpu_envs(env: dict[str, str], prefill_gpus: str | None, decode_gpus: str | None,
+             num_decode: int) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """Child environments placing the prefill and each decode service on their GPUs (CUDA_VISIBLE_DEVICES);
+    None leaves a child's visibility as inherited. Decode i gets the (i mod count)-th decode id."""
+    def parse(spec: str, flag: str) -> list[str]:
+        ids = [x.strip() for x in spec.split(",") if x.strip()]
+        if not ids or not all(x.isdigit() for x in ids):
+            raise SystemExit(f"{flag} takes GPU ids like 0 or 1,2, got {spec!r}")
+        return ids
+
+    prefill_env = dict(env)
+    if prefill_gpus is not None:
+        prefill_env["CUDA_VISIBLE_DEVICES"] = ",".join(parse(prefill_gpus, "--prefill-gpus"))
+    decode_envs = [dict(env) for _ in range(num_decode)]
+    if decode_gpus is not None:
+        ids = parse(decode_gpus, "--decode-gpus")
+        for i, e in enumerate(decode_envs):
+            e["CUDA_VISIBLE_DEVICES"] = ids[i % len(ids)]
+    return prefill_env, decode_envs
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("nvfp4-serve up", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="router bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument("--num-decode", type=int, default=1, help="decode services to start")
+    p.add_argument("--prefill-gpus", default=None,
+                   help="GPU ids for the prefill service, e.g. 0 (sets its CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--decode-gpus", default=None,
+                   help="GPU ids for the decode services, e.g. 1 or 1,2 (decode i gets id i mod count)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
     p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
     p.add_argument("--served-model-name", default=None)
@@ -127,9 +152,10 @@ def up(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         deadline = time.monotonic() + a.startup_timeout
-        prefill = _spawn("prefill", ["-m", "prefill_svc", "--port", str(free_port()), *common], env)
+        prefill_env, decode_envs = gpu_envs(env, a.prefill_gpus, a.decode_gpus, a.num_decode)
+        prefill = _spawn("prefill", ["-m", "prefill_svc", "--port", str(free_port()), *common], prefill_env)
         children.append(prefill)
-        decodes = [_spawn(f"decode-{i}", ["-m", "decode_svc", "--port", str(free_port()), *common], env)
+        decodes = [_spawn(f"decode-{i}", ["-m", "decode_svc", "--port", str(free_port()), *common], decode_envs[i])
                    for i in range(a.num_decode)]
         children += decodes
         _wait_ready(children, deadline)
