@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from nvfp4_serve.engine_args import add_engine_args, engine_config_from_args
+from nvfp4_serve.service_main import add_server_args
 from nvfp4_serve.tls import TLSConfig, add_tls_args, tls_from_args
 
 
@@ -46,10 +47,7 @@ class DecodeConfig:
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("nvfp4-serve decode", description="Run the decode gRPC service.")
-    p.add_argument("--host", default=DecodeConfig.host, help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=DecodeConfig.port)
-    p.add_argument("--max-message-bytes", type=int, default=DecodeConfig.max_message_bytes)
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics over HTTP here")
+    add_server_args(p, DecodeConfig)
     t = Timeouts()
     g = p.add_argument_group("deadlines (seconds)")
     g.add_argument("--admission-timeout", type=float, default=t.admission_s)

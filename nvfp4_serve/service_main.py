@@ -26,3 +26,11 @@ def run_service(parser: argparse.ArgumentParser, to_config: Callable, serve: Cal
         pass
     asyncio.run(serve(config))
     return 0
+
+
+def add_server_args(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    """The flags every gRPC service shares, defaults taken from its config dataclass."""
+    parser.add_argument("--host", default=config_cls.host, help="bind address (default loopback only)")
+    parser.add_argument("--port", type=int, default=config_cls.port)
+    parser.add_argument("--max-message-bytes", type=int, default=config_cls.max_message_bytes)
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics over HTTP here")

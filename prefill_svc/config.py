@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from nvfp4_serve.engine_args import add_engine_args, engine_config_from_args
+from nvfp4_serve.service_main import add_server_args
 from nvfp4_serve.tls import TLSConfig, add_tls_args, tls_from_args
 
 
@@ -33,10 +34,7 @@ class PrefillConfig:
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("nvfp4-serve prefill", description="Run the prefill gRPC service.")
-    p.add_argument("--host", default=PrefillConfig.host, help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=PrefillConfig.port)
-    p.add_argument("--max-message-bytes", type=int, default=PrefillConfig.max_message_bytes)
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics over HTTP here")
+    add_server_args(p, PrefillConfig)
     p.add_argument("--debug-header-delay-s", type=float, default=0.0,
                    help="testing only: sleep before the transfer header (to trip the decode's first-message deadline)")
     p.add_argument("--debug-transfer-delay-s", type=float, default=0.0,
