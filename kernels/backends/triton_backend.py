@@ -32,7 +32,7 @@ from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_ke
 
 _LOG2E = math.log2(math.e)
 _QUANT_BLOCK_ROWS = 32
-_MIN_SPLIT_TOKENS = 1024
+_MIN_SPLIT_TOKENS = 256
 
 
 @dataclass(frozen=True)
