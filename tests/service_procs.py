@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -129,3 +130,52 @@ def restart(proc: Proc, timeout: float = 120.0) -> Proc:
     cmd = list(proc.cmd)
     cmd[cmd.index("--port") + 1] = str(proc.port)
     return _Launch(proc.name, cmd, proc.env, _READY).wait(time.monotonic() + timeout)
+
+
+class Launched:
+    """`nvfp4-serve up` on a free port on the CPU, as a user runs it; waits for its ready line."""
+
+    def __init__(self, *args: str) -> None:
+        from nvfp4_serve.launcher import free_port as _free_port
+
+        self.port = _free_port()
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen([sys.executable, "-m", "nvfp4_serve.cli", "up", "--port", str(self.port),
+                                      "--device", "cpu", "--dtype", "float32", *args], cwd=ROOT, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+        if not self.ready.wait(180) or self.proc.poll() is not None:
+            self.proc.kill()
+            raise RuntimeError("deployment did not start:\n" + "".join(self.lines))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "nvfp4-serve ready" in line:
+                self.ready.set()
+        self.ready.set()
+
+    def address(self, role: str) -> str:
+        """host:port of the child named ``role`` (prefill, decode-0, ...)."""
+        return next(m.group(1) for line in self.lines if (m := re.search(rf"\[{role}\] .*ready on (\S+)", line)))
+
+    def decode_addresses(self) -> list[str]:
+        return [m.group(1) for line in self.lines if (m := re.search(r"\[decode-\d+\] .*ready on (\S+)", line))]
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self) -> int:
+        """Ctrl-C (SIGINT) and wait; returns the launcher's exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

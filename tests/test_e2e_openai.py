@@ -5,56 +5,26 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import subprocess
-import sys
-import threading
 import time
 
 import grpc
 import pytest
 
-from nvfp4_serve.launcher import free_port
 from nvfp4_serve_proto import common_pb2, decode_pb2_grpc
+from tests.service_procs import Launched
 
 openai = pytest.importorskip("openai")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class Deployment:
+class Deployment(Launched):
+    """A launched deployment plus the official client on its /v1."""
+
     def __init__(self, *args: str):
-        self.port = free_port()
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nvfp4_serve.cli", "up", "--port", str(self.port), "--device", "cpu",
-             "--dtype", "float32", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-        if not self.ready.wait(180) or self.proc.poll() is not None:
-            self.proc.kill()
-            raise RuntimeError("deployment did not start:\n" + "".join(self.lines))
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0)
+        super().__init__(*args)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
         self.model = self.client.models.list().data[0].id
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if "nvfp4-serve ready" in line:
-                self.ready.set()
-        self.ready.set()
-
-    def decode_addresses(self) -> list[str]:
-        return [m.group(1) for line in self.lines if (m := re.search(r"\[decode-\d+\] .*ready on (\S+)", line))]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
-import os
 import re
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import grpc
@@ -24,9 +20,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from nvfp4_serve.launcher import free_port
 from nvfp4_serve.tls import TLSConfig, tls_argv
 from nvfp4_serve_proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tests.service_procs import Launched
 
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "sk-test-4f1c9b"
@@ -90,43 +86,6 @@ def pki(tmp_path_factory):
 
 
 # -- the deployment -----------------------------------------------------------------------------------------------
-
-class Launched:
-    def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen([sys.executable, "-m", "nvfp4_serve.cli", "up", "--port", str(self.port),
-                                      "--device", "cpu", "--dtype", "float32", *args], cwd=ROOT, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-        if not self.ready.wait(180) or self.proc.poll() is not None:
-            self.proc.kill()
-            raise RuntimeError("deployment did not start:\n" + "".join(self.lines))
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if "nvfp4-serve ready" in line:
-                self.ready.set()
-        self.ready.set()
-
-    def address(self, role: str) -> str:
-        return next(m.group(1) for line in self.lines if (m := re.search(rf"\[{role}\] .*ready on (\S+)", line)))
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
 
 @pytest.fixture(scope="module")
 def deployment(tiny_model_dir, pki):
