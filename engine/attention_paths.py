@@ -24,7 +24,7 @@ import torch
 
 from engine.kv_pool import KVPool
 from kernels import fp8
-from kernels.backends.base import AttentionBackend
+from kernels.backends.base import AttentionBackend, DecodeOptions, DecodePlan
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 LayerHook = Callable[[int], None]
@@ -123,16 +123,26 @@ class AttentionPaths:
         return fp8.quantize(x, scale)
 
     # -- path 3 --------------------------------------------------------------------------------
-    def decode(self, page_table: torch.Tensor, seq_lens: torch.Tensor, out_slots: torch.Tensor) -> AttnFn:
-        """Plan a decode batch: page_table [B, max_pages] int32, seq_lens [B] int32 (current token
-        included), out_slots [B] int64 (where the current token's K/V go)."""
+    def plan_decode(self, page_table: torch.Tensor, seq_lens: torch.Tensor, q_dtype: torch.dtype,
+                    static: bool = False) -> DecodePlan:
+        """Plan a decode batch: page_table [B, max_pages] int32, seq_lens [B] int32 (current token included).
+        ``static``: fixed buffers for a captured forward (see ``AttentionBackend.refresh_decode_plan``)."""
         layer0 = self.pool.layers[0]
-        plan = self.backend.plan_decode(page_table, seq_lens, self.num_qo_heads, layer0.num_kv_heads,
-                                        layer0.head_dim, layer0.page_size)
+        opts = DecodeOptions(self.pool.kv_dtype, q_dtype, self.sm_scale, static,
+                             self.pool.num_pages + self.pool.scratch_pages + page_table.shape[0])
+        return self.backend.plan_decode(page_table, seq_lens, self.num_qo_heads, layer0.num_kv_heads,
+                                        layer0.head_dim, layer0.page_size, options=opts)
 
+    def decode_attn(self, plan: DecodePlan, out_slots: torch.Tensor) -> AttnFn:
+        """The AttnFn of a planned decode batch; out_slots [B] int64 (where the current token's K/V go)."""
         def attn(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             layer = self.pool.layers[layer_id]
             self.backend.write_kv(layer, out_slots, k, v)
             return self.backend.decode(plan, q, layer, self.sm_scale)
 
         return attn
+
+    def decode(self, page_table: torch.Tensor, seq_lens: torch.Tensor, out_slots: torch.Tensor,
+               q_dtype: torch.dtype = torch.bfloat16) -> AttnFn:
+        """``plan_decode`` + ``decode_attn`` for one eager decode forward."""
+        return self.decode_attn(self.plan_decode(page_table, seq_lens, q_dtype), out_slots)

@@ -81,10 +81,19 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+    # Serve only the first N decoder layers (quick benchmark runs of a large checkpoint); None -> all.
+    num_layers: int | None = None
+    # Decode under CUDA graphs (CUDA only): batches up to cuda_graph_max_bs rows replay captured graphs.
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"--num-layers must be >= 1 (or left out to serve every layer), got {self.num_layers}")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -18,6 +18,7 @@ import torch
 
 from engine.attention_paths import AttentionPaths
 from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphRunner, max_width_pages
 from engine.integrity import IntegrityReport
 from engine.kv_pool import KVPool, PoolCapacity
 from engine.loader import load_model
@@ -51,7 +52,7 @@ class Engine:
         self.config = config
         self.device = torch.device(config.resolved_device())
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        loaded = load_model(config.model_dir, device=self.device, dtype=dtype)
+        loaded = load_model(config.model_dir, device=self.device, dtype=dtype, num_layers=config.num_layers)
         self.model, self.model_config, self.fingerprint = loaded.model, loaded.config, loaded.fingerprint
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         mc, cc = self.model_config, config.cache
@@ -72,21 +73,26 @@ class Engine:
         num_pages, ws_tokens = self._size_pool()
         self.pool = KVPool(cc.kv_dtype, n_layers, num_pages, cc.page_size, mc.num_key_value_heads, mc.head_dim,
                            device=self.device, k_scales=self.k_scales, v_scales=self.v_scales,
-                           ws_k_scales=ws_k, ws_v_scales=ws_v)
+                           ws_k_scales=ws_k, ws_v_scales=ws_v, scratch_pages=1)
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(cc.page_size, self.allocator)
         self.backend = get_backend(config.attention_backend, self.device)
         self.paths = AttentionPaths(self.pool, self.backend, ws_tokens, mc.num_attention_heads,
                                     mc.head_dim ** -0.5, self.device)
-        self.runner = ModelRunner(self.model, self.paths, self.device)
+        graphs = None
+        if self.device.type == "cuda" and not config.disable_cuda_graph:
+            graphs = DecodeGraphRunner(self.model, self.paths, self.device,
+                                       min(config.cuda_graph_max_bs, config.scheduler.max_running_requests),
+                                       max_width_pages(self.max_context_len, cc.page_size), capture=True)
+        self.runner = ModelRunner(self.model, self.paths, self.device, graphs)
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids or ())
         self.scheduler = Scheduler(self.runner, self.allocator, self.cache, cc.page_size, config.scheduler,
                                    self.max_context_len, ws_tokens, eos, self.device)
         cap = self.capacity()
         log.info("KV pool: %s, %d pages x %d tokens = %d tokens, %.2f GiB; workspace %d tokens (%.1f MiB); "
-                 "backend %s on %s", cap.kv_dtype, cap.num_pages, cap.page_size, cap.max_tokens,
+                 "backend %s on %s; decode CUDA graphs: %s", cap.kv_dtype, cap.num_pages, cap.page_size, cap.max_tokens,
                  cap.total_bytes / 2**30, ws_tokens, self.paths.workspace_bytes / 2**20, self.backend.name,
-                 self.device)
+                 self.device, f"up to batch {graphs.max_batch}" if graphs else "off")
         self._ids = itertools.count()
 
     def _size_pool(self) -> tuple[int, int]:

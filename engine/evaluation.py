@@ -155,7 +155,7 @@ def teacher_forced_logprobs(
             ids = torch.tensor([w[pos] for w in windows], device=dev)
             seq_lens = torch.full((n,), pos + 1, dtype=torch.int32, device=dev)
             slots = torch.cat([engine.pool.slots_for(p, pos, pos + 1) for p in pages]).to(dev)
-            attn = hooked(engine.paths.decode(table, seq_lens, slots))
+            attn = hooked(engine.paths.decode(table, seq_lens, slots, engine.model.dtype))
             hidden = model(ids, torch.full((n,), pos, device=dev), attn)
             out[:, t] = torch.log_softmax(model.compute_logits(hidden), dim=-1).cpu()
     finally:

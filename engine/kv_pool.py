@@ -111,6 +111,7 @@ class KVPool:
         v_scales: Sequence[float] | None = None,
         ws_k_scales: Sequence[float] | None = None,
         ws_v_scales: Sequence[float] | None = None,
+        scratch_pages: int = 0,
     ) -> None:
         validate_geometry(kv_dtype, num_layers, page_size, num_kv_heads, head_dim)
         if num_pages < 1:
@@ -136,11 +137,17 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.device = torch.device(device)
+        if scratch_pages < 0:
+            raise ValueError(f"scratch_pages must be >= 0, got {scratch_pages}")
+        # Pages [num_pages, num_pages + scratch_pages) exist in the tensors but never in the allocator:
+        # padded rows of a captured decode batch write and read them, so no real page is touched.
+        self.scratch_pages = scratch_pages
 
         dtype = _STORAGE_DTYPE[kv_dtype]
         d = head_dim // 2 if kv_dtype == "nvfp4" else head_dim
-        shape = (num_pages, page_size, num_kv_heads, d)
-        sf_shape = (num_pages, page_size, num_kv_heads, head_dim // 16)
+        total = num_pages + scratch_pages
+        shape = (total, page_size, num_kv_heads, d)
+        sf_shape = (total, page_size, num_kv_heads, head_dim // 16)
         self.layers: list[LayerKV] = []
         for i in range(num_layers):
             sf = kv_dtype == "nvfp4"
@@ -152,6 +159,13 @@ class KVPool:
                 v_sf=torch.empty(sf_shape, dtype=torch.float8_e4m3fn, device=self.device) if sf else None,
                 k_scale=k_scales[i], v_scale=v_scales[i], ws_k_scale=ws_k[i], ws_v_scale=ws_v[i],
             ))
+
+    @property
+    def scratch_page(self) -> int:
+        """The first scratch page id (never allocated); only valid when ``scratch_pages > 0``."""
+        if not self.scratch_pages:
+            raise ValueError("this pool was built without scratch pages")
+        return self.num_pages
 
     # -- sizes ---------------------------------------------------------------------------------
     @property

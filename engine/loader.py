@@ -5,6 +5,10 @@ Tensors are read one at a time (``safe_open``), cast to the model dtype and copi
 one tensor. Every target must be filled exactly once; anything else in the checkpoint that is
 not a known extra (rotary caches, KV-cache scales) is an error, so that e.g. a weight-quantized
 checkpoint is refused instead of silently mis-loaded.
+
+``num_layers=N`` serves only the first N decoder layers (quick benchmark runs of a large model): the
+other layers' tensors and KV-cache scales are skipped unread, the returned config says N layers, and
+the fingerprint names N, so a prefill and a decode service built with different N refuse each other.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import math
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +33,7 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # model.layers.{i}.self_attn[.attn].{k,v}_scale, or modelopt's ...self_attn.{k,v}_proj.output_scale
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(?:([kv])_scale|([kv])_proj\.output_scale)$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|self_attn\.(?:attn\.)?(?:q|prob)_scale)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -100,11 +105,28 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     return header
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
-    """16 hex digits over config.json (canonical JSON) and every tensor's (name, shape, dtype)."""
+def served_num_layers(config: ModelConfig, num_layers: int | None, model_dir: str | Path) -> int:
+    """The decoder layers served: ``num_layers`` (checked against the checkpoint's), or all of them."""
+    if num_layers is None:
+        return config.num_hidden_layers
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or \
+            not 1 <= num_layers <= config.num_hidden_layers:
+        raise ValueError(f"--num-layers must be in 1..{config.num_hidden_layers} (the checkpoint {model_dir} has "
+                         f"{config.num_hidden_layers} decoder layers), got {num_layers!r}")
+    return num_layers
+
+
+def model_fingerprint(model_dir: str | Path, num_layers: int | None = None) -> str:
+    """16 hex digits over config.json (canonical JSON) and every tensor's (name, shape, dtype).
+
+    ``num_layers`` fewer than the checkpoint's layers (see ``load_model``) enters the digest; all of them
+    (or None) gives the checkpoint's own fingerprint."""
     model_dir = Path(model_dir)
-    ModelConfig.from_dir(model_dir)  # same errors as load_model for a bad directory
+    model_config = ModelConfig.from_dir(model_dir)  # same errors as load_model for a bad directory
+    served = served_num_layers(model_config, num_layers, model_dir)
     digest = hashlib.sha256()
+    if served != model_config.num_hidden_layers:
+        digest.update(f"num_layers={served}\n".encode())
     config = json.loads((model_dir / "config.json").read_text())
     digest.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
     tensors = []
@@ -117,10 +139,13 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 
 def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
-               dtype: torch.dtype | str | None = None) -> LoadedModel:
-    """Build ``CausalLM`` on ``device`` in ``dtype`` and fill it from the checkpoint in ``model_dir``."""
+               dtype: torch.dtype | str | None = None, num_layers: int | None = None) -> LoadedModel:
+    """Build ``CausalLM`` on ``device`` in ``dtype`` and fill it from the checkpoint in ``model_dir``;
+    ``num_layers`` keeps only the first N decoder layers (None: all; see the module docstring)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
+    checkpoint_layers = config.num_hidden_layers
+    config = replace(config, num_hidden_layers=served_num_layers(config, num_layers, model_dir))
     files = weight_files(model_dir)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
@@ -135,6 +160,9 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                layer = _LAYER.match(name)
+                if layer and config.num_hidden_layers <= int(layer.group(1)) < checkpoint_layers:
+                    continue  # a layer past the --num-layers override: not read
                 m = _KV_SCALE.match(name)
                 if m:
                     value = f.get_tensor(name).float()
@@ -174,7 +202,8 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
         problems.append(f"unexpected tensors (quantized or unsupported checkpoint?): {', '.join(sorted(unexpected))}")
     if problems:
         raise ValueError(f"checkpoint {model_dir} does not match {config.architecture}: " + " | ".join(problems))
-    return LoadedModel(model, config, _kv_scales(scales, config, model_dir), model_fingerprint(model_dir))
+    return LoadedModel(model, config, _kv_scales(scales, config, model_dir),
+                       model_fingerprint(model_dir, num_layers))
 
 
 def _kv_scales(scales: dict[str, dict[int, float]], config: ModelConfig,

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.attention_paths import AttentionPaths, ExtendSeq, LayerHook
+from engine.decode_graphs import DecodeGraphRunner
 from engine.model import CausalLM
 from engine.request import Request
 from engine.sampling import sample
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, paths: AttentionPaths, device: torch.device):
+    def __init__(self, model: CausalLM, paths: AttentionPaths, device: torch.device,
+                 graphs: DecodeGraphRunner | None = None):
         self.model = model
         self.paths = paths
         self.device = device
+        self.graphs = graphs  # fixed-buffer (CUDA graph) decode; None: every decode step runs eagerly
+        self._tables = PageTableRows()
 
     @torch.inference_mode()
     def extend(
@@ -47,20 +52,65 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, reqs: Sequence[Request]) -> list[int]:
         """One token per request: write the K/V of its last token at position kv_len, sample the next."""
-        page_size = self.paths.pool.layers[0].page_size
-        max_pages = max(len(r.page_ids) for r in reqs)
-        table = torch.zeros((len(reqs), max_pages), dtype=torch.int32)
-        for i, r in enumerate(reqs):
-            table[i, :len(r.page_ids)] = torch.tensor(r.page_ids, dtype=torch.int32)
-        seq_lens = torch.tensor([r.kv_len + 1 for r in reqs], dtype=torch.int32)
-        out_slots = torch.cat([self.paths.pool.slots_for(r.page_ids, r.kv_len, r.kv_len + 1) for r in reqs])
-        assert all(r.kv_len < len(r.page_ids) * page_size for r in reqs), "decode slot without a page"
-        input_ids = torch.tensor([r.tokens[r.kv_len] for r in reqs], dtype=torch.long, device=self.device)
-        positions = torch.tensor([r.kv_len for r in reqs], dtype=torch.long, device=self.device)
-        attn = self.paths.decode(table.to(self.device), seq_lens.to(self.device), out_slots.to(self.device))
-        hidden = self.model(input_ids, positions, attn)
-        return self._sample(hidden, reqs)
+        logits = self.decode_logits(reqs)
+        return sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+
+    @torch.inference_mode()
+    def decode_logits(self, reqs: Sequence[Request], use_graphs: bool = True) -> torch.Tensor:
+        """The decode forward of ``decode``: logits [B, vocab] fp32 (the fixed-buffer / CUDA-graph path when
+        the batch fits it and ``use_graphs``, else eager)."""
+        ps = self.paths.pool.layers[0].page_size
+        tables = self._tables.rows(reqs)
+        assert all(r.kv_len < len(t) * ps for r, t in zip(reqs, tables)), "decode slot without a page"
+        ids = [r.token_at(r.kv_len) for r in reqs]
+        pos = [r.kv_len for r in reqs]
+        lens = [r.kv_len + 1 for r in reqs]
+        slots = [int(t[r.kv_len // ps]) * ps + r.kv_len % ps for r, t in zip(reqs, tables)]
+        width = max(len(t) for t in tables)
+        if use_graphs and self.graphs is not None and self.graphs.supports(len(reqs), width):
+            return self.graphs.run(ids, pos, tables, lens, slots)
+        table = np.zeros((len(reqs), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = t
+        dev = self.device
+        attn = self.paths.decode(torch.from_numpy(table).to(dev), torch.tensor(lens, dtype=torch.int32).to(dev),
+                                 torch.tensor(slots, dtype=torch.int64).to(dev), self.model.dtype)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long).to(dev),
+                            torch.tensor(pos, dtype=torch.long).to(dev), attn)
+        return self.model.compute_logits(hidden)
 
     def _sample(self, hidden: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
         logits = self.model.compute_logits(hidden)
         return sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+
+
+class PageTableRows:
+    """Each decoding request's page ids as an int32 array, kept across steps and grown in place.
+
+    Invariant relied on: the scheduler only appends to a request's ``page_ids`` list, or replaces the list
+    object. A cached row is reused while it belongs to the same list object (held here, so its id cannot
+    be recycled) and only the new tail is converted; rows of requests absent from a step are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict[str, tuple[list[int], np.ndarray, int]] = {}
+
+    def rows(self, reqs: Sequence[Request]) -> list[np.ndarray]:
+        out, kept = [], {}
+        for r in reqs:
+            ids = r.page_ids
+            cached = self._rows.get(r.rid)
+            if cached is None or cached[0] is not ids:
+                arr, n = np.empty(max(16, 2 * len(ids)), dtype=np.int32), 0
+            else:
+                _, arr, n = cached
+            if len(ids) > n:
+                if len(ids) > arr.shape[0]:
+                    grown = np.empty(2 * len(ids), dtype=np.int32)
+                    grown[:n] = arr[:n]
+                    arr = grown
+                arr[n:len(ids)] = ids[n:]
+            kept[r.rid] = (ids, arr, len(ids))
+            out.append(arr[:len(ids)])
+        self._rows = kept
+        return out

@@ -51,6 +51,11 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_at(self, pos: int) -> int:
+        """``tokens[pos]`` without building the concatenated list (hot in every decode step)."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -94,15 +94,19 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     top_p = column([p.top_p if p.top_p < 1.0 else math.inf for p in params])  # inf: no float-rounding cut
     min_p = column([p.min_p for p in params])
 
-    sorted_logits, sorted_ids = (logits / temperature).sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=device).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # top-p: keep the shortest prefix whose mass reaches top_p (the first token always stays)
-    mass_before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_before >= top_p, 0.0)
-    # min-p: drop tokens below min_p times the most likely token's probability
-    probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)
+    if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p == 0.0 for p in params):
+        # No filter: race over the vocabulary in id order (no sort; the same distribution).
+        probs, sorted_ids = (logits / temperature).softmax(dim=-1), None
+    else:
+        sorted_logits, sorted_ids = (logits / temperature).sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        # top-p: keep the shortest prefix whose mass reaches top_p (the first token always stays)
+        mass_before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(mass_before >= top_p, 0.0)
+        # min-p: drop tokens below min_p times the most likely token's probability
+        probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)
 
     race = torch.empty_like(probs)
     default_rows = [i for i, g in enumerate(generators) if g is None]
@@ -113,5 +117,5 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             race[i].exponential_(generator=gen)
     race.clamp_(min=torch.finfo(torch.float32).tiny)
     choice = (probs / race).argmax(dim=-1, keepdim=True)
-    sampled = sorted_ids.gather(1, choice).squeeze(1)
+    sampled = choice.squeeze(1) if sorted_ids is None else sorted_ids.gather(1, choice).squeeze(1)
     return torch.where(greedy, greedy_ids, sampled)

@@ -16,6 +16,9 @@ import math
 import torch
 
 E4M3_MAX = 448.0
+# 0-d fp32 scale tensors already on a non-CPU device, by (value, device): a decode step must not copy a
+# scale host->device per layer (that would also break CUDA-graph capture, which forbids pageable copies).
+_DEVICE_SCALES: dict[tuple[float, torch.device], torch.Tensor] = {}
 
 
 def _scale_tensor(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -34,7 +37,13 @@ def _scale_tensor(scale: float | torch.Tensor, device: torch.device) -> torch.Te
             f"FP8 scale must be a finite fp32 > 0 (got {sv!r} from {scale!r}); "
             f"use 1.0 or a calibrated amax / {E4M3_MAX:g}"
         )
-    return s.to(device)
+    if device.type == "cpu":
+        return s
+    key = (sv, device)
+    cached = _DEVICE_SCALES.get(key)
+    if cached is None:
+        cached = _DEVICE_SCALES[key] = s.to(device)
+    return cached
 
 
 def quantize(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.kv_layout import LayerKV
@@ -50,6 +51,19 @@ class DecodePlan:
     backend_state: object = None
 
 
+@dataclass(frozen=True)
+class DecodeOptions:
+    """What a decode plan may prepare ahead: the pool dtype, the query dtype and sm_scale of every layer,
+    and ``static``: the plan's buffers stay fixed and ``decode`` launches a fixed geometry, so the forward
+    can be captured in a CUDA graph and replayed after ``refresh_decode_plan``."""
+
+    kv_dtype: str
+    q_dtype: torch.dtype
+    sm_scale: float
+    static: bool = False
+    max_total_pages: int | None = None  # distinct pages one batch can name (pool pages + padded rows)
+
+
 class AttentionBackend(ABC):
     name: str = "abstract"
 
@@ -67,9 +81,14 @@ class AttentionBackend(ABC):
 
     def plan_decode(
         self, page_table: torch.Tensor, seq_lens: torch.Tensor, num_qo_heads: int,
-        num_kv_heads: int, head_dim: int, page_size: int,
+        num_kv_heads: int, head_dim: int, page_size: int, *, options: DecodeOptions | None = None,
     ) -> DecodePlan:
         return DecodePlan(page_table, seq_lens, num_qo_heads, num_kv_heads, head_dim, page_size)
+
+    def refresh_decode_plan(self, plan: DecodePlan, page_table: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Before replaying a decode captured from a ``static`` plan: host-side work for this step's pages and
+        lengths (the same values already copied into ``plan.page_table`` / ``plan.seq_lens``). Default: none,
+        the decode reads everything from device memory."""
 
     # -- per layer ---------------------------------------------------------------------------
     @abstractmethod

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 
 from kernels.kv_layout import LayerKV
@@ -56,8 +57,12 @@ class FlashInferPrefill:
         self._planned: tuple | None = None
 
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
-             head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, sm_scale: float) -> None:
-        key = (qo_indptr.data_ptr(), kv_indptr.data_ptr(), tuple(qo_indptr.tolist()), tuple(kv_indptr.tolist()),
+             head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, sm_scale: float,
+             host_key: tuple | None = None) -> None:
+        """Plans once per batch: ``host_key`` (e.g. the host-side lengths) identifies the batch without
+        reading the device indptr back (a sync per layer otherwise)."""
+        lens = host_key if host_key is not None else (tuple(qo_indptr.tolist()), tuple(kv_indptr.tolist()))
+        key = (qo_indptr.data_ptr(), kv_indptr.data_ptr(), lens,
                num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale)
         if key == self._planned:
             return
@@ -85,6 +90,19 @@ def paged_indices(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: i
     return indptr.to(torch.int32), indices.to(torch.int32).contiguous(), last.to(torch.int32)
 
 
+def paged_indices_host(page_table: np.ndarray, seq_lens: np.ndarray, page_size: int
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``paged_indices`` on host arrays (numpy int32 results)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    num_pages = (lens + page_size - 1) // page_size
+    indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(num_pages, out=indptr[1:])
+    cols = np.arange(page_table.shape[1])
+    indices = np.ascontiguousarray(page_table[cols[None, :] < num_pages[:, None]], dtype=np.int32)
+    last = (lens - (num_pages - 1) * page_size).astype(np.int32)
+    return indptr, indices, last
+
+
 class FlashInferDecode:
     """FlashInfer paged decode over a pool layer (bf16 / fp8_e4m3 / nvfp4), planned once per batch.
 
@@ -93,17 +111,44 @@ class FlashInferDecode:
     (what FlashInfer's NVFP4 kernels prefer; the benchmark uses it for a fair baseline).
     """
 
-    def __init__(self, device: torch.device, use_tensor_cores: bool = True, kv_layout: str = "NHD") -> None:
+    def __init__(self, device: torch.device, use_tensor_cores: bool = True, kv_layout: str = "NHD",
+                 graph_batch: int | None = None, max_pages: int = 0) -> None:
+        """``graph_batch``: a CUDA-graph wrapper for exactly that batch size, whose page indices (at most
+        ``max_pages``) live in fixed device buffers that ``plan_host`` rewrites before each replay."""
         _require()
         import flashinfer
 
         self.kv_layout = kv_layout
+        self.graph_batch = graph_batch
+        buffers = {}
+        if graph_batch is not None:
+            if graph_batch < 1 or max_pages < graph_batch:
+                raise ValueError(f"a graph wrapper needs graph_batch >= 1 and max_pages >= graph_batch "
+                                 f"(got {graph_batch}, {max_pages})")
+            buffers = {
+                "use_cuda_graph": True,
+                "paged_kv_indptr_buffer": torch.zeros(graph_batch + 1, dtype=torch.int32, device=device),
+                "paged_kv_indices_buffer": torch.zeros(max_pages, dtype=torch.int32, device=device),
+                "paged_kv_last_page_len_buffer": torch.zeros(graph_batch, dtype=torch.int32, device=device)}
         self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            _workspace(device), kv_layout, use_tensor_cores=use_tensor_cores)
+            _workspace(device), kv_layout, use_tensor_cores=use_tensor_cores, **buffers)
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int, kv_dtype: str, q_dtype: torch.dtype, sm_scale: float) -> None:
         indptr, indices, last = paged_indices(page_table, seq_lens, page_size)
+        self._plan_csr(indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, kv_dtype, q_dtype,
+                       sm_scale)
+
+    def plan_host(self, page_table: np.ndarray, seq_lens: np.ndarray, num_qo_heads: int, num_kv_heads: int,
+                  head_dim: int, page_size: int, kv_dtype: str, q_dtype: torch.dtype, sm_scale: float) -> None:
+        """``plan`` from host arrays (no device->host sync): page_table [B, W] int32, seq_lens [B]."""
+        indptr, indices, last = paged_indices_host(page_table, seq_lens, page_size)
+        self._plan_csr(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
+                       num_qo_heads, num_kv_heads, head_dim, page_size, kv_dtype, q_dtype, sm_scale)
+
+    def _plan_csr(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, num_qo_heads: int,
+                  num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: str, q_dtype: torch.dtype,
+                  sm_scale: float) -> None:
         data_type = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "nvfp4": torch.uint8}[kv_dtype]
         self._wrapper.plan(indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size,
                            q_data_type=q_dtype, kv_data_type=data_type, sm_scale=sm_scale)

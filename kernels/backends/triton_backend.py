@@ -12,8 +12,9 @@ CUDA graphs. ``plan_decode`` sizes everything from the plan alone (B, page_table
 split size, the number of splits, the partial-output buffers and the grids. ``decode`` launches exactly
 those grids, reads the sequence lengths and page ids from device memory and allocates nothing, so an
 engine captures one graph per batch-size bucket with a fixed ``max_pages`` (a page table of that width)
-and replays it for any lengths <= max_pages * page_size. (The FlashInfer fp8/bf16 decode path plans on
-the host from the lengths; it is not graph-safe as wired here.)
+and replays it for any lengths <= max_pages * page_size. The FlashInfer fp8/bf16 decode plans on the host:
+a ``static`` plan holds a CUDA-graph FlashInfer wrapper whose CSR buffers ``refresh_decode_plan`` rewrites
+from host arrays before each replay.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 
-from kernels.backends.base import AttentionBackend, DecodePlan, PrefillPlan
+from kernels.backends.base import AttentionBackend, DecodeOptions, DecodePlan, PrefillPlan
 from kernels.backends.reference import ReferenceBackend
 from kernels.kv_layout import LayerKV
 from kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
@@ -84,7 +86,8 @@ class _DecodeState:
     num_splits: int
     o_part: torch.Tensor  # [B, Hq, num_splits, D] fp32
     lse_part: torch.Tensor  # [B, Hq, num_splits] fp32
-    fallback: object = None  # FlashInferDecode for fp8/bf16 pools when flashinfer is available
+    fallback: object = None  # (FlashInferDecode, (kv_dtype, sm_scale)) for fp8/bf16 pools with flashinfer
+    fallback_args: tuple | None = None  # plan arguments after (page_table, seq_lens), for refresh_decode_plan
 
 
 def split_geometry(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, num_sms: int,
@@ -199,12 +202,13 @@ class TritonBackend(AttentionBackend):
         if fi is None:
             fi = self._prefill[q.device] = FlashInferPrefill(q.device)
         fi.plan(plan.qo_indptr, plan.kv_indptr, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim,
-                q.dtype, k.dtype, sm_scale)
+                q.dtype, k.dtype, sm_scale, host_key=(tuple(plan.qo_lens), tuple(plan.kv_lens)))
         return fi.run(q, k, v, k_scale, v_scale)
 
     # -- decode --------------------------------------------------------------------------------------
     def plan_decode(self, page_table: torch.Tensor, seq_lens: torch.Tensor, num_qo_heads: int,
-                    num_kv_heads: int, head_dim: int, page_size: int) -> DecodePlan:
+                    num_kv_heads: int, head_dim: int, page_size: int, *,
+                    options: DecodeOptions | None = None) -> DecodePlan:
         if page_table.dtype != torch.int32 or page_table.dim() != 2 or seq_lens.dtype != torch.int32:
             raise ValueError("plan_decode needs page_table [B, max_pages] int32 and seq_lens [B] int32, got "
                              f"{page_table.dtype} {tuple(page_table.shape)} / {seq_lens.dtype}")
@@ -217,11 +221,31 @@ class TritonBackend(AttentionBackend):
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         chunk, splits = split_geometry(batch, num_kv_heads, max(1, max_pages * page_size), cfg.block_n, num_sms,
                                        cfg.programs_per_sm)
-        plan.backend_state = _DecodeState(
+        st = _DecodeState(
             cfg, chunk, splits,
             torch.empty(batch, num_qo_heads, splits, head_dim, dtype=torch.float32, device=dev),
             torch.empty(batch, num_qo_heads, splits, dtype=torch.float32, device=dev))
+        plan.backend_state = st
+        if options is not None and options.kv_dtype != "nvfp4" and dev.type == "cuda":
+            from kernels.backends.flashinfer_backend import FlashInferDecode, flashinfer_available
+
+            if flashinfer_available():
+                # The FP8/BF16 decode is FlashInfer's; a static plan gets a CUDA-graph wrapper whose CSR
+                # buffers hold every page the table can name (plus one per row for padded rows).
+                fi = FlashInferDecode(dev, use_tensor_cores=True,
+                                      graph_batch=batch if options.static else None,
+                                      max_pages=min(batch * max_pages, options.max_total_pages or batch * max_pages))
+                st.fallback = (fi, (options.kv_dtype, options.sm_scale))
+                st.fallback_args = (num_qo_heads, num_kv_heads, head_dim, page_size, options.kv_dtype,
+                                    options.q_dtype, options.sm_scale)
+                if not options.static:
+                    fi.plan(page_table, seq_lens, *st.fallback_args)
         return plan
+
+    def refresh_decode_plan(self, plan: DecodePlan, page_table: np.ndarray, seq_lens: np.ndarray) -> None:
+        st = plan.backend_state
+        if isinstance(st, _DecodeState) and st.fallback is not None and st.fallback_args is not None:
+            st.fallback[0].plan_host(page_table, seq_lens, *st.fallback_args)
 
     def _fallback_decode(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> torch.Tensor:
         from kernels.backends.flashinfer_backend import FlashInferDecode, flashinfer_available

@@ -1,0 +1,205 @@
+"""Engine decode-step benchmark: one whole model step (all layers, sampling input) per KV dtype, on GPU.
+
+    python -m benchmarks.engine.bench_decode_step [--layers 36] [--shapes 44x32768 ...] [--out JSON]
+
+What it measures: ``ModelRunner.decode_logits`` of a Qwen3-8B-shaped model (hidden 4096, 32/8 heads,
+head_dim 128, intermediate 12288, vocab 151936; random bf16 weights built in memory) over B sequences of
+L cached tokens, with the pool filled with random valid K/V bytes instead of a prefill (which would cost
+minutes per shape). Per dtype (bf16, fp8_e4m3 via FlashInfer, nvfp4 via our Triton kernel) and shape:
+the step under CUDA graphs and eagerly, the attention share (the decode kernels alone over all layers,
+CUDA graph off) and the decode throughput B / step. "does not fit" when the weights + pool exceed the GPU.
+
+The ratio nvfp4 / fp8 of tokens/s at the same shape is the engine-level iso-concurrency figure; the
+end-to-end figures (router, gRPC, streaming) come from ``nvfp4-serve bench experiments``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+
+import torch
+
+from benchmarks.kernels.bench_decode import copy_bandwidth
+
+QWEN3_8B = dict(architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True,
+                rms_norm_eps=1e-6)
+PAGE = 16
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build_model(layers: int, max_positions: int, device: torch.device):
+    from engine.model import CausalLM
+    from engine.model_config import ModelConfig
+
+    cfg = ModelConfig(num_hidden_layers=layers, max_position_embeddings=max_positions, **QWEN3_8B)
+    model = CausalLM(cfg, torch.bfloat16, device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return model, cfg
+
+
+def fill_pool_random(pool) -> None:
+    """Random but valid bytes everywhere: E2M1 codes are any nibble; E4M3 bytes avoid NaN (0x7F/0xFF)."""
+    for layer in pool.layers:
+        for t in (layer.k, layer.v):
+            if t.dtype == torch.bfloat16:
+                t.normal_(0.0, 0.5)
+            elif layer.kv_dtype == "nvfp4":
+                t.view(torch.uint8).random_(0, 256)
+            else:
+                b = t.view(torch.uint8)
+                b.random_(0, 0x70)
+                b.bitwise_or_(torch.randint_like(b, 0, 2) << 7)
+        for sf in (layer.k_sf, layer.v_sf):
+            if sf is not None:
+                sf.view(torch.uint8).random_(0x28, 0x38)  # 2^-6 .. 2^-4: moderate block scales
+
+
+def _time_ms(fn, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, device: torch.device) -> dict:
+    from engine.attention_paths import AttentionPaths
+    from engine.decode_graphs import DecodeGraphRunner, max_width_pages
+    from engine.kv_pool import KVPool
+    from engine.model_runner import ModelRunner
+    from engine.request import Request
+    from engine.sampling import SamplingParams
+    from kernels.backends.triton_backend import TritonBackend
+    from kernels.kv_layout import bytes_per_token_per_layer
+
+    pages_per_seq = math.ceil((seq_len + 1) / PAGE)
+    num_pages = batch * pages_per_seq
+    per_token = cfg.num_hidden_layers * bytes_per_token_per_layer(kv_dtype, cfg.num_key_value_heads, cfg.head_dim)
+    pool_bytes = num_pages * PAGE * per_token
+    free, _ = torch.cuda.mem_get_info(device)
+    if pool_bytes > free - 6 * 2**30:
+        return {"kv_dtype": kv_dtype, "batch": batch, "seq_len": seq_len, "error": "does not fit",
+                "pool_gib": pool_bytes / 2**30}
+    scales = [0.05] * cfg.num_hidden_layers
+    pool = KVPool(kv_dtype, cfg.num_hidden_layers, num_pages, PAGE, cfg.num_key_value_heads, cfg.head_dim,
+                  device=device, k_scales=scales, v_scales=scales, scratch_pages=1)
+    fill_pool_random(pool)
+    backend = TritonBackend()
+    paths = AttentionPaths(pool, backend, PAGE, cfg.num_attention_heads, cfg.head_dim ** -0.5, device)
+    graphs = DecodeGraphRunner(model, paths, device, max(batch, 1), max_width_pages(seq_len + 64, PAGE), True)
+    runner = ModelRunner(model, paths, device, graphs)
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    reqs = []
+    for i in range(batch):
+        r = Request(f"r{i}", [1] * seq_len, sp, page_ids=list(range(i * pages_per_seq, (i + 1) * pages_per_seq)))
+        r.kv_len = seq_len - 1  # the step writes token seq_len-1 and attends over seq_len tokens
+        reqs.append(r)
+    out = {"kv_dtype": kv_dtype, "batch": batch, "seq_len": seq_len, "pool_gib": pool_bytes / 2**30}
+    t0 = time.perf_counter()
+    runner.decode_logits(reqs)  # captures the graph of this bucket
+    out["capture_s"] = time.perf_counter() - t0
+    out["graph_ms"] = _time_ms(lambda: runner.decode_logits(reqs), iters)
+    out["eager_ms"] = _time_ms(lambda: runner.decode_logits(reqs, use_graphs=False), max(3, iters // 3))
+    # attention alone: the decode kernel of every layer over the same pages (no model, no K/V write)
+    import numpy as np
+
+    table = torch.from_numpy(np.stack([np.arange(i * pages_per_seq, (i + 1) * pages_per_seq, dtype=np.int32)
+                                       for i in range(batch)])).to(device)
+    lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
+    plan = paths.plan_decode(table, lens, torch.bfloat16)
+    q = torch.randn(batch, cfg.num_attention_heads, cfg.head_dim, dtype=torch.bfloat16, device=device)
+
+    def attention_only() -> None:
+        for layer in pool.layers:
+            backend.decode(plan, q, layer, paths.sm_scale)
+
+    out["attention_ms"] = _time_ms(attention_only, max(3, iters // 2))
+    kv_bytes = batch * seq_len * per_token
+    out["kv_read_gb"] = kv_bytes / 1e9
+    out["attention_tb_s"] = kv_bytes / (out["attention_ms"] * 1e-3) / 1e12
+    out["tok_s"] = batch / (out["graph_ms"] * 1e-3)
+    del graphs, runner, paths, pool
+    torch.cuda.empty_cache()
+    return out
+
+
+def _shape(s: str) -> tuple[int, int]:
+    b, _, l = s.lower().partition("x")
+    return int(b), int(l)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--kv-dtypes", nargs="+", default=["bf16", "fp8_e4m3", "nvfp4"])
+    p.add_argument("--shapes", nargs="+", type=_shape,
+                   default=[(1, 32768), (16, 32768), (44, 32768), (80, 32768), (10, 163840), (1, 1048576)])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default="docs/benchmarks/engine_decode.json")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode_step needs a CUDA GPU")
+    dev = torch.device("cuda")
+    max_len = max(l for _, l in a.shapes) + 128
+    model, cfg = build_model(a.layers, max_len, dev)
+    bw = copy_bandwidth(dev)
+    rows = []
+    for b, l in a.shapes:
+        for dt in a.kv_dtypes:
+            try:
+                row = run_shape(model, cfg, dt, b, l, a.iters, dev)
+            except Exception as e:  # noqa: BLE001 - recorded, the other shapes go on
+                traceback.print_exc()
+                row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
+                torch.cuda.empty_cache()
+            rows.append(row)
+            _log(json.dumps(row))
+    _print_table(rows, a.layers)
+    doc = {"gpu": torch.cuda.get_device_name(dev), "copy_tb_s": bw, "layers": a.layers,
+           "model": "Qwen3-8B-shaped, random bf16 weights", "command": " ".join(sys.argv), "rows": rows}
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {a.out}")
+    return 0
+
+
+def _print_table(rows: list[dict], layers: int) -> None:
+    print(f"\nengine decode step, Qwen3-8B-shaped, {layers} layers")
+    print(f"{'shape':>12} {'kv':>9} {'graph ms':>9} {'eager ms':>9} {'attn ms':>8} {'attn TB/s':>9} "
+          f"{'tok/s':>8} {'vs fp8':>7}")
+    fp8 = {(r["batch"], r["seq_len"]): r for r in rows if r["kv_dtype"] == "fp8_e4m3" and "tok_s" in r}
+    for r in rows:
+        shape = f"{r['batch']}x{r['seq_len']}"
+        if "error" in r:
+            print(f"{shape:>12} {r['kv_dtype']:>9}  {r['error']}")
+            continue
+        base = fp8.get((r["batch"], r["seq_len"]))
+        ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
+        print(f"{shape:>12} {r['kv_dtype']:>9} {r['graph_ms']:9.2f} {r['eager_ms']:9.2f} {r['attention_ms']:8.2f} "
+              f"{r['attention_tb_s']:9.2f} {r['tok_s']:8.0f} {ratio:>7}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""Decode forwards on fixed buffers, captured as CUDA graphs: one per (batch bucket, page-table width bucket).
+
+A decode step of B requests with page tables of at most W pages runs the entry of the smallest buckets
+Bp >= B, Wp >= W. Rows [B, Bp) are padding: token 0 at position 0 with a one-token sequence on the pool's
+scratch page, so they write and read only that page (never a page the allocator hands out); their logits
+are dropped. Table entries past a row's pages also name the scratch page (kernels never read them).
+
+Per step the host fills pinned staging arrays, copies them into the entry's device buffers, lets the
+backend refresh host-side plans (FlashInfer's fp8/bf16 decode plans its CSR here; the Triton NVFP4
+decode reads lengths and pages from device memory and needs nothing), and replays the graph.
+
+Width buckets are 4 per octave (a table is padded by at most ~19%), so the NVFP4 kernel's split-KV
+geometry, which is baked into a graph from the bucket width, stays close to the batch's real length.
+Entries are captured lazily at first use and share one CUDA graph memory pool: the logits of an entry
+are valid until the next replay of any entry.
+
+``capture=False`` runs the same fixed-buffer path eagerly (CPU, or CUDA with graphs disabled for
+debugging); tests check it against the plain decode path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention_paths import AttentionPaths
+from engine.model import CausalLM
+from kernels.backends.base import DecodePlan
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to ``max_batch`` (which is always the last bucket)."""
+    if max_batch < 1:
+        raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {max_batch}")
+    out = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return [*out, max_batch]
+
+
+def width_bucket(pages: int, max_width: int, min_width: int = 16) -> int:
+    """Smallest width >= ``pages`` of the form k * 2**(e-2), k in 4..7 (4 per octave), capped at max_width."""
+    w = max(pages, min_width)
+    step = 1 << max(0, w.bit_length() - 3)
+    return min(max_width, -(-w // step) * step)
+
+
+@dataclass
+class _Entry:
+    batch: int
+    width: int
+    page_table: torch.Tensor  # [batch, width] int32, device
+    plan: DecodePlan
+    run: Callable[[], torch.Tensor]  # replays (or runs) the forward; returns logits [batch, vocab] fp32
+
+
+class DecodeGraphRunner:
+    """Fixed-buffer decode for batches up to ``max_batch`` rows and ``max_width`` pages per row."""
+
+    def __init__(self, model: CausalLM, paths: AttentionPaths, device: torch.device, max_batch: int,
+                 max_width: int, capture: bool) -> None:
+        if capture and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; use capture=False elsewhere")
+        if max_width < 1:
+            raise ValueError(f"max_width must be >= 1 page, got {max_width}")
+        self.model, self.paths, self.device = model, paths, device
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch, self.max_width = max_batch, max_width
+        self.capture = capture
+        pool = paths.pool
+        self.scratch_page = pool.scratch_page
+        self.page_size = pool.page_size
+        pin = device.type == "cuda"
+        # Device inputs shared by every entry (an entry reads rows [:batch]); host staging is pinned so the
+        # copies are asynchronous. Invariant: between steps the device rows hold padding or a past step's
+        # values, and every replay first overwrites rows [:batch] of its entry.
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.out_slots = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self._h_ids = torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin)
+        self._h_pos = torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin)
+        self._h_lens = torch.ones(max_batch, dtype=torch.int32, pin_memory=pin)
+        self._h_slots = torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin)
+        self._h_table_flat = torch.zeros(max_batch * max_width, dtype=torch.int32, pin_memory=pin)
+        self._entries: dict[tuple[int, int], _Entry] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if capture else None
+        self.num_captured = 0
+
+    # -- public ------------------------------------------------------------------------------------
+    def supports(self, batch: int, width: int) -> bool:
+        return 1 <= batch <= self.max_batch and 1 <= width <= self.max_width
+
+    def run(self, token_ids: Sequence[int], positions: Sequence[int], tables: Sequence[np.ndarray],
+            seq_lens: Sequence[int], out_slots: Sequence[int]) -> torch.Tensor:
+        """Logits [B, vocab] fp32 of one decode step; ``tables[i]`` is row i's page ids (int32)."""
+        b = len(token_ids)
+        width = max(len(t) for t in tables)
+        if not self.supports(b, width):
+            raise ValueError(f"decode batch {b} x {width} pages is beyond the fixed buffers "
+                             f"({self.max_batch} x {self.max_width})")
+        bb = next(x for x in self.buckets if x >= b)
+        wb = width_bucket(width, self.max_width)
+        entry = self._entries.get((bb, wb)) or self._build(bb, wb)
+        self._stage(entry, token_ids, positions, tables, seq_lens, out_slots)
+        return entry.run()[:b]
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _host_table(self, batch: int, width: int) -> np.ndarray:
+        return self._h_table_flat[: batch * width].numpy().reshape(batch, width)
+
+    def _stage(self, entry: _Entry, token_ids: Sequence[int], positions: Sequence[int],
+               tables: Sequence[np.ndarray], seq_lens: Sequence[int], out_slots: Sequence[int]) -> None:
+        bb, wb, b = entry.batch, entry.width, len(token_ids)
+        ids, pos, lens, slots = (t.numpy() for t in (self._h_ids, self._h_pos, self._h_lens, self._h_slots))
+        ids[:b], pos[:b], lens[:b], slots[:b] = token_ids, positions, seq_lens, out_slots
+        ids[b:bb], pos[b:bb], lens[b:bb] = 0, 0, 1
+        slots[b:bb] = self.scratch_page * self.page_size
+        table = self._host_table(bb, wb)
+        table.fill(self.scratch_page)
+        for i, row in enumerate(tables):
+            table[i, : len(row)] = row
+        nb = self.device.type == "cuda"
+        self.input_ids[:bb].copy_(self._h_ids[:bb], non_blocking=nb)
+        self.positions[:bb].copy_(self._h_pos[:bb], non_blocking=nb)
+        self.seq_lens[:bb].copy_(self._h_lens[:bb], non_blocking=nb)
+        self.out_slots[:bb].copy_(self._h_slots[:bb], non_blocking=nb)
+        entry.page_table.copy_(self._h_table_flat[: bb * wb].view(bb, wb), non_blocking=nb)
+        self.paths.backend.refresh_decode_plan(entry.plan, table, lens[:bb])
+
+    def _build(self, bb: int, wb: int) -> _Entry:
+        table = torch.full((bb, wb), self.scratch_page, dtype=torch.int32, device=self.device)
+        plan = self.paths.plan_decode(table, self.seq_lens[:bb], self.model.dtype, static=True)
+        attn = self.paths.decode_attn(plan, self.out_slots[:bb])
+        ids, pos = self.input_ids[:bb], self.positions[:bb]
+
+        def forward() -> torch.Tensor:
+            return self.model.compute_logits(self.model(ids, pos, attn))
+
+        entry = _Entry(bb, wb, table, plan, forward)
+        if self.capture:
+            # Capture on padding only: a warm-up over real rows would write K/V into real pages.
+            pad = [0] * bb
+            self._stage(entry, pad, pad, [np.zeros(0, dtype=np.int32)] * bb, [1] * bb,
+                        [self.scratch_page * self.page_size] * bb)
+            entry.run = self._capture(forward)
+            self.num_captured += 1
+        self._entries[(bb, wb)] = entry
+        return entry
+
+    def _capture(self, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        with torch.inference_mode():
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                forward()  # JIT-compiles kernels and caches device constants outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                logits = forward()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return logits
+
+        return replay
+
+
+def max_width_pages(max_context_len: int, page_size: int) -> int:
+    """Pages of the longest sequence the engine admits (its last token included)."""
+    return math.ceil((max_context_len + 1) / page_size)
