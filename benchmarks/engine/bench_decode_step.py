@@ -26,9 +26,9 @@ import torch
 
 from benchmarks.kernels.bench_decode import copy_bandwidth
 
-QWEN3_8B = dict(architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True,
-                rms_norm_eps=1e-6)
+QWEN3_8B = {"architecture": "Qwen3ForCausalLM", "vocab_size": 151936, "hidden_size": 4096,
+            "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "rope_theta": 1e6, "qk_norm": True, "rms_norm_eps": 1e-6}
 PAGE = 16
 
 
@@ -140,9 +140,7 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     out["kv_read_gb"] = kv_bytes / 1e9
     out["attention_tb_s"] = kv_bytes / (out["attention_ms"] * 1e-3) / 1e12
     out["tok_s"] = batch / (out["graph_ms"] * 1e-3)
-    del graphs, runner, paths, pool
-    torch.cuda.empty_cache()
-    return out
+    return out  # the pool and graphs are freed with this frame; main() empties the cache
 
 
 def _shape(s: str) -> tuple[int, int]:
@@ -158,7 +156,14 @@ def main(argv: list[str] | None = None) -> int:
                    default=[(1, 32768), (16, 32768), (44, 32768), (80, 32768), (10, 163840), (1, 1048576)])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="docs/benchmarks/engine_decode.json")
+    p.add_argument("--md", default=None, help="also write the table as markdown here")
+    p.add_argument("--render", default=None, metavar="JSON", help="only render --md from an earlier JSON")
     a = p.parse_args(argv)
+    if a.render:
+        with open(a.render) as f:
+            doc = json.load(f)
+        _write_md(doc, a.md or a.render.removesuffix(".json") + ".md")
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_step needs a CUDA GPU")
     dev = torch.device("cuda")
@@ -175,14 +180,45 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
                 torch.cuda.empty_cache()
             rows.append(row)
+            torch.cuda.empty_cache()
             _log(json.dumps(row))
     _print_table(rows, a.layers)
     doc = {"gpu": torch.cuda.get_device_name(dev), "copy_tb_s": bw, "layers": a.layers,
-           "model": "Qwen3-8B-shaped, random bf16 weights", "command": " ".join(sys.argv), "rows": rows}
+           "model": "Qwen3-8B-shaped, random bf16 weights", "command": " ".join(["python -m benchmarks.engine.bench_decode_step", *sys.argv[1:]]), "rows": rows}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {a.out}")
+    if a.md:
+        _write_md(doc, a.md)
     return 0
+
+
+def _write_md(doc: dict, path: str) -> None:
+    rows = doc["rows"]
+    fp8 = {(r["batch"], r["seq_len"]): r for r in rows if r["kv_dtype"] == "fp8_e4m3" and "tok_s" in r}
+    lines = [
+        f"# Engine decode step ({doc['gpu']}, {doc['model']}, {doc['layers']} layers)", "",
+        f"Command: `{doc['command']}`. Copy bandwidth measured: {doc['copy_tb_s']:.2f} TB/s.", "",
+        ("One whole decode step (`ModelRunner.decode_logits`: every layer, K/V write, attention, logits) over B "
+         "sequences of L cached tokens; the pool holds random valid K/V bytes (no prefill). `graph` = CUDA graph "
+         "replay, `eager` = the same step without graphs, `attention` = the decode kernels of all layers alone "
+         "(TB/s = K/V bytes of the dtype / attention time). fp8/bf16 attention is FlashInfer's decode, nvfp4 ours."),
+        "",
+        "| B x L | kv | graph ms | eager ms | attention ms | attention TB/s | tok/s | vs fp8 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        shape = f"{r['batch']} x {r['seq_len']}"
+        if "error" in r:
+            lines.append(f"| {shape} | {r['kv_dtype']} | {r['error']} | | | | | |")
+            continue
+        base = fp8.get((r["batch"], r["seq_len"]))
+        ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
+        lines.append(f"| {shape} | {r['kv_dtype']} | {r['graph_ms']:.2f} | {r['eager_ms']:.2f} | "
+                     f"{r['attention_ms']:.2f} | {r['attention_tb_s']:.2f} | {r['tok_s']:.0f} | {ratio} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {path}")
 
 
 def _print_table(rows: list[dict], layers: int) -> None:
