@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from nvfp4_serve.engine_args import add_engine_args, engine_config_from_args
+from nvfp4_serve.kv_transfer import TRANSFER_MODES, check_mode
 from nvfp4_serve.service_main import add_server_args
 from nvfp4_serve.tls import TLSConfig, add_tls_args, tls_from_args
 
@@ -35,12 +36,14 @@ class DecodeConfig:
     metrics_port: int | None = None
     timeouts: Timeouts = Timeouts()
     tls: TLSConfig = field(default_factory=TLSConfig)  # server side, and the client side of the pulls from prefill
+    kv_transfer: str = "auto"  # nvfp4_serve/kv_transfer.py: auto | grpc | cuda-ipc
     # Fault injection for tests only: stall the engine loop this long after each token it produces.
     debug_token_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 64 * 1024:
             raise ValueError(f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
+        check_mode(self.kv_transfer)
         if self.debug_token_delay_s < 0:
             raise ValueError(f"--debug-token-delay-s must be >= 0, got {self.debug_token_delay_s}")
 
@@ -48,6 +51,10 @@ class DecodeConfig:
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("nvfp4-serve decode", description="Run the decode gRPC service.")
     add_server_args(p, DecodeConfig)
+    p.add_argument("--kv-transfer", default=DecodeConfig.kv_transfer, choices=TRANSFER_MODES,
+                   help="how KV pages arrive from prefill: auto (CUDA IPC when both ends share a host and both pools "
+                        "are on CUDA, else gRPC), grpc (always bytes over gRPC), cuda-ipc (as auto, and warn when "
+                        "a transfer falls back to gRPC)")
     t = Timeouts()
     g = p.add_argument_group("deadlines (seconds)")
     g.add_argument("--admission-timeout", type=float, default=t.admission_s)
@@ -66,4 +73,4 @@ def config_from_args(a: argparse.Namespace) -> DecodeConfig:
                  a.between_tokens_timeout)
     return DecodeConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
                         max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port, timeouts=t,
-                        tls=tls_from_args(a), debug_token_delay_s=a.debug_token_delay_s)
+                        tls=tls_from_args(a), debug_token_delay_s=a.debug_token_delay_s, kv_transfer=a.kv_transfer)

@@ -60,7 +60,10 @@ class RadixCache:
         self._clock = 0
         self._root = _Node((), [], None, next(self._seq))
         self._cached: set[int] = set()  # == the pages of all nodes; one allocator reference each
-        self.num_evictions = 0  # total pages evicted since start
+        # Since start, flushes included: pages and tokens dropped by evict(); pages dropped by flush() alone.
+        self.num_evictions = 0
+        self.num_evicted_tokens = 0
+        self.num_flushed_pages = 0
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -176,11 +179,14 @@ class RadixCache:
                 if parent is not self._root and not parent.children:
                     heapq.heappush(leaves, (parent.last_access, parent.seq, parent))
         self.num_evictions += len(freed)
+        self.num_evicted_tokens += len(freed) * self.page_size
         return freed
 
     def flush(self) -> int:
         """MUTATES: evict every evictable page; return how many were evicted."""
-        return len(self.evict(len(self._cached)))
+        num_freed = len(self.evict(len(self._cached)))
+        self.num_flushed_pages += num_freed
+        return num_freed
 
     # -- structural self-check (used by engine.integrity) ---------------------------------------
     def tree_problems(self) -> list[str]:

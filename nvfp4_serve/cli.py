@@ -1,5 +1,5 @@
 """The `nvfp4-serve` command: `up` (all in one), one service (`prefill`, `decode`, `router`), or a tool
-(`calibrate`, `eval`, `bench`)."""
+(`calibrate`, `eval`, `bench`, `make-model`)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ import sys
 USAGE = """usage: nvfp4-serve COMMAND [options]
 
 commands:
-  up        router + one prefill + N decode services on this machine (all-in-one)
+  up        router + one prefill (or none: --num-prefill 0) + N decode services on this machine
   prefill   one prefill gRPC service        (same as: python -m prefill_svc)
   decode    one decode gRPC service         (same as: python -m decode_svc)
   router    the OpenAI-compatible gateway   (same as: python -m router)
   calibrate per-layer KV global scales from calibration text (for --kv-scales FILE)
   eval      KV-cache accuracy on held-out text: perplexity, KL vs bf16, greedy agreement
-  bench     serving benchmark through the OpenAI API (run | sweep | plot; python -m benchmarks.serving)
+  bench     serving benchmark through the OpenAI API (run | sweep | plot | experiments;
+            python -m benchmarks.serving)
+  make-model random-weight HF checkpoint, e.g. OUT_DIR --preset qwen3-8b --device cuda
+            (same as: python -m engine.tiny_model)
 
 `nvfp4-serve COMMAND --help` lists each command's options."""
 
@@ -41,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.evaluation import main as run
     elif cmd == "bench":
         from benchmarks.serving.__main__ import main as run
+    elif cmd == "make-model":
+        from engine.tiny_model import main as make_model
+
+        return make_model(rest, prog="nvfp4-serve make-model")
     else:
         print(f"nvfp4-serve: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

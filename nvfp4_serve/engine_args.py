@@ -40,21 +40,35 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--local-extend-min-cached-ratio", type=float, default=s.local_extend_min_cached_ratio,
                    help="decode: extend locally when at least this fraction of the prompt is cached here")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-layers", type=int, default=None, metavar="N",
+                   help="serve only the first N decoder layers of the checkpoint (quick benchmark runs; the "
+                        "KV layout and model fingerprint say N, so every service must get the same N)")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="decode eagerly on CUDA (default: decode batches up to --cuda-graph-max-bs replay CUDA graphs)")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=256,
+                   help="largest decode batch run under a CUDA graph; larger batches run eagerly")
 
 
-def kv_scales_for(path: str, model_dir: str, kv_dtype: str) -> dict[str, tuple[float, ...]]:
-    """``CacheConfig`` scale arguments from a ``--kv-scales`` file checked against the model's fingerprint."""
+def kv_scales_for(path: str, model_dir: str, kv_dtype: str,
+                  num_layers: int | None = None) -> dict[str, tuple[float, ...]]:
+    """``CacheConfig`` scale arguments from a ``--kv-scales`` file checked against the model's fingerprint.
+
+    The file is calibrated on the whole checkpoint; with ``num_layers`` its first N layers' scales are kept
+    (layer i's K/V depend only on layers < i, so they are the truncated model's own scales)."""
     from engine.calibration import KVScales
     from engine.loader import model_fingerprint
 
-    return KVScales.load(path, model_fingerprint(model_dir)).cache_scales(kv_dtype)
+    scales = KVScales.load(path, model_fingerprint(model_dir)).cache_scales(kv_dtype)
+    if num_layers is None:
+        return scales
+    return {key: values[:num_layers] for key, values in scales.items()}
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     """The engine config of parsed engine options. Scale precedence (per layer, K and V): the
     ``--kv-scales`` file, else the checkpoint's k_scale/v_scale, else 1.0 (``engine.engine``)."""
     model_dir = a.model or default_model_dir()
-    scales = kv_scales_for(a.kv_scales, model_dir, a.kv_cache_dtype) if a.kv_scales else {}
+    scales = kv_scales_for(a.kv_scales, model_dir, a.kv_cache_dtype, a.num_layers) if a.kv_scales else {}
     cache = CacheConfig(kv_dtype=a.kv_cache_dtype, page_size=a.page_size, max_total_tokens=a.max_total_tokens,
                         mem_fraction_static=a.mem_fraction_static, workspace_tokens=a.workspace_tokens,
                         **scales)
@@ -62,7 +76,9 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                             max_waiting_requests=a.max_waiting_requests,
                             local_extend_min_cached_ratio=a.local_extend_min_cached_ratio)
     return EngineConfig(model_dir=model_dir, device=a.device, dtype=a.dtype,
-                        attention_backend=a.attention_backend, cache=cache, scheduler=sched, seed=a.seed)
+                        attention_backend=a.attention_backend, cache=cache, scheduler=sched, seed=a.seed,
+                        num_layers=a.num_layers, disable_cuda_graph=a.disable_cuda_graph,
+                        cuda_graph_max_bs=a.cuda_graph_max_bs)
 
 
 def engine_args_to_argv(a: argparse.Namespace) -> list[str]:
@@ -75,9 +91,12 @@ def engine_args_to_argv(a: argparse.Namespace) -> list[str]:
                       ("--mem-fraction-static", "mem_fraction_static"), ("--workspace-tokens", "workspace_tokens"),
                       ("--chunked-prefill-size", "chunk_size"), ("--max-running-requests", "max_running_requests"),
                       ("--max-waiting-requests", "max_waiting_requests"),
-                      ("--local-extend-min-cached-ratio", "local_extend_min_cached_ratio"), ("--seed", "seed")]:
+                      ("--local-extend-min-cached-ratio", "local_extend_min_cached_ratio"), ("--seed", "seed"),
+                      ("--num-layers", "num_layers"), ("--cuda-graph-max-bs", "cuda_graph_max_bs")]:
         v = getattr(a, key)
         if v is not None:
             # children may run elsewhere in the tree: pass the scales file as an absolute path
             out += [flag, str(Path(v).resolve()) if key == "kv_scales" else str(v)]
+    if a.disable_cuda_graph:
+        out.append("--disable-cuda-graph")
     return out

@@ -3,6 +3,11 @@
 Each service is its own process (as in a multi-host deployment), started with free loopback
 ports; the launcher waits until the router's /health is green, prints the URL, and on Ctrl-C
 (SIGINT) or SIGTERM stops every child, or stops them all when any one of them dies.
+
+``--num-prefill 0`` starts no prefill service: the decode services run the prompts themselves
+(the one-GPU deployment, where a prefill process would hold a second copy of the weights). The
+router admits as many requests at once as the decode services run together
+(``--max-running-requests`` x ``--num-decode``), so that it is not the tighter limit.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from nvfp4_serve.engine_args import add_engine_args, default_model_dir, engine_args_to_argv
+from nvfp4_serve.kv_transfer import TRANSFER_MODES
 from nvfp4_serve.tls import add_tls_args, tls_argv, tls_from_args
 
 _READY = re.compile(r"ready on (\S+):(\d+)")
@@ -85,10 +91,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="router bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument("--num-decode", type=int, default=1, help="decode services to start")
+    p.add_argument("--num-prefill", type=int, default=1, choices=(0, 1),
+                   help="prefill services to start: 1, or 0 for none (the decode services run the prompts "
+                        "themselves: the one-GPU deployment)")
     p.add_argument("--prefill-gpus", default=None,
                    help="GPU ids for the prefill service, e.g. 0 (sets its CUDA_VISIBLE_DEVICES)")
     p.add_argument("--decode-gpus", default=None,
                    help="GPU ids for the decode services, e.g. 1 or 1,2 (decode i gets id i mod count)")
+    p.add_argument("--kv-transfer", default="auto", choices=TRANSFER_MODES,
+                   help="passed to the prefill and decode services: how KV pages travel between them")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
     p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
     p.add_argument("--served-model-name", default=None)
@@ -139,13 +150,15 @@ def up(argv: list[str] | None = None) -> int:
     a = build_arg_parser().parse_args(argv)
     if a.num_decode < 1:
         raise SystemExit("--num-decode must be >= 1")
+    if a.num_prefill == 0 and a.prefill_gpus is not None:
+        raise SystemExit("--prefill-gpus places the prefill service, but --num-prefill 0 starts none: drop one")
     a.model = a.model or default_model_dir()
     try:
         tls = tls_argv(tls_from_args(a))  # the same certificate files for every child (server and client)
     except ValueError as e:
         raise SystemExit(f"nvfp4-serve up: {e}") from None
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    common = [*engine_args_to_argv(a), "--log-level", a.log_level, *tls]
+    common = [*engine_args_to_argv(a), "--log-level", a.log_level, *tls, "--kv-transfer", a.kv_transfer]
     children: list[Child] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -153,15 +166,19 @@ def up(argv: list[str] | None = None) -> int:
     try:
         deadline = time.monotonic() + a.startup_timeout
         prefill_env, decode_envs = gpu_envs(env, a.prefill_gpus, a.decode_gpus, a.num_decode)
-        prefill = _spawn("prefill", ["-m", "prefill_svc", "--port", str(free_port()), *common], prefill_env)
-        children.append(prefill)
+        prefills = [_spawn("prefill", ["-m", "prefill_svc", "--port", str(free_port()), *common], prefill_env)
+                    for _ in range(a.num_prefill)]
+        children += prefills
         decodes = [_spawn(f"decode-{i}", ["-m", "decode_svc", "--port", str(free_port()), *common], decode_envs[i])
                    for i in range(a.num_decode)]
         children += decodes
         _wait_ready(children, deadline)
         router_argv = ["-m", "router", "--host", a.host, "--port", str(a.port), "--model-dir", a.model,
-                       "--decode-addresses", *[d.address for d in decodes], "--prefill-addresses", prefill.address,
+                       "--decode-addresses", *[d.address for d in decodes],
+                       "--max-concurrent-requests", str(a.max_running_requests * a.num_decode),
                        "--log-level", a.log_level, *tls]
+        if prefills:
+            router_argv += ["--prefill-addresses", *[p.address for p in prefills]]
         if a.metrics_require_key:
             router_argv.append("--metrics-require-key")
         if a.served_model_name:
@@ -172,8 +189,10 @@ def up(argv: list[str] | None = None) -> int:
         children.append(router)
         url = f"http://{a.host}:{a.port}"
         _wait_health(url, router, deadline)
-        print(f"nvfp4-serve ready: {url}/v1  (model {a.model}, kv {a.kv_cache_dtype}, "
-              f"{a.num_decode} decode, prefill {prefill.address}); Ctrl-C stops", flush=True)
+        prefill_text = f"prefill {prefills[0].address}" if prefills else "no prefill: decode runs the prompts"
+        layers_text = "" if a.num_layers is None else f", --num-layers {a.num_layers}"
+        print(f"nvfp4-serve ready: {url}/v1  (model {a.model}, kv {a.kv_cache_dtype}{layers_text}, "
+              f"{a.num_decode} decode, {prefill_text}); Ctrl-C stops", flush=True)
         while not stop.wait(0.5):
             dead = [c for c in children if c.popen.poll() is not None]
             if dead:

@@ -26,6 +26,11 @@ class ServiceMetrics:
         self.pages_used = Gauge(f"{p}_pool_pages_used", "KV pool pages not free", registry=r)
         self.pages_cached = Gauge(f"{p}_pool_pages_cached", "pages held only by the prefix cache", registry=r)
         self.evictions = Gauge(f"{p}_evicted_pages", "pages evicted from the prefix cache since start", registry=r)
+        self.evicted_tokens = Gauge(f"{p}_evicted_tokens",
+                                    "tokens of the pages evicted from the prefix cache since start (flushes "
+                                    "included)", registry=r)
+        self.flushed_pages = Gauge(f"{p}_flushed_pages", "pages evicted by cache flushes since start",
+                                   registry=r)
         self.retractions = Gauge(f"{p}_retractions", "requests retracted under pool pressure since start", registry=r)
         self.transfer_bytes = Counter(f"{p}_kv_transfer_bytes", "KV page bytes sent or received", registry=r)
         self.transfer_seconds = Counter(f"{p}_kv_transfer_seconds", "time spent in KV transfers", registry=r)
@@ -45,6 +50,8 @@ class ServiceMetrics:
         self.pages_used.set(alloc.num_pages - alloc.num_free)
         self.pages_cached.set(cache.num_evictable_pages())
         self.evictions.set(cache.num_evictions)
+        self.evicted_tokens.set(cache.num_evicted_tokens)
+        self.flushed_pages.set(cache.num_flushed_pages)
         self.retractions.set(scheduler.num_retractions)
         self.queue_length.set(len(scheduler.waiting))
         self.running.set(scheduler.num_active)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1envfp4_serve_proto/common.proto\x12\rnvfp4serve.v1\"\xae\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xaa\x01\n\x08KVLayout\x12\x10\n\x08kv_dtype\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x10\n\x08k_scales\x18\x06 \x03(\x02\x12\x10\n\x08v_scales\x18\x07 \x03(\x02\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\"\xb3\x02\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x1a\n\x12outstanding_tokens\x18\x04 \x01(\x03\x12\x18\n\x10pool_pages_total\x18\x05 \x01(\x03\x12\x17\n\x0fpool_pages_free\x18\x06 \x01(\x03\x12\x19\n\x11pool_pages_cached\x18\x07 \x01(\x03\x12\x19\n\x11pool_pages_in_use\x18\x08 \x01(\x03\x12\x11\n\tpage_size\x18\t \x01(\x05\x12\x18\n\x10max_total_tokens\x18\n \x01(\x03\x12\'\n\x06layout\x18\x0b \x01(\x0b\x32\x17.nvfp4serve.v1.KVLayout\x12\x12\n\nmodel_path\x18\x0c \x01(\t\"\x10\n\x0eGetLoadRequest\"\x10\n\x0eMetricsRequest\"*\n\x0fMetricsResponse\x12\x17\n\x0fprometheus_text\x18\x01 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1envfp4_serve_proto/common.proto\x12\rnvfp4serve.v1\"\xae\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xaa\x01\n\x08KVLayout\x12\x10\n\x08kv_dtype\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x10\n\x08k_scales\x18\x06 \x03(\x02\x12\x10\n\x08v_scales\x18\x07 \x03(\x02\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\"Z\n\x10TransferEndpoint\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x13\n\x0bkv_transfer\x18\x04 \x01(\t\"\xb3\x02\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x1a\n\x12outstanding_tokens\x18\x04 \x01(\x03\x12\x18\n\x10pool_pages_total\x18\x05 \x01(\x03\x12\x17\n\x0fpool_pages_free\x18\x06 \x01(\x03\x12\x19\n\x11pool_pages_cached\x18\x07 \x01(\x03\x12\x19\n\x11pool_pages_in_use\x18\x08 \x01(\x03\x12\x11\n\tpage_size\x18\t \x01(\x05\x12\x18\n\x10max_total_tokens\x18\n \x01(\x03\x12\'\n\x06layout\x18\x0b \x01(\x0b\x32\x17.nvfp4serve.v1.KVLayout\x12\x12\n\nmodel_path\x18\x0c \x01(\t\"\x10\n\x0eGetLoadRequest\"\x10\n\x0eMetricsRequest\"*\n\x0fMetricsResponse\x12\x17\n\x0fprometheus_text\x18\x01 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,12 +35,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_end=224
   _globals['_KVLAYOUT']._serialized_start=227
   _globals['_KVLAYOUT']._serialized_end=397
-  _globals['_WORKERLOAD']._serialized_start=400
-  _globals['_WORKERLOAD']._serialized_end=707
-  _globals['_GETLOADREQUEST']._serialized_start=709
-  _globals['_GETLOADREQUEST']._serialized_end=725
-  _globals['_METRICSREQUEST']._serialized_start=727
-  _globals['_METRICSREQUEST']._serialized_end=743
-  _globals['_METRICSRESPONSE']._serialized_start=745
-  _globals['_METRICSRESPONSE']._serialized_end=787
+  _globals['_TRANSFERENDPOINT']._serialized_start=399
+  _globals['_TRANSFERENDPOINT']._serialized_end=489
+  _globals['_WORKERLOAD']._serialized_start=492
+  _globals['_WORKERLOAD']._serialized_end=799
+  _globals['_GETLOADREQUEST']._serialized_start=801
+  _globals['_GETLOADREQUEST']._serialized_end=817
+  _globals['_METRICSREQUEST']._serialized_start=819
+  _globals['_METRICSREQUEST']._serialized_end=835
+  _globals['_METRICSRESPONSE']._serialized_start=837
+  _globals['_METRICSRESPONSE']._serialized_end=879
 # @@protoc_insertion_point(module_scope)

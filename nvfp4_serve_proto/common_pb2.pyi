@@ -46,6 +46,18 @@ class KVLayout(_message.Message):
     model_fingerprint: str
     def __init__(self, kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
+class TransferEndpoint(_message.Message):
+    __slots__ = ("hostname", "boot_id", "device", "kv_transfer")
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    hostname: str
+    boot_id: str
+    device: str
+    kv_transfer: str
+    def __init__(self, hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., device: _Optional[str] = ..., kv_transfer: _Optional[str] = ...) -> None: ...
+
 class WorkerLoad(_message.Message):
     __slots__ = ("role", "num_running", "num_waiting", "outstanding_tokens", "pool_pages_total", "pool_pages_free", "pool_pages_cached", "pool_pages_in_use", "page_size", "max_total_tokens", "layout", "model_path")
     ROLE_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,16 @@ class PrefillStub:
                 request_serializer=nvfp4__serve__proto_dot_common__pb2.MetricsRequest.SerializeToString,
                 response_deserializer=nvfp4__serve__proto_dot_common__pb2.MetricsResponse.FromString,
                 _registered_method=True)
+        self.GetKVShare = channel.unary_unary(
+                '/nvfp4serve.v1.Prefill/GetKVShare',
+                request_serializer=nvfp4__serve__proto_dot_prefill__pb2.KVShareRequest.SerializeToString,
+                response_deserializer=nvfp4__serve__proto_dot_prefill__pb2.KVShare.FromString,
+                _registered_method=True)
+        self.ReleaseTransfer = channel.unary_unary(
+                '/nvfp4serve.v1.Prefill/ReleaseTransfer',
+                request_serializer=nvfp4__serve__proto_dot_prefill__pb2.ReleaseTransferRequest.SerializeToString,
+                response_deserializer=nvfp4__serve__proto_dot_prefill__pb2.ReleaseTransferResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -74,6 +84,20 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKVShare(self, request, context):
+        """cuda-ipc path: CUDA IPC handles of this process's pool tensors (a decode opens them once per prefill).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseTransfer(self, request, context):
+        """cuda-ipc path: the decode has copied every page of a transfer; the prefill may free its source pages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +115,16 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetMetrics,
                     request_deserializer=nvfp4__serve__proto_dot_common__pb2.MetricsRequest.FromString,
                     response_serializer=nvfp4__serve__proto_dot_common__pb2.MetricsResponse.SerializeToString,
+            ),
+            'GetKVShare': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVShare,
+                    request_deserializer=nvfp4__serve__proto_dot_prefill__pb2.KVShareRequest.FromString,
+                    response_serializer=nvfp4__serve__proto_dot_prefill__pb2.KVShare.SerializeToString,
+            ),
+            'ReleaseTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseTransfer,
+                    request_deserializer=nvfp4__serve__proto_dot_prefill__pb2.ReleaseTransferRequest.FromString,
+                    response_serializer=nvfp4__serve__proto_dot_prefill__pb2.ReleaseTransferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +208,60 @@ class Prefill:
             '/nvfp4serve.v1.Prefill/GetMetrics',
             nvfp4__serve__proto_dot_common__pb2.MetricsRequest.SerializeToString,
             nvfp4__serve__proto_dot_common__pb2.MetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVShare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nvfp4serve.v1.Prefill/GetKVShare',
+            nvfp4__serve__proto_dot_prefill__pb2.KVShareRequest.SerializeToString,
+            nvfp4__serve__proto_dot_prefill__pb2.KVShare.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nvfp4serve.v1.Prefill/ReleaseTransfer',
+            nvfp4__serve__proto_dot_prefill__pb2.ReleaseTransferRequest.SerializeToString,
+            nvfp4__serve__proto_dot_prefill__pb2.ReleaseTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from nvfp4_serve.engine_args import add_engine_args, engine_config_from_args
+from nvfp4_serve.kv_transfer import TRANSFER_MODES, check_mode
 from nvfp4_serve.service_main import add_server_args
 from nvfp4_serve.tls import TLSConfig, add_tls_args, tls_from_args
 
@@ -19,6 +20,8 @@ class PrefillConfig:
     max_message_bytes: int = 16 * 1024 * 1024  # every KV message stays under this (minus a header margin)
     metrics_port: int | None = None
     tls: TLSConfig = field(default_factory=TLSConfig)
+    kv_transfer: str = "auto"  # nvfp4_serve/kv_transfer.py: auto | grpc | cuda-ipc
+    kv_hold_timeout_s: float = 60.0  # cuda-ipc: source pages are freed this long after the header at the latest
     # Fault injection for tests only: sleep this long before the transfer header / before each KV page message.
     debug_header_delay_s: float = 0.0
     debug_transfer_delay_s: float = 0.0
@@ -26,6 +29,9 @@ class PrefillConfig:
     def __post_init__(self) -> None:
         if self.max_message_bytes < 64 * 1024:
             raise ValueError(f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
+        check_mode(self.kv_transfer)
+        if not self.kv_hold_timeout_s > 0:
+            raise ValueError(f"--kv-hold-timeout must be > 0 seconds, got {self.kv_hold_timeout_s}")
         for flag, value in (("--debug-header-delay-s", self.debug_header_delay_s),
                             ("--debug-transfer-delay-s", self.debug_transfer_delay_s)):
             if value < 0:
@@ -35,6 +41,13 @@ class PrefillConfig:
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("nvfp4-serve prefill", description="Run the prefill gRPC service.")
     add_server_args(p, PrefillConfig)
+    p.add_argument("--kv-transfer", default=PrefillConfig.kv_transfer, choices=TRANSFER_MODES,
+                   help="how KV pages reach the decode: auto (CUDA IPC when both ends share a host and both pools "
+                        "are on CUDA, else gRPC), grpc (always bytes over gRPC), cuda-ipc (as auto, and warn when "
+                        "a transfer falls back to gRPC)")
+    p.add_argument("--kv-hold-timeout", type=float, default=PrefillConfig.kv_hold_timeout_s,
+                   help="cuda-ipc: seconds after the transfer header at which the source pages are freed even if "
+                        "the decode has not released them")
     p.add_argument("--debug-header-delay-s", type=float, default=0.0,
                    help="testing only: sleep before the transfer header (to trip the decode's first-message deadline)")
     p.add_argument("--debug-transfer-delay-s", type=float, default=0.0,
@@ -47,4 +60,5 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def config_from_args(a: argparse.Namespace) -> PrefillConfig:
     return PrefillConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
                          max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port, tls=tls_from_args(a),
-                         debug_header_delay_s=a.debug_header_delay_s, debug_transfer_delay_s=a.debug_transfer_delay_s)
+                         debug_header_delay_s=a.debug_header_delay_s, debug_transfer_delay_s=a.debug_transfer_delay_s,
+                         kv_transfer=a.kv_transfer, kv_hold_timeout_s=a.kv_hold_timeout)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nvfp4_serve.load import worker_load
-from nvfp4_serve_proto import common_pb2, prefill_pb2_grpc
+from nvfp4_serve_proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_svc.worker import PrefillWorker
 
 
@@ -21,3 +21,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def GetMetrics(self, request, context):
         await worker_load(self.worker.loop, "prefill", self.worker.layout, self.worker.metrics)
         return common_pb2.MetricsResponse(prometheus_text=self.worker.metrics.text())
+
+    async def GetKVShare(self, request, context):
+        return await self.worker.share.kv_share(request)
+
+    async def ReleaseTransfer(self, request, context):
+        return prefill_pb2.ReleaseTransferResponse(released=self.worker.share.holds.release(request.transfer_id))

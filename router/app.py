@@ -9,9 +9,11 @@ This module never imports torch (tests check it).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -29,7 +31,7 @@ from router.middleware import ApiKeyMiddleware, RequestMetricsMiddleware
 from router.openai_protocol import ModelCard, ModelList, OpenAIError
 from router.policy import CacheAwarePolicy, PolicyConfig
 from router.serving import RouterState
-from router.workers import WorkerPool
+from router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,24 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/
 
 def error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def served_layers(model_dir: str, decode: list[Worker]) -> dict[str, Any]:
+    """/server_info's ``num_layers``: the checkpoint's decoder layers (config.json; None when unreadable), the
+    layer counts the decode workers serve (their KV layouts), and ``override`` when they serve fewer
+    (``--num-layers``), so that benchmark reports can say so."""
+    checkpoint = None
+    path = Path(model_dir) / "config.json"
+    if path.is_file():
+        try:
+            hf = json.loads(path.read_text())
+            checkpoint = {**hf.get("text_config", {}), **hf}.get("num_hidden_layers")
+        except (OSError, ValueError):
+            pass
+    served = sorted({w.last_load.layout.num_layers for w in decode
+                     if w.last_load is not None and w.last_load.layout.num_layers})
+    override = isinstance(checkpoint, int) and any(n != checkpoint for n in served)
+    return {"checkpoint": checkpoint, "served": served, "override": override}
 
 
 def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
@@ -146,6 +166,7 @@ def _add_routes(app: FastAPI, state: RouterState) -> None:
             "model_context_len": state.limits.context_len, "vocab_size": state.limits.vocab_size,
             "num_active_requests": state.gate.num_active, "num_queued_requests": state.gate.num_queued,
             "prefix_tree_tokens": pool.policy.tree_sizes(),
+            "num_layers": served_layers(config.model_dir, pool.decode),
             "decode": [w.describe() for w in pool.decode], "prefill": [w.describe() for w in pool.prefill],
         })
 

@@ -41,7 +41,8 @@ class ChoiceStarted(NamedTuple):
 
 class ChoiceText(NamedTuple):
     index: int
-    text: str
+    text: str  # may be "" when the ids do not complete a character yet
+    token_ids: tuple[int, ...] = ()  # the generated ids this text came from (none for the final tail)
 
 
 class ChoiceFinished(NamedTuple):
@@ -200,9 +201,10 @@ async def _read_attempt(ctx: GenerationContext, spec: ChoiceSpec, call: grpc.aio
             else:
                 metrics.ttft.observe(now - arrival)
             last = now
-            pieces = []
+            pieces, new_ids = [], []
             for token in msg.token_ids:
                 output.append(token)
+                new_ids.append(token)
                 result = stopper.push(detok.push(token))
                 pieces.append(result.text)
                 if result.stopped:
@@ -211,8 +213,7 @@ async def _read_attempt(ctx: GenerationContext, spec: ChoiceSpec, call: grpc.aio
             state.num_tokens = len(output)
             metrics.generated_tokens.inc(len(pieces))
             text = "".join(pieces)
-            if text:
-                yield ChoiceText(spec.index, text)
+            yield ChoiceText(spec.index, text, tuple(new_ids))
         if not (stopped or msg.finish_reason):
             continue
         if not stopped:  # the detokenizer's partial-character tail, then the stop matcher's held-back text

@@ -105,6 +105,9 @@ class CompletionRequest(_Request):
     suffix: str | None = None
     logprobs: int | None = None
     best_of: int | None = None
+    # vLLM extension: choices also carry the generated ``token_ids`` (streamed: each chunk's new ids) and the
+    # ``prompt_token_ids`` (streamed: in the choice's first chunk).
+    return_token_ids: bool = False
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -178,8 +181,12 @@ class ChatCompletionRequest(_Request):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    return_token_ids: bool = False
 
     def unsupported(self) -> OpenAIError | None:
+        if self.return_token_ids:
+            return bad_request("return_token_ids is supported on /v1/completions only (send the prompt as "
+                               "token ids there)", "return_token_ids")
         if self.logprobs or self.top_logprobs is not None:
             return bad_request("logprobs are not supported by this server", "logprobs")
         if self.tool_choice not in (None, "none", "auto"):
@@ -256,6 +263,16 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # only with return_token_ids (absent from the JSON otherwise)
+    prompt_token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_token_ids(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        for key in ("token_ids", "prompt_token_ids"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
 
 
 class CompletionResponse(BaseModel):

@@ -1,7 +1,10 @@
 """OpenAI response bodies of one request: the JSON of a non-streamed response, the SSE chunks of a streamed one.
 
 Usage counts each prompt once however many choices it has (n); ``cached_tokens`` of a prompt is the least any
-of its choices reused (a retry's report replaces the failed attempt's).
+of its choices reused (a retry's report replaces the failed attempt's). With ``return_token_ids``
+(completions only) each choice carries its generated ``token_ids`` and its ``prompt_token_ids``; streamed,
+every chunk carries the ids generated since the last one (a chunk may then have empty text) and a choice's
+first chunk the prompt's.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ class Job:
     stream: bool
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    return_token_ids: bool = False
+
+    def prompt_of(self, index: int) -> tuple[int, ...]:
+        """The prompt of choice ``index``."""
+        return self.prompts[index // self.n]
 
     @property
     def num_choices(self) -> int:
@@ -61,12 +69,14 @@ class Tally:
         self.finish: dict[int, str] = {}
         self.completion_tokens: dict[int, int] = {}
         self.cached: dict[int, int] = {}
+        self.token_ids: dict[int, list[int]] = {i: [] for i in range(job.num_choices)}
 
     def add(self, event: ChoiceEvent) -> None:
         if isinstance(event, ChoiceStarted):
             self.cached[event.index] = event.cached_tokens  # a retry overwrites
         elif isinstance(event, ChoiceText):
             self.texts[event.index].append(event.text)
+            self.token_ids[event.index].extend(event.token_ids)
         else:
             self.finish[event.index] = event.finish_reason
             self.completion_tokens[event.index] = event.completion_tokens
@@ -82,8 +92,11 @@ def full_response(job: Job, tally: Tally) -> CompletionResponse | ChatCompletion
     usage = tally.usage()
     indices = range(job.num_choices)
     if job.kind == "completion":
+        ids = job.return_token_ids
         return CompletionResponse(id=job.response_id, created=job.created, model=job.model, usage=usage, choices=[
-            CompletionChoice(index=i, text="".join(tally.texts[i]), finish_reason=tally.finish.get(i))
+            CompletionChoice(index=i, text="".join(tally.texts[i]), finish_reason=tally.finish.get(i),
+                             token_ids=tally.token_ids[i] if ids else None,
+                             prompt_token_ids=list(job.prompt_of(i)) if ids else None)
             for i in indices])
     return ChatCompletionResponse(id=job.response_id, created=job.created, model=job.model, usage=usage, choices=[
         ChatChoice(index=i, message=AssistantMessage(content="".join(tally.texts[i])),
@@ -95,6 +108,21 @@ class Chunks:
 
     def __init__(self, job: Job) -> None:
         self.job = job
+        self._prompt_ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids)
+
+    def _ids(self, index: int, token_ids: tuple[int, ...]) -> dict[str, Any]:
+        """The return_token_ids fields of a completion chunk's choice (none without the flag)."""
+        if not self.job.return_token_ids:
+            return {}
+        out: dict[str, Any] = {"token_ids": list(token_ids)}
+        if index not in self._prompt_ids_sent:
+            self._prompt_ids_sent.add(index)
+            out["prompt_token_ids"] = list(self.job.prompt_of(index))
+        return out
+
+    def wants(self, event: ChoiceText) -> bool:
+        """Whether ``event`` makes a chunk: it has text, or it has ids the client asked for."""
+        return bool(event.text) or (self.job.return_token_ids and bool(event.token_ids))
 
     def _chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> bytes:
         job = self.job
@@ -108,14 +136,15 @@ class Chunks:
         return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
                 for i in range(self.job.num_choices)]
 
-    def text(self, index: int, text: str) -> bytes:
+    def text(self, index: int, text: str, token_ids: tuple[int, ...] = ()) -> bytes:
         if self.job.kind == "completion":
-            return self._chunk([CompletionChoice(index=index, text=text)])
+            return self._chunk([CompletionChoice(index=index, text=text, **self._ids(index, token_ids))])
         return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=text))])
 
     def finish(self, index: int, reason: str) -> bytes:
         if self.job.kind == "completion":
-            return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
+            return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason,
+                                                 **self._ids(index, ()))])
         return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=reason)])
 
     def usage(self, usage: UsageInfo) -> bytes:
@@ -135,7 +164,8 @@ async def sse_body(job: Job, events: AsyncIterator[ChoiceEvent], first: ChoiceEv
         while event is not None:
             tally.add(event)
             if isinstance(event, ChoiceText):
-                yield chunks.text(event.index, event.text)
+                if chunks.wants(event):
+                    yield chunks.text(event.index, event.text, event.token_ids)
             elif isinstance(event, ChoiceFinished):
                 yield chunks.finish(event.index, event.finish_reason)
             event = await anext(events, None)

@@ -167,7 +167,8 @@ async def completions(state: RouterState, request: Request) -> Response:
                                                      COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt"),
                             state.limits.vocab_size) for ids in token_prompts]
         job = Job("completion", f"cmpl-{uuid.uuid4().hex}", state.config.model_name, token_prompts, options,
-                  req.n, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+                  req.n, req.stream, bool(req.stream_options and req.stream_options.include_usage),
+                  return_token_ids=req.return_token_ids)
         return await _run(state, request, job, arrival, slot)
     finally:
         if not slot.handed_over:

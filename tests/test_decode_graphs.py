@@ -133,3 +133,20 @@ def test_cuda_graph_decode_matches_eager_on_gpu(tmp_path, kv_dtype):
     outs = eng.generate(_prompts(6, seed=9), GREEDY)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     assert eng.check_integrity().num_in_use == 0
+
+
+def test_cuda_graph_flags_reach_the_engine_config_and_the_children():
+    import argparse
+
+    from nvfp4_serve.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    a = p.parse_args(["--model", "m", "--disable-cuda-graph", "--cuda-graph-max-bs", "48"])
+    cfg = engine_config_from_args(a)
+    assert cfg.disable_cuda_graph and cfg.cuda_graph_max_bs == 48
+    argv = engine_args_to_argv(a)
+    assert "--disable-cuda-graph" in argv and argv[argv.index("--cuda-graph-max-bs") + 1] == "48"
+    again = engine_config_from_args(p.parse_args(argv))
+    assert again.disable_cuda_graph and again.cuda_graph_max_bs == 48
+    assert not engine_config_from_args(p.parse_args(["--model", "m"])).disable_cuda_graph

@@ -4,9 +4,17 @@
           --num-prompts P [--seed S] [--warmup K] [--out results.json]
     sweep (the same, --concurrency C1 C2 ...; --num-prompts P or --prompts-per-concurrency M)
     plot  results.json... --out-dir docs/benchmarks
+    experiments [--kv-dtypes bf16 fp8_e4m3 nvfp4] [--iso L:C ...] [--capacity-input-lens L ...]
+          [--sweep-concurrency C ...] [--out docs/benchmarks/serving.json] --launch [nvfp4-serve up args...]
+          (one deployment per KV dtype; JSON, docs/benchmarks/README.md and plots: see experiments.py)
 
 ``--launch`` must come last: every argument after it goes to ``nvfp4-serve up``, which the benchmark starts
 (on a free port unless ``--port`` is given), waits for, and stops with SIGINT at the end.
+
+Agentic multi-turn traces (``benchmarks.agentic``, issue 7):
+    gen-trace --out trace.jsonl [--scale S | --fit-pool-tokens P --saturate-at C]
+    --trace trace.jsonl --concurrency C1 C2 ... [--kv-dtypes fp8_e4m3 nvfp4] [--out R.json] --launch ...
+    agentic-report R.json... --out docs/benchmarks/agentic.md
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import Any
 import httpx
 
 from benchmarks.serving.config import BenchConfig, Target
+from benchmarks.serving.experiments import add_experiment_args
 from benchmarks.serving.launch import LaunchedDeployment
 from benchmarks.serving.report import point_table, sweep_table, write_json
 from benchmarks.serving.runner import BenchError, Session, new_document, run_point, sweep_configs
@@ -84,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("results", nargs="+")
     plot.add_argument("--out-dir", default="docs/benchmarks")
     plot.add_argument("--prefix", default="", help="prefix of the PNG file names")
+    add_experiment_args(sub.add_parser("experiments", help="KV dtypes compared: one deployment each, every "
+                                                           "experiment against it, JSON + markdown report"))
     return p
 
 
@@ -156,9 +167,19 @@ def _drive(a: argparse.Namespace, argv: list[str], base_url: str,
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m benchmarks.serving`` and ``nvfp4-serve bench``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    from benchmarks.agentic.__main__ import is_agentic
+
+    if is_agentic(argv):
+        from benchmarks.agentic.__main__ import main as agentic_main
+
+        return agentic_main(argv)
     own, launch_args = split_launch(argv)
     parser = build_parser()
     a = parser.parse_args(own)
+    if a.command == "experiments":
+        from benchmarks.serving.experiments import main as experiments_main
+
+        return experiments_main(a, argv, launch_args)
     if a.command == "plot":
         from benchmarks.serving.plot import plot
 

@@ -21,7 +21,8 @@ from urllib.parse import urlparse
 import httpx
 
 _GPU_KEYS = ("gpu_name", "device_name", "gpu")
-_GAUGES_KEPT = ("evicted_pages", "retractions")  # "since start" gauges: their differences are meaningful
+# "since start" gauges: their differences are meaningful
+_GAUGES_KEPT = ("evicted_pages", "evicted_tokens", "flushed_pages", "retractions")
 
 
 async def fetch_server_info(client: httpx.AsyncClient) -> dict[str, Any]:

@@ -1,0 +1,208 @@
+"""KV transfer benchmark (issue 9): gRPC bytes vs CUDA IPC, nvfp4 vs fp8_e4m3, long prompts.
+
+    python -m benchmarks.transfer.bench_transfer [--prefill-gpu 0 --decode-gpu 0] [--lengths 32768 163840]
+        [--model DIR [--num-layers N]] [--paths grpc cuda-ipc] [--kv-dtypes nvfp4 fp8_e4m3]
+
+For each KV dtype it starts one prefill service and one decode service per path (``--kv-transfer grpc`` and
+``--kv-transfer cuda-ipc``), all at once, on the given GPUs (one GPU works: two processes on one GPU still
+use CUDA IPC). Then, one request at a time on idle services, a unique random prompt per (dtype, length, path)
+goes through Decode.Generate, and it records: TTFT (client), prefill compute (the prefill's own time), the
+transfer (the decode's time from header to last page in, copies complete), its bytes and GB/s, the path the
+decode's metrics say was taken, and single-sequence decode tok/s. It prints a table and writes
+docs/benchmarks/transfer.json and .md with the nvfp4/fp8 transfer-share ratio per path and the 0.6x goal.
+
+Without ``--model`` it writes (once, cached under --model-cache) a random-weight checkpoint with Qwen3-8B's
+attention and MLP shapes (32 query / 8 KV heads, head_dim 128, hidden 4096, MLP 12288), ``--layers`` layers
+and a small vocabulary: transfer bytes and prefill compute both scale with the layer count, so the transfer
+share does not depend on it, and four layers keep the whole run to a couple of minutes on one H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from benchmarks.transfer.report import GOAL_RATIO, ratio_table, summarize, table, write
+from benchmarks.transfer.services import Service, delta, flush_decode_cache, metrics, spawn, wait_ready
+from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
+
+PATHS = ("grpc", "cuda-ipc")
+KV_DTYPES = ("nvfp4", "fp8_e4m3")
+MODEL_SHAPE = {"arch": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_heads": 32,
+               "num_kv_heads": 8, "head_dim": 128, "vocab_size": 4096, "rope_theta": 1e6,
+               "max_position_embeddings": 262144}
+_GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser("bench_transfer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF checkpoint (default: the generated Qwen3-8B-shaped one)")
+    p.add_argument("--layers", type=int, default=4, help="layers of the generated model")
+    p.add_argument("--model-cache", default=str(Path(tempfile.gettempdir()) / "nvfp4-bench-transfer-model"))
+    p.add_argument("--num-layers", type=int, default=None, help="passed to the services (serve the first N)")
+    p.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES)
+    p.add_argument("--lengths", nargs="+", type=int, default=[32768, 163840], help="prompt lengths (tokens)")
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    p.add_argument("--prefill-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the prefill services")
+    p.add_argument("--decode-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the decode services")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the script")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--decode-tokens", type=int, default=16, help="tokens generated per request")
+    p.add_argument("--warmup-len", type=int, default=1024, help="prompt of the warm-up request per decode")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default=None, help="service logs (default: a temporary directory)")
+    p.add_argument("--out-json", default="docs/benchmarks/transfer.json")
+    p.add_argument("--out-md", default="docs/benchmarks/transfer.md")
+    return p
+
+
+def prepare_model(a: argparse.Namespace) -> Path:
+    if a.model:
+        return Path(a.model)
+    from engine.tiny_model import make_tiny_model
+
+    out = Path(a.model_cache) / f"qwen3-8b-shape-{a.layers}l"
+    if not (out / "config.json").exists():
+        kw = {"device": "cuda"} if a.device == "cuda" and "device" in inspect.signature(make_tiny_model).parameters \
+            else {}
+        t0 = time.perf_counter()
+        make_tiny_model(out, num_layers=a.layers, seed=a.seed, **MODEL_SHAPE, **kw)
+        print(f"wrote {out} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return out
+
+
+def gpu_name(a: argparse.Namespace) -> str:
+    if a.device != "cuda":
+        return "none (CPU smoke run)"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", a.prefill_gpu],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        return out.splitlines()[0] if out else "unknown GPU"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown GPU"
+
+
+def start_services(a: argparse.Namespace, model: Path, log_dir: Path) -> dict[str, dict[str, Service]]:
+    """{kv_dtype: {"prefill": svc, "<path>": decode svc}}, all started at once and ready."""
+    pool_tokens = max(a.lengths) + a.warmup_len + a.decode_tokens + 64 * a.page_size
+    started: dict[str, dict[str, Service]] = {}
+    every: list[Service] = []
+    try:
+        for kv in a.kv_dtypes:
+            common = ["--model", str(model), "--device", a.device, "--dtype", a.dtype, "--kv-cache-dtype", kv,
+                      "--page-size", str(a.page_size), "--max-total-tokens", str(pool_tokens),
+                      "--chunked-prefill-size", str(a.chunked_prefill_size)]
+            if a.num_layers is not None:
+                common += ["--num-layers", str(a.num_layers)]
+            group = {"prefill": spawn(f"prefill-{kv}", "prefill_svc", [*common, "--kv-hold-timeout", "300"],
+                                      log_dir, a.prefill_gpu if a.device == "cuda" else None)}
+            for path in a.paths:
+                group[path] = spawn(f"decode-{kv}-{path}", "decode_svc", [*common, "--kv-transfer", path],
+                                    log_dir, a.decode_gpu if a.device == "cuda" else None)
+            started[kv] = group
+            every += group.values()
+        wait_ready(every, a.startup_timeout)
+    except BaseException:
+        for s in every:
+            s.stop()
+        raise
+    return started
+
+
+def run_one(prefill: Service, decode: Service, rid: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    """One request on idle services; the numbers come from the client clock and metric deltas."""
+    pb, db = metrics(prefill.address, "prefill"), metrics(decode.address, "decode")
+    sp = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    req = decode_pb2.GenerateRequest(request_id=rid, token_ids=ids, sampling=sp, prefill_address=prefill.address)
+    stamps: list[tuple[float, int]] = []
+    with grpc.insecure_channel(decode.address, options=_GRPC_OPTIONS) as ch:
+        t0 = time.perf_counter()
+        for m in decode_pb2_grpc.DecodeStub(ch).Generate(req, timeout=1800):
+            if m.token_ids:
+                stamps.append((time.perf_counter(), len(m.token_ids)))
+    pa, da = metrics(prefill.address, "prefill"), metrics(decode.address, "decode")
+    flush_decode_cache(decode.address)
+    ttft = stamps[0][0] - t0
+    n_after = sum(n for _, n in stamps[1:])
+    span = stamps[-1][0] - stamps[0][0]
+    transfer_s = delta(da, db, "nvfp4_decode_kv_transfer_seconds_total")
+    nbytes = delta(da, db, "nvfp4_decode_kv_transfer_bytes_total")
+    used = [p for p in PATHS if delta(da, db, f'nvfp4_decode_kv_transfer_path_total{{path="{p}"}}') > 0]
+    return {
+        "ttft_s": ttft, "prefill_compute_s": delta(pa, pb, "nvfp4_prefill_ttft_seconds_sum"),
+        "prefill_wait_s": delta(da, db, "nvfp4_decode_kv_transfer_wait_seconds_total"),
+        "transfer_s": transfer_s, "transfer_share": transfer_s / ttft if ttft > 0 else None,
+        "transfer_bytes": int(nbytes), "transfer_mb": nbytes / 1e6,
+        "transfer_gbps": nbytes / transfer_s / 1e9 if transfer_s > 0 else None,
+        "path_used": used[0] if len(used) == 1 else "/".join(used) or "none",
+        "generated_tokens": sum(n for _, n in stamps),
+        "decode_tok_s": n_after / span if span > 0 and n_after else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_arg_parser().parse_args(argv)
+    model = prepare_model(a)
+    cfg = json.loads((model / "config.json").read_text())
+    vocab = cfg["vocab_size"]
+    rng = random.Random(a.seed)
+
+    def unique_prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    log_dir = Path(a.log_dir) if a.log_dir else Path(tempfile.mkdtemp(prefix="bench-transfer-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    services = start_services(a, model, log_dir)
+    print(f"{sum(len(g) for g in services.values())} services ready in {time.perf_counter() - t_start:.1f} s "
+          f"(logs in {log_dir})", flush=True)
+    rows: list[dict[str, Any]] = []
+    try:
+        for kv, group in services.items():
+            for path in a.paths:  # compiles kernels and opens the IPC share outside the measurements
+                run_one(group["prefill"], group[path], f"warm-{kv}-{path}", unique_prompt(a.warmup_len), 2)
+            for n in a.lengths:
+                for path in a.paths:
+                    r = run_one(group["prefill"], group[path], f"{kv}-{n}-{path}", unique_prompt(n), a.decode_tokens)
+                    rows.append({"kv_dtype": kv, "prompt_len": n, "path": path, **r})
+                    print(table([rows[-1]]).splitlines()[-1], flush=True)
+                    if r["path_used"] != path:
+                        print(f"WARNING: asked for {path}, the decode took {r['path_used']} (see its log)",
+                              flush=True)
+    finally:
+        for group in services.values():
+            for s in group.values():
+                s.stop()
+    doc = {
+        "command": "python -m benchmarks.transfer.bench_transfer " + shlex.join(sys.argv[1:] if argv is None
+                                                                                else argv),
+        "gpu": gpu_name(a), "goal_ratio": GOAL_RATIO, "wall_s": time.perf_counter() - t_start,
+        "setup": {"model": str(model) if a.model else f"random weights, Qwen3-8B shapes, vocab {vocab}",
+                  "num_layers": a.num_layers or cfg["num_hidden_layers"],
+                  "num_kv_heads": cfg["num_key_value_heads"], "head_dim": cfg.get("head_dim"),
+                  "page_size": a.page_size, "chunk_size": a.chunked_prefill_size, "decode_tokens": a.decode_tokens,
+                  "prefill_gpu": a.prefill_gpu, "decode_gpu": a.decode_gpu, "device": a.device},
+        "rows": rows, "summary": summarize(rows)}
+    write(doc, Path(a.out_json), Path(a.out_md))
+    print("\n" + table(rows) + "\n\n" + ratio_table(doc["summary"]), flush=True)
+    print(f"\nwrote {a.out_json} and {a.out_md} ({doc['wall_s']:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The transfer benchmark's summary (nvfp4/fp8 transfer-share ratio per path and length), table, JSON and
+markdown."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+GOAL_RATIO = 0.6  # issue 9: nvfp4's transfer share of TTFT at most 0.6x fp8's, on either path
+
+_COLUMNS = [("kv_dtype", "kv dtype", "{}"), ("prompt_len", "prompt", "{:,}"), ("path", "path", "{}"),
+            ("ttft_s", "TTFT s", "{:.3f}"), ("prefill_compute_s", "prefill compute s", "{:.3f}"),
+            ("transfer_s", "transfer s", "{:.4f}"), ("transfer_share", "transfer share", "{:.1%}"),
+            ("transfer_mb", "MB", "{:,.1f}"), ("transfer_gbps", "GB/s", "{:.2f}"),
+            ("decode_tok_s", "decode tok/s", "{:.1f}")]
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (path, prompt length): nvfp4 and fp8 transfer shares, their ratio and whether it meets the goal."""
+    by = {(r["path"], r["prompt_len"], r["kv_dtype"]): r for r in rows}
+    out = []
+    for path, n in sorted({(r["path"], r["prompt_len"]) for r in rows}):
+        a, b = by.get((path, n, "nvfp4")), by.get((path, n, "fp8_e4m3"))
+        if a is None or b is None:
+            continue
+        ratio = a["transfer_share"] / b["transfer_share"] if b["transfer_share"] > 0 else None
+        out.append({"path": path, "prompt_len": n, "nvfp4_share": a["transfer_share"],
+                    "fp8_share": b["transfer_share"], "share_ratio": ratio,
+                    "bytes_ratio": a["transfer_bytes"] / b["transfer_bytes"] if b["transfer_bytes"] else None,
+                    "goal_met": ratio is not None and ratio <= GOAL_RATIO})
+    return out
+
+
+def _cell(fmt: str, v: Any) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The per-run markdown table."""
+    lines = ["| " + " | ".join(h for _, h, _ in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(f, r.get(k)) for k, _, f in _COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def ratio_table(summary: list[dict[str, Any]]) -> str:
+    lines = ["| path | prompt | nvfp4 share | fp8 share | ratio (goal <= 0.6) | bytes ratio | met |",
+             "|---|---|---|---|---|---|---|"]
+    for s in summary:
+        lines.append(f"| {s['path']} | {s['prompt_len']:,} | {s['nvfp4_share']:.1%} | {s['fp8_share']:.1%} | "
+                     f"{_cell('{:.3f}', s['share_ratio'])} | {_cell('{:.4f}', s['bytes_ratio'])} | "
+                     f"{'yes' if s['goal_met'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    s = doc["setup"]
+    met = [x["goal_met"] for x in doc["summary"]]
+    verdict = ("met on every path and length" if met and all(met) else
+               "NOT met where the last column says NO" if met else "not measured (needs both dtypes)")
+    return "\n".join([
+        "# KV transfer prefill -> decode: gRPC bytes vs CUDA IPC (issue 9)", "",
+        f"Command: `{doc['command']}`", "",
+        (f"GPU: {doc['gpu']} (prefill on GPU {s['prefill_gpu']}, decode on GPU {s['decode_gpu']}). Model: "
+        f"{s['model']} ({s['num_layers']} layers, {s['num_kv_heads']} KV heads x head_dim {s['head_dim']}), "
+        f"page {s['page_size']}, chunked prefill {s['chunk_size']}, {s['decode_tokens']} generated tokens per "
+        f"request, one request at a time on idle services, unique random prompts (no cache hits)."), "",
+        ("TTFT is the client's (Generate sent -> first token). Prefill compute is the prefill service's own "
+        "time from submit to the prompt's last layer (`nvfp4_prefill_ttft_seconds`); transfer is the decode's "
+        "time from the transfer header to the last page in its pool, copies complete "
+        "(`nvfp4_decode_kv_transfer_seconds`); transfer share = transfer / TTFT. Decode tok/s is one sequence "
+        "at that context (batch 1). The path column is the path the decode's metrics say was taken."), "",
+        table(doc["rows"]), "",
+        f"## nvfp4 / fp8 transfer share (goal: <= {GOAL_RATIO}x on either path)", "",
+        ratio_table(doc["summary"]), "", f"Goal: {verdict}.", ""])
+
+
+def write(doc: dict[str, Any], json_path: Path, md_path: Path) -> None:
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(markdown(doc))

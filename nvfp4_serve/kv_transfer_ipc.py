@@ -1,0 +1,193 @@
+"""The cuda-ipc transfer path's tensor side: share a prefill's pool tensors once, open them in a decode
+process, copy pages device to device, and fence the copies.
+
+    prefill process                                   decode process
+    export_share(pool)  --KVShare (gRPC, once)-->      open_share(share, pool) -> PoolView (cached per prefill)
+    pool writes; Fence.wait()  --KVPageRefs-->         copy_pages(pool, view, layer, src, dst) on the engine thread
+                               <--ReleaseTransfer--    Fence.wait() after the last copy
+
+Handles are torch's own CUDA IPC (``UntypedStorage._share_cuda_`` / ``rebuild_cuda_tensor``, what
+``torch.multiprocessing`` sends between processes), serialized field by field into ``SharedTensor``
+(never pickled: a KVShare is data, not code). The decode opens every handle on ITS OWN device: the
+memory is mapped into that device's address space (peer access across GPUs is enabled lazily by
+CUDA), so copies are ordinary kernels on the decode's engine stream.
+
+``PoolView`` is the only thing the copy reads, so CPU tests hand it a view of an in-process pool
+(``pool_view``) and exercise everything but the handles themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_pool import KVPool
+from nvfp4_serve_proto import prefill_pb2
+
+PARTS = ("k", "k_sf", "v", "v_sf")
+_DTYPES = {"uint8": torch.uint8, "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+_MAX_GATHER_BYTES = 256 << 20  # a scattered copy gathers at most this much into a temporary at once
+_MAX_SLICE_RUNS = 16  # up to this many runs of consecutive pages are copied run by run (the allocator hands
+#                       out the smallest free ids in order, so a fresh request's pages are mostly one run)
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """Per-layer tensors ``[num_pages, S, Hk, X]`` of a pool (another process's, through IPC, or this one's)."""
+
+    num_pages: int  # rows of every tensor (the pool's allocator pages and any scratch pages after them)
+    layers: tuple[dict[str, torch.Tensor], ...]  # part name -> tensor; scales only for nvfp4
+
+
+def _layer_parts(pool: KVPool, layer: int) -> dict[str, torch.Tensor]:
+    lkv = pool.layers[layer]
+    return {name: t for name, t in zip(PARTS, (lkv.k, lkv.k_sf, lkv.v, lkv.v_sf), strict=True) if t is not None}
+
+
+def pool_rows(pool: KVPool) -> int:
+    """Pages in each of ``pool``'s tensors: its allocator pages plus any scratch pages."""
+    return pool.layers[0].k.shape[0]
+
+
+def pool_view(pool: KVPool) -> PoolView:
+    """A view of ``pool``'s own tensors (no copy)."""
+    return PoolView(pool_rows(pool), tuple(_layer_parts(pool, i) for i in range(pool.num_layers)))
+
+
+# -- prefill side ----------------------------------------------------------------------------------------
+def describe_tensors(pool: KVPool) -> list[prefill_pb2.SharedTensor]:
+    """Layer, part, dtype, shape and strides of every tensor of ``pool`` (no handles)."""
+    return [prefill_pb2.SharedTensor(layer=i, part=part, dtype=str(t.dtype).removeprefix("torch."),
+                                     shape=list(t.shape), stride=list(t.stride()), storage_offset=t.storage_offset())
+            for i in range(pool.num_layers) for part, t in _layer_parts(pool, i).items()]
+
+
+def export_share(pool: KVPool) -> list[prefill_pb2.SharedTensor]:
+    """``describe_tensors`` plus the CUDA IPC handles of each tensor's storage. Call once per process (each
+    call adds torch IPC bookkeeping). Raises RuntimeError when the pool is not on a CUDA device, or torch
+    cannot share its memory."""
+    if pool.device.type != "cuda":
+        raise RuntimeError(f"the KV pool is on {pool.device}: only CUDA pools can be shared through CUDA IPC")
+    out = describe_tensors(pool)
+    for st in out:
+        t = _layer_parts(pool, st.layer)[st.part]
+        (_, handle, size_bytes, offset_bytes, rc_handle, rc_offset, ev_handle,
+         ev_sync) = t.untyped_storage()._share_cuda_()
+        st.ipc_handle, st.storage_size_bytes, st.storage_offset_bytes = handle, size_bytes, offset_bytes
+        st.ref_counter_handle, st.ref_counter_offset = rc_handle, rc_offset
+        st.event_handle, st.event_sync_required = ev_handle or b"", bool(ev_sync)
+    return out
+
+
+# -- decode side -----------------------------------------------------------------------------------------
+def check_share(share: prefill_pb2.KVShare, pool: KVPool) -> None:
+    """Raise ValueError unless ``share`` describes, for every layer and part of ``pool``, one contiguous
+    tensor of ``share.num_pages`` pages with this pool's page shape and dtype."""
+    if share.num_pages < 1:
+        raise ValueError(f"the share has {share.num_pages} pages")
+    want = {(i, part): t for i in range(pool.num_layers) for part, t in _layer_parts(pool, i).items()}
+    got = {(st.layer, st.part): st for st in share.tensors}
+    if set(got) != set(want) or len(share.tensors) != len(want):
+        raise ValueError(f"the share holds tensors {sorted(got)[:8]}..., this pool needs {len(want)} "
+                         f"(layers 0..{pool.num_layers - 1}, parts {'/'.join(_layer_parts(pool, 0))})")
+    for key, st in got.items():
+        t = want[key]
+        shape = [share.num_pages, *t.shape[1:]]
+        stride = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        if _DTYPES.get(st.dtype) is not t.dtype or list(st.shape) != shape or list(st.stride) != stride:
+            raise ValueError(f"shared tensor {key} is {st.dtype} {list(st.shape)} stride {list(st.stride)}, "
+                             f"expected {str(t.dtype).removeprefix('torch.')} {shape} stride {stride}")
+
+
+def open_share(share: prefill_pb2.KVShare, pool: KVPool) -> PoolView:
+    """Open the prefill pool ``share`` on the device of the local ``pool`` (checked with ``check_share``).
+
+    Raises ValueError or RuntimeError when it cannot be opened (other host, IPC namespace, driver)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    if pool.device.type != "cuda":
+        raise RuntimeError(f"this KV pool is on {pool.device}: CUDA IPC needs a CUDA pool on both ends")
+    check_share(share, pool)
+    index = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
+    layers: list[dict[str, torch.Tensor]] = [{} for _ in range(pool.num_layers)]
+    for st in share.tensors:
+        layers[st.layer][st.part] = rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(st.shape), tuple(st.stride), st.storage_offset, torch.UntypedStorage,
+            _DTYPES[st.dtype], index, st.ipc_handle, st.storage_size_bytes, st.storage_offset_bytes, False,
+            st.ref_counter_handle, st.ref_counter_offset, st.event_handle, st.event_sync_required)
+    return PoolView(int(share.num_pages), tuple(layers))
+
+
+def copy_pages(dst: KVPool, src: PoolView, layer: int, src_pages: Sequence[int], dst_pages: Sequence[int]) -> int:
+    """MUTATES ``dst``: pages ``dst_pages`` of ``layer`` become copies of ``src`` pages ``src_pages``
+    (K, V and nvfp4 block scales), issued on the current stream of ``dst``'s device. Returns bytes copied.
+
+    Validates everything first (ValueError): equal counts, ids inside each pool, no destination page twice,
+    the same page shape and dtype on both sides."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    if not 0 <= layer < dst.num_layers or layer >= len(src.layers):
+        raise ValueError(f"layer {layer} outside the pools ({dst.num_layers} layers)")
+    for name, ids, n in (("source", src_pages, src.num_pages), ("destination", dst_pages, dst.num_pages)):
+        bad = [p for p in ids if not 0 <= p < n]
+        if bad:
+            raise ValueError(f"{name} page ids {bad[:8]} outside its pool (0..{n - 1})")
+    if len(set(dst_pages)) != len(dst_pages):
+        raise ValueError(f"destination pages repeat: {list(dst_pages)[:16]}")
+    n = len(src_pages)
+    if n == 0:
+        return 0
+    runs = _runs([int(p) for p in src_pages], [int(p) for p in dst_pages])
+    idx_src = idx_dst = None
+    if len(runs) > _MAX_SLICE_RUNS:
+        idx_src = torch.tensor([int(p) for p in src_pages], dtype=torch.int64, device=dst.device)
+        idx_dst = torch.tensor([int(p) for p in dst_pages], dtype=torch.int64, device=dst.device)
+    pairs = []
+    for part, d in _layer_parts(dst, layer).items():
+        s = src.layers[layer].get(part)
+        if s is None or s.shape[1:] != d.shape[1:] or s.dtype != d.dtype:
+            raise ValueError(f"layer {layer} part {part!r}: source {None if s is None else tuple(s.shape)} does not "
+                             f"match destination {tuple(d.shape)} {d.dtype}")
+        pairs.append((d.view(d.shape[0], -1).view(torch.uint8), s.view(s.shape[0], -1).view(torch.uint8)))
+    copied = 0
+    for d8, s8 in pairs:  # byte rows of one page each
+        if idx_src is None:  # few runs of consecutive pages on both sides: plain copies, no temporary
+            for s0, d0, m in runs:
+                d8[d0:d0 + m].copy_(s8[s0:s0 + m])
+        else:
+            step = max(1, _MAX_GATHER_BYTES // d8.shape[1])
+            for i in range(0, n, step):
+                d8.index_copy_(0, idx_dst[i:i + step], s8.index_select(0, idx_src[i:i + step]))
+        copied += n * d8.shape[1]
+    return copied
+
+
+def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal (src_start, dst_start, length) runs where both sides advance by one page."""
+    runs: list[list[int]] = []
+    for sp, dp in zip(src, dst, strict=True):
+        if runs and sp == runs[-1][0] + runs[-1][2] and dp == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([sp, dp, 1])
+    return [(a, b, n) for a, b, n in runs]
+
+
+class Fence:
+    """Completion of the work issued so far on the current stream of a device (a recorded CUDA event);
+    on the CPU every copy is already complete and ``wait`` returns at once."""
+
+    def __init__(self, device: torch.device | str):
+        device = torch.device(device)
+        self._event = None
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(device))
+
+    def wait(self) -> None:
+        """Block until the fenced work is complete (call from a worker thread, not the event loop)."""
+        if self._event is not None:
+            self._event.synchronize()

@@ -1,0 +1,174 @@
+"""The prefill's side of the cuda-ipc path: its endpoint, its pool's IPC share, the path choice per
+request, and the holds that keep source pages alive until the decode has copied them.
+
+Hold lifecycle (one per cuda-ipc transfer; every transition on the service's event loop):
+
+    open (before the header) --ReleaseTransfer(transfer_id)--> released  -> the stream ends OK
+                             --stream cancelled / broken-----> stream_ended
+                             --hold_timeout_s after header---> expired   -> DEADLINE_EXCEEDED
+    then (whatever ended it) the worker aborts the engine request, which frees or caches its pages.
+
+So a killed decode or a cancelled stream never leaks prefill pages, and the pages are never freed
+while a decode that keeps to the deadline may still be copying them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.kv_pool import KVPool
+from nvfp4_serve.errors import TransferTimeout
+from nvfp4_serve.kv_transfer import (
+    PATH_GRPC,
+    PATH_IPC,
+    PathChoice,
+    TransferMetrics,
+    describe,
+    local_endpoint,
+    select_path,
+)
+from nvfp4_serve.kv_transfer_ipc import export_share, pool_rows
+from nvfp4_serve_proto import common_pb2, prefill_pb2
+
+log = logging.getLogger(__name__)
+
+Exporter = Callable[[KVPool], list[prefill_pb2.SharedTensor]]
+
+
+@dataclass
+class Hold:
+    """One cuda-ipc transfer's hold on its source pages."""
+
+    transfer_id: str  # random and unguessable: only the decode that got the header can release it
+    timeout_s: float
+    deadline: float  # time.monotonic() at which the pages are freed whatever the decode does
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+    outcome: str = ""  # set when it ends: released | stream_ended | expired
+
+    def check(self) -> None:
+        """Raise TransferTimeout once the deadline passed (the caller's stream then ends and frees the pages)."""
+        if time.monotonic() > self.deadline and not self.released.is_set():
+            self.outcome = "expired"
+            raise TransferTimeout(f"the decode did not copy and release transfer {self.transfer_id[:8]} within "
+                                  f"{self.timeout_s:g} s of its header; its source pages are freed")
+
+    async def wait_released(self) -> None:
+        """Return once released; TransferTimeout at the deadline."""
+        try:
+            await asyncio.wait_for(self.released.wait(), max(0.0, self.deadline - time.monotonic()))
+        except TimeoutError:
+            pass
+        self.check()
+        self.outcome = "released"
+
+
+class TransferHolds:
+    """The open holds of this prefill, by transfer id."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, Hold] = {}
+
+    def open(self, timeout_s: float) -> Hold:
+        """A new hold whose deadline starts now (call right before sending the header)."""
+        hold = Hold(secrets.token_hex(16), timeout_s, time.monotonic() + timeout_s)
+        self._open[hold.transfer_id] = hold
+        return hold
+
+    def release(self, transfer_id: str) -> bool:
+        """The decode's copies are complete; False when the id is unknown (ended, expired or never opened)."""
+        hold = self._open.get(transfer_id)
+        if hold is None:
+            return False
+        hold.released.set()
+        return True
+
+    def close(self, hold: Hold) -> str:
+        """Forget ``hold`` (its pages are about to be freed); returns how it ended."""
+        self._open.pop(hold.transfer_id, None)
+        hold.outcome = hold.outcome or "stream_ended"
+        return hold.outcome
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+class KVShareSource:
+    """What this prefill offers the cuda-ipc path. The pool is exported lazily on the first GetKVShare
+    (once per process); ``share_id`` names this process's share so that a decode holding a share of an
+    earlier process on the same address is told to fetch the new one."""
+
+    def __init__(self, pool: KVPool, layout: common_pb2.KVLayout, mode: str, hold_timeout_s: float,
+                 metrics: TransferMetrics, endpoint: common_pb2.TransferEndpoint | None = None,
+                 exporter: Exporter = export_share):
+        self.pool = pool
+        self.layout = layout
+        self.mode = mode
+        self.hold_timeout_s = hold_timeout_s
+        self.metrics = metrics
+        self.endpoint = endpoint if endpoint is not None else local_endpoint(pool.device, mode)
+        self.holds = TransferHolds()
+        self._exporter = exporter
+        self._share_id = uuid.uuid4().hex
+        self._share: prefill_pb2.KVShare | None = None  # exported (or failed, with .error), once
+        self._lock = asyncio.Lock()
+        log.info("KV transfer endpoint of this prefill: %s", describe(self.endpoint))
+
+    @property
+    def exported(self) -> bool:
+        return self._share is not None and not self._share.error
+
+    @property
+    def share_id(self) -> str:
+        """This process's share id once its pool was exported, else ""."""
+        return self._share_id if self.exported else ""
+
+    async def kv_share(self, request: prefill_pb2.KVShareRequest) -> prefill_pb2.KVShare:
+        """The answer to GetKVShare: the handles, or an ``error`` saying why there are none (handles go only to
+        a caller that states an endpoint with which the path rule allows cuda-ipc)."""
+        choice = select_path(self.endpoint, request.endpoint, "prefill", "caller")
+        if choice.path == PATH_GRPC:
+            return prefill_pb2.KVShare(endpoint=self.endpoint, layout=self.layout, error=choice.detail)
+        async with self._lock:
+            if self._share is None:
+                try:
+                    tensors = await asyncio.to_thread(self._exporter, self.pool)
+                    self._share = prefill_pb2.KVShare(endpoint=self.endpoint, share_id=self._share_id,
+                                                      layout=self.layout, num_pages=pool_rows(self.pool),
+                                                      tensors=tensors)
+                    log.info("KV pool shared for cuda-ipc transfers (%d tensors, share %s)", len(tensors),
+                             self._share_id[:8])
+                except Exception as e:  # noqa: BLE001 - any failure means "no share": decodes use gRPC
+                    log.warning("cannot share the KV pool through CUDA IPC (transfers use gRPC): %s: %s",
+                                type(e).__name__, e)
+                    self._share = prefill_pb2.KVShare(endpoint=self.endpoint, layout=self.layout,
+                                                      error=f"prefill cannot share its pool: {type(e).__name__}: {e}")
+        return self._share
+
+    def choose(self, request: prefill_pb2.PrefillRequest) -> PathChoice:
+        """The path of one request's transfer; counted in the metrics (warns when cuda-ipc was asked for
+        on this end and gRPC is taken)."""
+        choice = self._choose(request)
+        peer = f"decode {request.transfer.endpoint.hostname or '?'} {request.transfer.endpoint.device or '?'}"
+        self.metrics.count(peer, choice, wanted_ipc=self.mode == "cuda-ipc")
+        return choice
+
+    def _choose(self, request: prefill_pb2.PrefillRequest) -> PathChoice:
+        if not request.HasField("transfer"):
+            return PathChoice(PATH_GRPC, "no_mode", "the decode states no transfer endpoint")
+        offer = request.transfer
+        choice = select_path(self.endpoint, offer.endpoint, "prefill", "decode")
+        if choice.path == PATH_GRPC:
+            return choice
+        if not offer.ipc_share_id:
+            return PathChoice(PATH_GRPC, "no_share", "the decode has not opened this prefill's pool")
+        if not self.exported:
+            return PathChoice(PATH_GRPC, "share_failed", "this prefill's pool is not shared")
+        if offer.ipc_share_id != self._share_id:
+            return PathChoice(PATH_GRPC, "share_changed", "the decode holds the share of an earlier prefill process")
+        return PathChoice(PATH_IPC, "")

@@ -1,0 +1,41 @@
+"""CPU smoke run of the transfer benchmark (benchmarks/transfer/bench_transfer.py): gRPC path only, tiny
+prompts, no timing asserted; the numbers that do not depend on timing are checked."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.transfer.bench_transfer import main
+from benchmarks.transfer.report import summarize
+
+
+def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_path):
+    out_json, out_md = tmp_path / "transfer.json", tmp_path / "transfer.md"
+    rc = main(["--model", tiny_model_dir, "--device", "cpu", "--dtype", "float32", "--lengths", "40", "72",
+               "--paths", "grpc", "--decode-tokens", "3", "--warmup-len", "8", "--page-size", "4",
+               "--log-dir", str(tmp_path / "logs"), "--out-json", str(out_json), "--out-md", str(out_md)])
+    assert rc == 0
+    doc = json.loads(out_json.read_text())
+    rows = {(r["kv_dtype"], r["prompt_len"]): r for r in doc["rows"]}
+    assert sorted(rows) == [("fp8_e4m3", 40), ("fp8_e4m3", 72), ("nvfp4", 40), ("nvfp4", 72)]
+    for (kv, n), r in rows.items():
+        assert r["path"] == r["path_used"] == "grpc" and r["generated_tokens"] == 3
+        assert r["ttft_s"] > 0 and r["prefill_compute_s"] > 0 and r["transfer_s"] > 0
+        per_token = 2 * 2 * (8 + 1) if kv == "nvfp4" else 2 * 2 * 16  # 2 KV heads, head_dim 16: K + V bytes
+        assert r["transfer_bytes"] == 2 * -(-n // 4) * 4 * per_token  # 2 layers x pages of 4 tokens
+    assert [(s["path"], s["prompt_len"]) for s in doc["summary"]] == [("grpc", 40), ("grpc", 72)]
+    assert all(s["bytes_ratio"] == 0.5625 for s in doc["summary"])
+    assert doc["summary"] == summarize(doc["rows"]) and doc["goal_ratio"] == 0.6
+    md = out_md.read_text()
+    assert "| kv dtype | prompt | path | TTFT s |" in md and "| grpc | 40 |" in md and "Command: `python -m" in md
+    assert (tmp_path / "logs" / "decode-nvfp4-grpc.log").exists()
+
+
+def test_the_share_ratio_meets_the_goal_only_at_or_below_0_6():
+    def row(kv, share, path="grpc"):
+        return {"kv_dtype": kv, "prompt_len": 8, "path": path, "transfer_share": share, "transfer_bytes": 9}
+
+    met = summarize([row("nvfp4", 0.06), row("fp8_e4m3", 0.1), row("nvfp4", 0.07, "cuda-ipc"),
+                     row("fp8_e4m3", 0.1, "cuda-ipc")])
+    assert [(s["path"], round(s["share_ratio"], 3), s["goal_met"]) for s in met] == [
+        ("cuda-ipc", 0.7, False), ("grpc", 0.6, True)]
