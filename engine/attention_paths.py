@@ -128,8 +128,7 @@ class AttentionPaths:
         """Plan a decode batch: page_table [B, max_pages] int32, seq_lens [B] int32 (current token included).
         ``static``: fixed buffers for a captured forward (see ``AttentionBackend.refresh_decode_plan``)."""
         layer0 = self.pool.layers[0]
-        opts = DecodeOptions(self.pool.kv_dtype, q_dtype, self.sm_scale, static,
-                             self.pool.num_pages + self.pool.scratch_pages + page_table.shape[0])
+        opts = DecodeOptions(self.pool.kv_dtype, q_dtype, self.sm_scale, static)
         return self.backend.plan_decode(page_table, seq_lens, self.num_qo_heads, layer0.num_kv_heads,
                                         layer0.head_dim, layer0.page_size, options=opts)
 

@@ -150,3 +150,25 @@ def test_cuda_graph_flags_reach_the_engine_config_and_the_children():
     again = engine_config_from_args(p.parse_args(argv))
     assert again.disable_cuda_graph and again.cuda_graph_max_bs == 48
     assert not engine_config_from_args(p.parse_args(["--model", "m"])).disable_cuda_graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "nvfp4"])
+def test_rows_sharing_prefix_pages_can_name_more_pages_than_the_pool_holds(tmp_path, kv_dtype):
+    """A cached prefix shared by every row: the batch's page table names more entries than the pool has."""
+    from benchmarks.engine.bench_decode_step import fill_pool_random
+    from engine.tiny_model import make_tiny_model
+
+    model_dir = str(make_tiny_model(tmp_path / "m", num_layers=1, hidden_size=256, num_heads=8, num_kv_heads=2,
+                                    head_dim=128, intermediate_size=512, seed=2))
+    eng = Engine(EngineConfig(model_dir=model_dir, device="cuda", dtype="bfloat16",
+                              cache=CacheConfig(kv_dtype=kv_dtype, page_size=4, max_total_tokens=160)))
+    fill_pool_random(eng.pool)
+    ps, shared = eng.pool.page_size, list(range(30))  # 30 of the pool's 40 pages, in every row
+    rows = [np.array([*shared, 30 + i], dtype=np.int32) for i in range(8)]  # 8 x 31 = 248 entries > 40
+    seq = 30 * ps + 1
+    with torch.inference_mode():
+        logits = eng.runner.graphs.run([5] * 8, [seq - 1] * 8, rows, [seq] * 8, [(30 + i) * ps for i in range(8)])
+    assert logits.shape[0] == 8 and torch.isfinite(logits).all()
+    # the rows see the same prefix and the same token: equal logits up to summation order
+    assert (logits - logits[:1]).abs().max().item() <= 1e-2 * logits.abs().max().item()

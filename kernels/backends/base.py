@@ -61,7 +61,6 @@ class DecodeOptions:
     q_dtype: torch.dtype
     sm_scale: float
     static: bool = False
-    max_total_pages: int | None = None  # distinct pages one batch can name (pool pages + padded rows)
 
 
 class AttentionBackend(ABC):

@@ -232,9 +232,11 @@ class TritonBackend(AttentionBackend):
             if flashinfer_available():
                 # The FP8/BF16 decode is FlashInfer's; a static plan gets a CUDA-graph wrapper whose CSR
                 # buffers hold every page the table can name (plus one per row for padded rows).
+                # Rows may share pages (a cached prefix), so the CSR can name up to batch * max_pages
+                # entries whatever the pool size: size the index buffer by the table, not the pool.
                 fi = FlashInferDecode(dev, use_tensor_cores=True,
                                       graph_batch=batch if options.static else None,
-                                      max_pages=min(batch * max_pages, options.max_total_pages or batch * max_pages))
+                                      max_pages=batch * max_pages)
                 st.fallback = (fi, (options.kv_dtype, options.sm_scale))
                 st.fallback_args = (num_qo_heads, num_kv_heads, head_dim, page_size, options.kv_dtype,
                                     options.q_dtype, options.sm_scale)
