@@ -115,16 +115,20 @@ def _flag(name: str) -> str:
 
 def fit_to_pool(cfg: AgentTraceConfig, pool_tokens: int, saturate_at: int,
                 turns_to_fill: int) -> AgentTraceConfig:
-    """``cfg`` with sessions that grow to exactly ``pool_tokens // saturate_at`` tokens in about
-    ``turns_to_fill`` turns (the cap ends each session, not the turn count); token counts are then in server
-    tokens (scale 1).
+    """``cfg`` with sessions sized so that ``saturate_at`` full sessions fill a pool of ``pool_tokens``: the
+    shared prefix is cached once, so each session grows to ``shared + (pool_tokens - shared) // saturate_at``
+    tokens, in about ``turns_to_fill`` turns (the cap ends each session, not the turn count); token counts are
+    then in server tokens (scale 1).
 
     The tool-result median is solved from the mean growth per turn: (1-p) E[tool] + p E[user] + E[answer],
     with E[lognormal] = median * exp(sigma^2 / 2)."""
     if pool_tokens < 1 or saturate_at < 1 or turns_to_fill < 1:
         raise ValueError(f"--fit-pool-tokens, --saturate-at and --turns-to-fill must be >= 1 (got "
                          f"{pool_tokens}, {saturate_at}, {turns_to_fill})")
-    cap = pool_tokens // saturate_at
+    if pool_tokens <= cfg.shared_prefix_tokens:
+        raise ValueError(f"--fit-pool-tokens {pool_tokens} does not exceed the shared prefix of "
+                         f"{cfg.shared_prefix_tokens} tokens")
+    cap = cfg.shared_prefix_tokens + (pool_tokens - cfg.shared_prefix_tokens) // saturate_at
     room = cap - cfg.shared_prefix_tokens - cfg.first_user_median
     p = cfg.user_turn_prob
     growth = room / turns_to_fill
@@ -133,7 +137,7 @@ def fit_to_pool(cfg: AgentTraceConfig, pool_tokens: int, saturate_at: int,
     mean_tool = (growth - mean_out - p * mean_user) / max(1e-9, 1.0 - p)
     median = int(mean_tool / math.exp(cfg.tool_result_sigma ** 2 / 2))
     if median < 1:
-        raise ValueError(f"sessions of {cap} tokens (pool {pool_tokens} / {saturate_at}) cannot take "
+        raise ValueError(f"sessions of {cap} tokens (pool {pool_tokens}, saturated by {saturate_at}) cannot take "
                          f"{turns_to_fill} turns of answers of median {cfg.output_median} tokens after a "
                          f"shared prefix of {cfg.shared_prefix_tokens}: lower --turns-to-fill, "
                          "--output-median or --shared-prefix-tokens")
