@@ -9,12 +9,11 @@ since the point's start ``t0`` (as ``benchmarks.serving.client``).
 
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
 
-from benchmarks.serving.client import RequestResult, _error_text
+from benchmarks.serving.client import RequestResult, _error_text, read_stream
 
 
 async def send_turn(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, index: int,
@@ -32,7 +31,7 @@ async def send_turn(client: httpx.AsyncClient, model: str, prompt: list[int], ma
             if response.status_code != 200:
                 result.error = _error_text(response.status_code, await response.aread())
             else:
-                await _read_stream(response, result, output, t0)
+                await read_stream(response, result, t0, output)
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.end = time.perf_counter() - t0
@@ -45,27 +44,3 @@ async def send_turn(client: httpx.AsyncClient, model: str, prompt: list[int], ma
     return result, output
 
 
-async def _read_stream(response: httpx.Response, result: RequestResult, output: list[int], t0: float) -> None:
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            return
-        now = time.perf_counter() - t0
-        event = json.loads(payload)
-        if "error" in event:
-            result.error = f"stream error: {event['error'].get('message', event['error'])}"
-            return
-        for choice in event.get("choices") or ():
-            ids = choice.get("token_ids") or ()
-            if ids:
-                result.chunk_times.append(now)
-                output.extend(ids)
-            if choice.get("finish_reason"):
-                result.finish_reason = choice["finish_reason"]
-        usage = event.get("usage")
-        if usage:
-            result.prompt_tokens = usage.get("prompt_tokens", 0)
-            result.completion_tokens = usage.get("completion_tokens", 0)
-            result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0

@@ -93,7 +93,7 @@ async def send_completion(client: httpx.AsyncClient, model: str, prompt: Sequenc
             if response.status_code != 200:
                 result.error = _error_text(response.status_code, await response.aread())
             else:
-                await _read_stream(response, result, t0)
+                await read_stream(response, result, t0)
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.end = time.perf_counter() - t0
@@ -102,7 +102,10 @@ async def send_completion(client: httpx.AsyncClient, model: str, prompt: Sequenc
     return result
 
 
-async def _read_stream(response: httpx.Response, result: RequestResult, t0: float) -> None:
+async def read_stream(response: httpx.Response, result: RequestResult, t0: float,
+                      output: list[int] | None = None) -> None:
+    """Fill ``result`` from an SSE completion stream. Without ``output`` a chunk counts when it carries text;
+    with it (``return_token_ids`` requests) a chunk counts when it carries token ids, which are appended."""
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue
@@ -115,8 +118,12 @@ async def _read_stream(response: httpx.Response, result: RequestResult, t0: floa
             result.error = f"stream error: {event['error'].get('message', event['error'])}"
             return
         for choice in event.get("choices") or ():
-            if choice.get("text"):
+            if output is None:
+                if choice.get("text"):
+                    result.chunk_times.append(now)
+            elif ids := choice.get("token_ids") or ():
                 result.chunk_times.append(now)
+                output.extend(ids)
             if choice.get("finish_reason"):
                 result.finish_reason = choice["finish_reason"]
         usage = event.get("usage")

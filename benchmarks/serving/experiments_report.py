@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serving.report import write_json
+from benchmarks.serving.report import fmt_number, write_json
 
 DTYPE_ORDER = ("bf16", "fp8_e4m3", "nvfp4")
 # The seed's reported gains of NVFP4 over FP8 (decode throughput), for comparison.
@@ -103,13 +102,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
 # -- markdown -------------------------------------------------------------------------------------
 
 def _f(value: Any, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}" if math.isfinite(value) else str(value)
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
+    return fmt_number(value, digits)
 
 
 def _x(ratio: float | None) -> str:

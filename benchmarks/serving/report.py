@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
+def fmt_number(value: Any, digits: int = 2) -> str:
+    """A table cell: "-" for None, thousands separators, ``digits`` decimals for floats."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -20,7 +21,7 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 
 def _three(d: dict[str, Any]) -> str:
-    return f"{_fmt(d['mean'])} / {_fmt(d['median'])} / {_fmt(d['p99'])}"
+    return f"{fmt_number(d['mean'])} / {fmt_number(d['median'])} / {fmt_number(d['p99'])}"
 
 
 def point_table(doc: dict[str, Any], point: dict[str, Any]) -> str:
@@ -46,7 +47,7 @@ def point_table(doc: dict[str, Any], point: dict[str, Any]) -> str:
         ("TTFT mean / median / p99 (ms)", _three(ttft)), ("ITL mean / median / p99 (ms)", _three(itl)),
         ("TPOT mean / median / p99 (ms)", _three(tpot)),
         ("Pool pages total (decode)", pool["pages_total"]),
-        ("Peak pages in use / used", f"{_fmt(pool['peak_pages_in_use'])} / {_fmt(pool['peak_pages_used'])}"),
+        ("Peak pages in use / used", f"{fmt_number(pool['peak_pages_in_use'])} / {fmt_number(pool['peak_pages_used'])}"),
         ("Peak running requests", pool["peak_running"]),
         ("Cached prompt tokens (usage)", point["cached_tokens"]),
         ("Prefix-cache hit tokens (decode)", hits),
@@ -54,7 +55,7 @@ def point_table(doc: dict[str, Any], point: dict[str, Any]) -> str:
     width = max(len(k) for k, _ in rows) + 2
     bar = "=" * (width + 24)
     lines = [bar, " nvfp4-serve serving benchmark ".center(width + 24, "="), bar]
-    lines += [f"{k + ':':<{width}}{_fmt(v):>24}" for k, v in rows]
+    lines += [f"{k + ':':<{width}}{fmt_number(v):>24}" for k, v in rows]
     if point["errors"]:
         lines.append("errors: " + "; ".join(point["errors"]))
     lines.append(bar)
@@ -73,9 +74,9 @@ def sweep_table(doc: dict[str, Any]) -> str:
     head = [name for name, _, _ in _SWEEP_COLS] + ["TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "peak pages"]
     rows = []
     for p in doc["points"]:
-        row = [_fmt(p[key], d) for _, key, d in _SWEEP_COLS]
-        row += [_fmt(p["ttft_ms"]["median"], 1), _fmt(p["ttft_ms"]["p99"], 1), _fmt(p["itl_ms"]["median"], 2),
-                _fmt(p["server"]["pool"]["peak_pages_in_use"])]
+        row = [fmt_number(p[key], d) for _, key, d in _SWEEP_COLS]
+        row += [fmt_number(p["ttft_ms"]["median"], 1), fmt_number(p["ttft_ms"]["p99"], 1), fmt_number(p["itl_ms"]["median"], 2),
+                fmt_number(p["server"]["pool"]["peak_pages_in_use"])]
         rows.append(row)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     first = doc["points"][0] if rows else {}
