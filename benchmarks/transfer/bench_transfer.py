@@ -62,7 +62,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens generated per request")
-    p.add_argument("--warmup-len", type=int, default=1024, help="prompt of the warm-up request per decode")
+    p.add_argument("--warmup-len", type=int, default=1024,
+                   help="prompt of the first warm-up request per decode (then one more at every measured length)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="service logs (default: a temporary directory)")
@@ -176,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         for kv, group in services.items():
             for path in a.paths:  # compiles kernels and opens the IPC share outside the measurements
                 run_one(group["prefill"], group[path], f"warm-{kv}-{path}", unique_prompt(a.warmup_len), 2)
+                # and once at every measured length: the first long prompt of a process pays one-off costs
+                # (allocator growth, kernels specialised for the new shapes, the decode's CUDA graph of that
+                # width) that would otherwise land in whichever measurement comes first
+                for n in a.lengths:
+                    run_one(group["prefill"], group[path], f"warm-{kv}-{n}-{path}", unique_prompt(n),
+                            a.decode_tokens)
             for n in a.lengths:
                 for path in a.paths:
                     r = run_one(group["prefill"], group[path], f"{kv}-{n}-{path}", unique_prompt(n), a.decode_tokens)
