@@ -1,0 +1,52 @@
+#!/bin/bash
+# The H200 runs behind docs/benchmarks (issues 4, 5, 7, 9), in order, in the background so that they outlive
+# one device call (each call is limited to 10 minutes; the machine stays held while calls follow each other):
+#
+#   device call 1:  setsid nohup bash benchmarks/device/pipeline.sh >/dev/null 2>&1 </dev/null & \
+#                   sleep 2; bash benchmarks/device/poll.sh 560
+#   device call 2+: bash benchmarks/device/poll.sh 560        (until the log says ALL DONE)
+#
+# Needs, carried as git-ignored folders: .gpu-carry (FlashInfer, from ../shared/tools/gpu-carry) and .whl (wheels
+# the GPU image lacks: grpcio>=1.85.1, grpcio-health-checking, grpcio-reflection, protobuf>=7.35.1, fastapi and
+# its needs incl. opentelemetry-api, starlette, pydantic, pydantic_core, annotated-types, annotated-doc,
+# typing-inspection, typing_extensions, uvicorn). Results land in docs/benchmarks of a copy under /tmp/w and
+# are packed by poll.sh into $OUT/res.tgz. STAGES (default: all) picks stages, e.g. STAGES="model issue7".
+R=/tmp/res; mkdir -p $R
+exec >>$R/pipeline.log 2>&1
+SRC="$(cd "$(dirname "$0")/../.." && pwd)"
+rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the checkout; work on a copy
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+source .gpu-carry/activate
+export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
+STAGES=${STAGES:-"tests kernels engine model issue5 issue7 ramp issue9"}
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+stage() { local name=$1; shift; want "$name" || return 0
+  echo "=== $(date +%T) stage $name start"; timeout "$@"; echo "=== $(date +%T) stage $name rc=$?"; }
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
+stage tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests
+stage kernels 300 python3 -m benchmarks.kernels.bench_decode --out docs/benchmarks/kernels.json
+stage engine 400 python3 -m benchmarks.engine.bench_decode_step --shapes 1x32768 16x32768 44x32768 48x32768 \
+  84x32768 10x163840 1x1048576 --iters 8 --out docs/benchmarks/engine_decode.json --md docs/benchmarks/engine_decode.md
+stage model 240 python3 -m nvfp4_serve.cli make-model /tmp/q8b --preset qwen3-8b --device cuda
+stage issue5 900 python3 -m nvfp4_serve.cli bench experiments --kv-dtypes bf16 fp8_e4m3 nvfp4 \
+  --iso 32768:40 163840:8 --capacity-input-lens 32768 --sweep-concurrency 1 4 16 --sweep-input-len 32768 \
+  --output-len 1024 --point-timeout-s 150 --no-progress --launch-log-dir $R/logs5 \
+  --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --mem-fraction-static 0.22 --workspace-tokens 262144 \
+  --chunked-prefill-size 8192
+if want issue7; then
+  stage issue7 90 python3 -m nvfp4_serve.cli bench gen-trace --out docs/benchmarks/agentic_trace_h200.jsonl \
+    --num-sessions 48 --output-median 32 --output-max 128 --fit-pool-tokens 393216 --saturate-at 12 \
+    --turns-to-fill 12 --think-time-scale 0.05 --seed 0
+  stage issue7 900 python3 -m nvfp4_serve.cli bench --trace docs/benchmarks/agentic_trace_h200.jsonl \
+    --concurrency 6 12 18 24 32 40 --sessions-per-concurrency 1 --max-point-duration-s 40 \
+    --kv-dtypes fp8_e4m3 nvfp4 --equal-pool-bytes 393216 --no-progress --out docs/benchmarks/agentic.json \
+    --report docs/benchmarks/agentic.md --launch-log $R/agentic.launch.log \
+    --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --page-size 16
+fi
+stage ramp 200 python3 -m benchmarks.engine.bench_ttft_ramp --model /tmp/q8b --num-layers 8 --num-prompts 40 \
+  --input-len 32768 --chunk-size 8192 --mem-fraction-static 0.22 --workspace-tokens 262144 \
+  --out docs/benchmarks/engine_ttft_ramp.json
+stage issue9 400 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --log-dir $R/logs9
+cp -r docs/benchmarks $R/docs_final
+echo "=== ALL DONE $(date +%T)"
+touch $R/DONE
