@@ -44,7 +44,7 @@ class ModelRunner:
             return result
         ends = torch.tensor(lens, dtype=torch.long).cumsum(0) - 1
         rows = ends[want].to(self.device)
-        tokens = self._sample(hidden[rows], [reqs[i] for i in want])
+        tokens = self._sample(self.model.compute_logits(hidden[rows]), [reqs[i] for i in want])
         for i, t in zip(want, tokens):
             result[i] = t
         return result
@@ -52,8 +52,7 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, reqs: Sequence[Request]) -> list[int]:
         """One token per request: write the K/V of its last token at position kv_len, sample the next."""
-        logits = self.decode_logits(reqs)
-        return sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+        return self._sample(self.decode_logits(reqs), reqs)
 
     @torch.inference_mode()
     def decode_logits(self, reqs: Sequence[Request], use_graphs: bool = True) -> torch.Tensor:
@@ -79,8 +78,8 @@ class ModelRunner:
                             torch.tensor(pos, dtype=torch.long).to(dev), attn)
         return self.model.compute_logits(hidden)
 
-    def _sample(self, hidden: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
-        logits = self.model.compute_logits(hidden)
+    @staticmethod
+    def _sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
         return sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
 
 

@@ -30,8 +30,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from benchmarks.agentic import trace as trace_format
 from benchmarks.agentic.prompts import PromptBuilder
 from benchmarks.agentic.replay import PointConfig, replay_sessions, run_point
@@ -41,7 +39,7 @@ from benchmarks.serving.client import make_http_client
 from benchmarks.serving.config import Target
 from benchmarks.serving.launch import LaunchedDeployment
 from benchmarks.serving.report import write_json
-from benchmarks.serving.runner import BenchError, Session
+from benchmarks.serving.runner import BenchError, Session, run_benchmark
 from benchmarks.serving.server import describe_deployment, flag_value, gpu_name
 
 SCHEMA = "nvfp4-serve/bench-agentic/1"
@@ -213,7 +211,7 @@ def main(argv: list[str]) -> int:
     doc = new_document(list(argv), a.trace, trace)
     api_key = a.api_key or next((os.environ[k] for k in _KEY_ENVS if os.environ.get(k)), "") or \
         (flag_value(launch_args or [], "--api-key") or "")
-    try:
+    def body() -> None:
         for label, args in plan:
             if args is None:
                 target = Target(a.base_url, a.model, a.tokenizer, api_key)
@@ -225,12 +223,9 @@ def main(argv: list[str]) -> int:
             with LaunchedDeployment(args, log, a.launch_timeout) as deployment:
                 target = Target(deployment.base_url, a.model, a.tokenizer, api_key)
                 asyncio.run(run_deployment(a, target, trace, configs, args, doc))
-    except (BenchError, RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("benchmark interrupted", file=sys.stderr)
-        return 130
+
+    if code := run_benchmark(body):
+        return code
     if a.out:
         write_json(doc, a.out)
         print(f"results: {Path(a.out).resolve()}")

@@ -26,13 +26,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from benchmarks.serving.config import BenchConfig, Target
 from benchmarks.serving.experiments import add_experiment_args
 from benchmarks.serving.launch import LaunchedDeployment
 from benchmarks.serving.report import point_table, sweep_table, write_json
-from benchmarks.serving.runner import BenchError, Session, new_document, run_point, sweep_configs
+from benchmarks.serving.runner import (
+    BenchError,
+    Session,
+    new_document,
+    run_benchmark,
+    run_point,
+    sweep_configs,
+)
 from benchmarks.serving.server import describe_deployment, flag_value, max_concurrency
 
 LAUNCH_FLAG = "--launch"
@@ -196,19 +201,16 @@ def main(argv: list[str] | None = None) -> int:
         _configs(a, 1)  # validates every option before anything starts
     except ValueError as exc:
         parser.error(str(exc))
-    try:
+    def body() -> None:
         if launch_args is None:
             _drive(a, argv, a.base_url, None)
         else:
             log = a.launch_log or (f"{a.out}.launch.log" if a.out else "nvfp4-serve-bench.launch.log")
             with LaunchedDeployment(launch_args, log, a.launch_timeout) as deployment:
                 _drive(a, argv, deployment.base_url, launch_args)
-    except (BenchError, RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("benchmark interrupted", file=sys.stderr)
-        return 130
+
+    if code := run_benchmark(body):
+        return code
     if a.out:
         print(f"results: {Path(a.out).resolve()}")
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -36,6 +36,20 @@ SCHEMA = "nvfp4-serve/bench-serving/1"
 
 class BenchError(RuntimeError):
     """The benchmark cannot go on (the deployment refuses every request, no tokenizer, ...)."""
+
+
+def run_benchmark(body: Callable[[], None]) -> int:
+    """Exit code of a benchmark command's body: 0 when it ran, 1 (the reason on stderr) when the deployment or
+    the benchmark failed, 130 on Ctrl-C. Shared by ``bench run|sweep`` and ``bench --trace``."""
+    try:
+        body()
+    except (BenchError, RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("benchmark interrupted", file=sys.stderr)
+        return 130
+    return 0
 
 
 class Session:
