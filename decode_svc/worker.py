@@ -36,6 +36,19 @@ from nvfp4_serve_proto import decode_pb2
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")  # host:port, [v6]:port
 
 
+def _coalesce(ev: StepOutput | PullStart, events: asyncio.Queue) -> StepOutput | PullStart:
+    """``ev`` merged with the token outputs already queued behind it: when the stream's reader falls behind
+    the engine, the tokens it missed go out as one message instead of one message each (as SGLang's
+    detokenizer batches them). A PullStart only ever comes before a request's first token, so nothing queued
+    behind a token is one."""
+    while isinstance(ev, StepOutput) and ev.finish_reason is None and not ev.error and not events.empty():
+        nxt = events.get_nowait()
+        assert isinstance(nxt, StepOutput), "a PullStart after a token"
+        ev = StepOutput(ev.rid, [*ev.new_token_ids, *nxt.new_token_ids], nxt.finish_reason, ev.num_prompt_tokens,
+                        ev.num_cached_tokens, nxt.error)
+    return ev
+
+
 class DecodeWorker:
     def __init__(self, loop: EngineLoop, config: DecodeConfig, metrics: ServiceMetrics):
         self.loop = loop
@@ -106,7 +119,7 @@ class DecodeWorker:
                     self.loop.complete_pull(rid, first_token)
                     deadline, state = self.timeouts.between_tokens_s, "its first token"
                     continue
-                ev, get = get.result(), None
+                ev, get = _coalesce(get.result(), events), None
                 if isinstance(ev, PullStart):
                     pull = asyncio.ensure_future(
                         self.receiver.pull(request.prefill_address, ev, req.prompt_ids, req.sampling))

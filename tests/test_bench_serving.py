@@ -42,6 +42,46 @@ def test_peak_batch_decode_is_the_best_full_window_while_the_batch_is_full():
     assert never["peak_decode_tok_s"] is None and never["full_batch_decode_tok_s"] is None
 
 
+def test_chunks_with_token_counts_weigh_exactly_what_they_carry():
+    a = _request(0, 0.0, 9)  # [0, 1]: 9 chunks
+    a.chunk_tokens = [1, 1, 3, 1, 1, 1, 1, 1, 1]
+    a.completion_tokens = sum(a.chunk_tokens)
+    # Over the whole [0, 1]: the 8 chunks after the first carry 10 tokens (by count; the old per-request average
+    # would give 8 x 11 / 9).
+    assert peak_batch_decode([a], batch=1, window_s=1.0)["full_batch_decode_tok_s"] == 10.0
+
+
+class _Lines:
+    """An SSE body as ``read_stream`` reads it (only ``aiter_lines`` is used)."""
+
+    def __init__(self, events: list[dict]) -> None:
+        self.lines = [f"data: {json.dumps(e)}" for e in events] + ["", "data: [DONE]"]
+
+    async def aiter_lines(self):
+        for line in self.lines:
+            yield line
+
+
+def test_read_stream_times_token_ids_when_the_server_sends_them_else_text():
+    import asyncio
+
+    from benchmarks.serving.client import read_stream
+
+    with_ids = [{"choices": [{"index": 0, "text": "", "token_ids": [5]}]},  # a token without text yet
+                {"choices": [{"index": 0, "text": "ab", "token_ids": [6, 7]}]},
+                {"choices": [{"index": 0, "text": "c", "token_ids": [], "finish_reason": "length"}]},  # tail
+                {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}]
+    r, out = RequestResult(0, 0.0), []
+    asyncio.run(read_stream(_Lines(with_ids), r, 0.0, out))
+    assert (len(r.chunk_times), r.chunk_tokens, out) == (2, [1, 2], [5, 6, 7])
+    assert (r.finish_reason, r.completion_tokens) == ("length", 3)
+    text_only = [{"choices": [{"index": 0, "text": ""}]}, {"choices": [{"index": 0, "text": "hi"}]},
+                 {"choices": [{"index": 0, "text": "!", "finish_reason": "stop"}]}]
+    r = RequestResult(1, 0.0)
+    asyncio.run(read_stream(_Lines(text_only), r, 0.0))
+    assert (len(r.chunk_times), r.chunk_tokens, r.finish_reason) == (2, [], "stop")
+
+
 def test_a_hand_over_at_the_same_instant_does_not_count_as_full_batch():
     a = _request(0, 0.0, 9)  # [0, 1]
     b = _request(1, 0.0, 17)  # [0, 2]
@@ -110,6 +150,8 @@ def test_run_launch_against_a_real_deployment_writes_consistent_json(tiny_model_
         assert r["error"] == "" and r["finish_reason"] == "length"
         assert 0 <= r["start"] < r["start"] + r["ttft"] <= r["end"] <= p["duration_s"]
         assert len(r["itl"]) == r["num_chunks"] - 1 and 1 <= r["num_chunks"] <= 8
+        # return_token_ids: every chunk says how many tokens it carries, and they add up to the usage count
+        assert len(r["chunk_tokens"]) == r["num_chunks"] and sum(r["chunk_tokens"]) == 8
     assert p["cached_tokens"] == sum(r["cached_tokens"] for r in reqs)
     metrics = p["server"]["decode_metrics"]["sum"]
     assert metrics["generated_tokens_total"] == 4 * 8  # (requests_total can miss a request: see the report)

@@ -57,6 +57,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     where.add_argument("--api-key", default="",
                        help=f"bearer token (default: ${_KEY_ENVS[0]} or ${_KEY_ENVS[1]}, "
                             "or the launch args' --api-key)")
+    where.add_argument("--token-ids", action=argparse.BooleanOptionalAction, default=True,
+                       help="ask for return_token_ids and time chunks per token (nvfp4-serve, vLLM); "
+                            "--no-token-ids times text chunks as sglang.bench_serving does")
     w = p.add_argument_group("workload")
     w.add_argument("--input-len", type=int, required=True, help="prompt tokens (exact)")
     w.add_argument("--output-len", type=int, required=True, help="max_tokens (exact with --ignore-eos)")
@@ -140,7 +143,7 @@ def _drive(a: argparse.Namespace, argv: list[str], base_url: str,
            launch_args: list[str] | None) -> dict[str, Any]:
     api_key = a.api_key or next((os.environ[k] for k in _KEY_ENVS if os.environ.get(k)), "") or \
         (flag_value(launch_args or [], "--api-key") or "")
-    target = Target(base_url, a.model, a.tokenizer, api_key)
+    target = Target(base_url, a.model, a.tokenizer, api_key, a.token_ids)
 
     async def go() -> dict[str, Any]:
         session = await Session.connect(target)

@@ -1,9 +1,10 @@
 """Streamed /v1/completions requests, at most C in flight, timed chunk by chunk.
 
 Every time is in seconds since the point's start (``t0``, a ``time.perf_counter()`` value). A *chunk* is an
-SSE event whose choice carries non-empty text: the router streams detokenized text, so one chunk can hold
-several tokens (an incomplete UTF-8 character waits for the next token) and a token can produce no chunk.
-TTFT is taken at the first chunk (as ``sglang.bench_serving`` does). Token counts come from the final usage
+SSE event whose choice carries generated token ids (requests ask for ``return_token_ids``; each chunk then
+records how many tokens it carries) or, from a server that does not return ids, non-empty text (as
+``sglang.bench_serving`` counts them: one chunk can then hold several tokens and a token can produce no chunk,
+see ``config.Target.token_ids``). TTFT is taken at the first chunk. Token counts come from the final usage
 event (``stream_options.include_usage``).
 """
 
@@ -30,6 +31,7 @@ class RequestResult:
     index: int
     start: float
     chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens of each chunk; empty when the ids were not sent
     end: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -64,7 +66,8 @@ class RequestResult:
                 "end": r6(self.end), "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "cached_tokens": self.cached_tokens, "finish_reason": self.finish_reason,
-                "num_chunks": len(self.chunk_times), "itl": [r6(x) for x in self.itl], "error": self.error}
+                "num_chunks": len(self.chunk_times), "chunk_tokens": self.chunk_tokens,
+                "itl": [r6(x) for x in self.itl], "error": self.error}
 
 
 def make_http_client(target: Target, max_connections: int, timeout_s: float) -> httpx.AsyncClient:
@@ -82,11 +85,15 @@ def _error_text(status: int, body: bytes) -> str:
 
 
 async def send_completion(client: httpx.AsyncClient, model: str, prompt: Sequence[int] | np.ndarray,
-                          max_tokens: int, ignore_eos: bool, index: int, t0: float) -> RequestResult:
-    """POST one streamed completion of ``prompt`` (token ids) and time it; errors are recorded, not raised."""
+                          max_tokens: int, ignore_eos: bool, index: int, t0: float,
+                          token_ids: bool = True) -> RequestResult:
+    """POST one streamed completion of ``prompt`` (token ids) and time it; errors are recorded, not raised.
+    ``token_ids``: ask for ``return_token_ids`` and time chunks by the ids they carry."""
     ids = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+    if token_ids:
+        body["return_token_ids"] = True
     result = RequestResult(index, time.perf_counter() - t0)
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -104,8 +111,9 @@ async def send_completion(client: httpx.AsyncClient, model: str, prompt: Sequenc
 
 async def read_stream(response: httpx.Response, result: RequestResult, t0: float,
                       output: list[int] | None = None) -> None:
-    """Fill ``result`` from an SSE completion stream. Without ``output`` a chunk counts when it carries text;
-    with it (``return_token_ids`` requests) a chunk counts when it carries token ids, which are appended."""
+    """Fill ``result`` from an SSE completion stream. A choice with a ``token_ids`` field (``return_token_ids``
+    requests) is a chunk when the ids are non-empty, and records their number; one without the field is a chunk
+    when it carries text. ``output``, when given, receives the ids."""
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue
@@ -118,12 +126,14 @@ async def read_stream(response: httpx.Response, result: RequestResult, t0: float
             result.error = f"stream error: {event['error'].get('message', event['error'])}"
             return
         for choice in event.get("choices") or ():
-            if output is None:
-                if choice.get("text"):
+            if "token_ids" in choice:
+                if ids := choice["token_ids"] or ():
                     result.chunk_times.append(now)
-            elif ids := choice.get("token_ids") or ():
+                    result.chunk_tokens.append(len(ids))
+                    if output is not None:
+                        output.extend(ids)
+            elif choice.get("text"):
                 result.chunk_times.append(now)
-                output.extend(ids)
             if choice.get("finish_reason"):
                 result.finish_reason = choice["finish_reason"]
         usage = event.get("usage")
@@ -145,7 +155,8 @@ def arrival_gaps(num: int, request_rate: float, seed: int) -> list[float]:
 async def run_requests(client: httpx.AsyncClient, model: str, prompts: Sequence[Sequence[int]] | np.ndarray,
                        max_tokens: int, concurrency: int, ignore_eos: bool, t0: float,
                        request_rate: float = math.inf, seed: int = 0,
-                       on_done: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
+                       on_done: Callable[[RequestResult], None] | None = None,
+                       token_ids: bool = True) -> list[RequestResult]:
     """Send every prompt, at most ``concurrency`` in flight (FIFO), the i-th not before its arrival time.
 
     A request's ``start`` is when it got its slot and was sent, not its arrival."""
@@ -153,7 +164,7 @@ async def run_requests(client: httpx.AsyncClient, model: str, prompts: Sequence[
 
     async def one(i: int, prompt: Sequence[int] | np.ndarray) -> RequestResult:
         async with slots:
-            result = await send_completion(client, model, prompt, max_tokens, ignore_eos, i, t0)
+            result = await send_completion(client, model, prompt, max_tokens, ignore_eos, i, t0, token_ids)
         if on_done is not None:
             on_done(result)
         return result

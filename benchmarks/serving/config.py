@@ -9,12 +9,20 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Target:
     """The deployment under test: the router's base URL (no ``/v1``), the model id and tokenizer directory
-    ("" -> taken from /server_info), and the API key ("" -> none)."""
+    ("" -> taken from /server_info), and the API key ("" -> none).
+
+    ``token_ids``: ask for ``return_token_ids`` (the nvfp4-serve router and vLLM implement it) so that every
+    chunk is timed with the number of tokens it carries, and TTFT is the first generated *token*. Without it
+    (``--no-token-ids``, for servers that reject the field) chunks are timed by their text, as
+    ``sglang.bench_serving`` does; that is only right when nearly every token decodes to text on its own, which
+    random-weight checkpoints with a small tokenizer (``make-model --preset``) do not: most of their sampled
+    ids are outside the tokenizer and decode to "", so text chunks arrive tens of tokens apart."""
 
     base_url: str
     model: str = ""
     tokenizer_dir: str = ""
     api_key: str = ""
+    token_ids: bool = True
 
     def __post_init__(self) -> None:
         url = self.base_url.rstrip("/")

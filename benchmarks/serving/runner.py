@@ -106,7 +106,8 @@ async def run_point(session: Session, cfg: BenchConfig, progress: bool = True) -
             bar = make_progress(cfg.warmup, "warmup", progress)
             results = await run_requests(client, target.model, warm, cfg.warmup_output_len,
                                          min(cfg.warmup, cfg.concurrency), cfg.ignore_eos,
-                                         time.perf_counter(), on_done=lambda _: bar.update())
+                                         time.perf_counter(), on_done=lambda _: bar.update(),
+                                         token_ids=target.token_ids)
             bar.close()
             if not any(r.ok for r in results):
                 raise BenchError(f"every warmup request failed: {_first_error(results)}")
@@ -122,7 +123,7 @@ async def run_point(session: Session, cfg: BenchConfig, progress: bool = True) -
         try:
             results = await run_requests(client, target.model, prompts, cfg.output_len, cfg.concurrency,
                                          cfg.ignore_eos, t0, cfg.request_rate, cfg.seed,
-                                         lambda _: bar.update())
+                                         lambda _: bar.update(), target.token_ids)
         finally:
             duration = time.perf_counter() - t0
             await sampler.stop()

@@ -10,8 +10,9 @@ Definitions (times are client arrival times of SSE chunks, see ``client``):
   median TPOT (the median request's decode speed; a mean of 1 / TPOT would be ruled by bursty outliers).
 - peak-batch decode throughput: a request is *decoding* from its first chunk to its end. The *full-batch
   time* is when at least B = min(concurrency, num_prompts) requests are decoding. Each chunk after a
-  request's first one carries w = completion_tokens / num_chunks of that request's tokens (exact when every
-  chunk is one token). ``peak_decode_tok_s`` is the max over windows [s, s + W) (W = ``peak_window_s``,
+  request's first one carries w tokens: the number of ids it carried when the server returned them
+  (``return_token_ids``), else w = completion_tokens / num_chunks of that request (exact when every chunk is
+  one token). ``peak_decode_tok_s`` is the max over windows [s, s + W) (W = ``peak_window_s``,
   1 s by default) lying wholly inside the full-batch time of (sum of w of the chunks in the window) / W;
   None when no full-batch stretch lasts W. ``full_batch_decode_tok_s`` is the same weighted count over all
   of the full-batch time divided by its length (the mean rate at full batch).
@@ -63,8 +64,11 @@ def decode_chunks(results: Sequence[RequestResult]) -> tuple[list[float], list[f
     pairs = []
     for r in results:
         if r.ok and len(r.chunk_times) > 1:
-            w = r.completion_tokens / len(r.chunk_times)
-            pairs += [(t, w) for t in r.chunk_times[1:]]
+            if len(r.chunk_tokens) == len(r.chunk_times):
+                pairs += list(zip(r.chunk_times[1:], r.chunk_tokens[1:], strict=True))
+            else:
+                w = r.completion_tokens / len(r.chunk_times)
+                pairs += [(t, w) for t in r.chunk_times[1:]]
     pairs.sort()
     return [t for t, _ in pairs], [w for _, w in pairs]
 
