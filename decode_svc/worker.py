@@ -3,8 +3,9 @@
     submit -> [queued: admission deadline] -> PullStart (pages allocated here)
            -> pull missing pages from prefill (receiver deadlines) -> first token
            -> stream tokens [between-tokens deadline] -> finish
-    (or, when the cache holds most of the prompt, the engine extends locally and the first
-    token arrives without a PullStart)
+    (or, with no prefill address or when the cache holds most of the prompt, the engine extends locally and
+    the first token arrives without a PullStart; without a prefill address the first deadline is admission +
+    prefill-first-message, as there is no event between admission and the end of the local prefill)
 
 Every exit path that is not a normal finish aborts the request on the engine loop, which frees
 all its pages; a cancelled pull cancels the Prefill stream.
@@ -102,7 +103,11 @@ class DecodeWorker:
         t0 = last = time.perf_counter()
         get = pull = None
         finished, first, num_generated = False, True, 0
-        deadline, state = self.timeouts.admission_s, "admission"
+        if request.prefill_address:
+            deadline, state = self.timeouts.admission_s, "admission"
+        else:  # the prompt runs here: no event between admission and the first token, so both budgets apply
+            deadline, state = self.timeouts.admission_s + self.timeouts.prefill_first_message_s, \
+                "admission and the local prefill"
         self._in_flight.add(rid)
         try:
             while True:

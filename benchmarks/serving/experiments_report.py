@@ -33,8 +33,7 @@ TARGETS = (
     ("TTFT overhead of NVFP4 over FP8 at iso-concurrency (mean, %)", "iso_concurrency", "ttft_overhead_pct",
      1.0, "le"),
 )
-PLOT_PREFIX = "serving_"
-BARS_FIGURE = f"{PLOT_PREFIX}decode_throughput.png"
+BARS_FIGURE = "decode_throughput.png"  # after the prefix: the results JSON's stem + "_" (serving.json -> serving_)
 _TITLES = {"iso_concurrency": "Iso-concurrency", "iso_capacity": "Iso-capacity", "sweep": "Pareto sweep"}
 
 
@@ -224,14 +223,15 @@ def render(doc: dict[str, Any], figures: Sequence[str] = (), figures_note: str =
              f"(the best {plan['bench']['peak_window_s']:g} s window while every request of the point decodes, "
              "see `benchmarks/serving/stats.py`), the full-batch mean beside it in parentheses; every request "
              "has exactly the input and output length shown.")
-    lines = ["# Serving benchmark: KV cache bf16 vs fp8_e4m3 vs nvfp4", "", intro, "", *_model_lines(doc), "",
-             "Command:", "", "```", doc["command"], "```", ""]
-    lines += ["## Done-when targets", ""]
-    rows = [[t["name"], f"{t['input_len']:,}/{t['output_len']:,}",
-             _pct(t["value"]) if t["direction"] == "le" else _x(t["value"]),
-             (f"<= {t['goal']:g}%" if t["direction"] == "le" else f">= {t['goal']:g}x"), t["status"]]
-            for t in summary["targets"]]
-    lines += _table(["target", "input/output", "measured", "goal", "status"], rows) + [""]
+    lines = [f"# Serving benchmark: KV cache {' vs '.join(plan['kv_dtypes'])}", "", intro, "",
+             *_model_lines(doc), "", "Command:", "", "```", doc["command"], "```", ""]
+    if any(t["value"] is not None for t in summary["targets"]):  # a run without the target's points omits them
+        lines += ["## Done-when targets", ""]
+        rows = [[t["name"], f"{t['input_len']:,}/{t['output_len']:,}",
+                 _pct(t["value"]) if t["direction"] == "le" else _x(t["value"]),
+                 (f"<= {t['goal']:g}%" if t["direction"] == "le" else f">= {t['goal']:g}x"), t["status"]]
+                for t in summary["targets"]]
+        lines += _table(["target", "input/output", "measured", "goal", "status"], rows) + [""]
     lines += ["## Comparison with the seed's reported gains (NVFP4 over FP8 decode throughput)", ""]
     rows = []
     for experiment, label in (("iso_concurrency", "equal concurrency"), ("iso_capacity", "equal memory")):
@@ -315,8 +315,8 @@ def _bars(doc: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
-def draw_figures(doc: dict[str, Any], out_dir: str | Path) -> tuple[list[Path], str]:
-    """(PNG paths written into ``out_dir``, "" or why none were drawn)."""
+def draw_figures(doc: dict[str, Any], out_dir: str | Path, prefix: str = "serving_") -> tuple[list[Path], str]:
+    """(PNG paths written into ``out_dir``, each name starting with ``prefix``; "" or why none were drawn)."""
     from benchmarks.serving.plot import plot
 
     out_dir = Path(out_dir)
@@ -329,9 +329,9 @@ def draw_figures(doc: dict[str, Any], out_dir: str | Path) -> tuple[list[Path], 
                 for i, c in enumerate(curves):
                     paths.append(Path(tmp) / f"{i}.json")
                     paths[-1].write_text(json.dumps(c))
-                written += plot(paths, out_dir, PLOT_PREFIX)
+                written += plot(paths, out_dir, prefix)
         out_dir.mkdir(parents=True, exist_ok=True)
-        bars = _bars(doc, out_dir / BARS_FIGURE)
+        bars = _bars(doc, out_dir / f"{prefix}{BARS_FIGURE}")
         if bars is not None:
             written.insert(0, bars)
     except RuntimeError as exc:  # matplotlib missing
@@ -342,7 +342,7 @@ def draw_figures(doc: dict[str, Any], out_dir: str | Path) -> tuple[list[Path], 
 def write_report(doc: dict[str, Any], json_path: str | Path, report_path: str | Path) -> Path:
     """Draw the figures beside ``report_path`` and write the markdown there."""
     report_path = Path(report_path)
-    figures, note = draw_figures(doc, report_path.parent)
+    figures, note = draw_figures(doc, report_path.parent, f"{Path(json_path).stem}_")
     others = sorted(p.name for p in report_path.parent.glob("*.md") if p.name != report_path.name)
     text = render(doc, [f.name for f in figures], note, others)
     json_name = Path(json_path).name
