@@ -12,7 +12,8 @@ decode reads lengths and pages from device memory and needs nothing), and replay
 Width buckets are 4 per octave (a table is padded by at most ~19%), so the NVFP4 kernel's split-KV
 geometry, which is baked into a graph from the bucket width, stays close to the batch's real length.
 Entries are captured lazily at first use and share one CUDA graph memory pool: the logits of an entry
-are valid until the next replay of any entry.
+are valid until the next replay of any entry. The kernels a capture would JIT-compile (the Triton NVFP4
+decode specializes per split geometry) are compiled for every shape at start-up by ``warm_kernels``.
 
 ``capture=False`` runs the same fixed-buffer path eagerly (CPU, or CUDA with graphs disabled for
 debugging); tests check it against the plain decode path.
@@ -45,6 +46,14 @@ def width_bucket(pages: int, max_width: int, min_width: int = 16) -> int:
     w = max(pages, min_width)
     step = 1 << max(0, w.bit_length() - 3)
     return min(max_width, -(-w // step) * step)
+
+
+def width_buckets(max_width: int, min_width: int = 16) -> list[int]:
+    """Every value ``width_bucket`` can return for tables of 1..max_width pages, ascending."""
+    out = [width_bucket(1, max_width, min_width)]
+    while out[-1] < max_width:
+        out.append(width_bucket(out[-1] + 1, max_width, min_width))
+    return out
 
 
 @dataclass
@@ -106,6 +115,18 @@ class DecodeGraphRunner:
         entry = self._entries.get((bb, wb)) or self._build(bb, wb)
         self._stage(entry, token_ids, positions, tables, seq_lens, out_slots)
         return entry.run()[:b]
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (batch bucket, width bucket) an entry can have."""
+        return [(b, w) for b in self.buckets for w in width_buckets(self.max_width)]
+
+    def warm_kernels(self) -> int:
+        """Compile the attention kernels for every entry shape now, so that no serving step waits for a
+        first-use compile (see ``AttentionBackend.warm_decode``); returns the number of shapes the backend
+        ran (0 when it compiles nothing per shape). Only the scratch page is read."""
+        pool = self.paths.pool
+        return self.paths.backend.warm_decode(pool.layers[0], self.shapes(), self.paths.num_qo_heads,
+                                              self.model.dtype, self.paths.sm_scale, self.scratch_page)
 
     # -- internals ---------------------------------------------------------------------------------
     def _host_table(self, batch: int, width: int) -> np.ndarray:

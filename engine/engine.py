@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,6 +85,13 @@ class Engine:
             graphs = DecodeGraphRunner(self.model, self.paths, self.device,
                                        min(config.cuda_graph_max_bs, config.scheduler.max_running_requests),
                                        max_width_pages(self.max_context_len, cc.page_size), capture=True)
+            t0 = time.perf_counter()
+            try:
+                if num := graphs.warm_kernels():
+                    log.info("decode kernels compiled for %d (batch, width) shapes in %.1f s", num,
+                             time.perf_counter() - t0)
+            except Exception:  # an optimisation only: without it kernels compile on first use, as before
+                log.warning("decode kernel warm-up failed; kernels compile on first use", exc_info=True)
         self.runner = ModelRunner(self.model, self.paths, self.device, graphs)
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids or ())
         self.scheduler = Scheduler(self.runner, self.allocator, self.cache, cc.page_size, config.scheduler,

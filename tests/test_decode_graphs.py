@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.decode_graphs import DecodeGraphRunner, batch_buckets, width_bucket
+from engine.decode_graphs import DecodeGraphRunner, batch_buckets, width_bucket, width_buckets
 from engine.engine import Engine
 from engine.model_runner import PageTableRows
 from engine.request import Request
@@ -47,6 +47,16 @@ def test_buckets():
         w = width_bucket(p, 1 << 20)
         assert p <= w <= max(16, p * 1.25)
     assert width_bucket(900, 512) == 512
+    # width_buckets lists exactly the widths a table can be padded to (what start-up compiles for)
+    for top in (1, 16, 17, 513, 5000):
+        assert width_buckets(top) == sorted({width_bucket(p, top) for p in range(1, top + 1)})
+
+
+def test_start_up_warm_covers_every_entry_shape_and_compiles_nothing_on_cpu(tiny_model_dir):
+    eng = _engine(tiny_model_dir, "nvfp4")
+    runner = DecodeGraphRunner(eng.model, eng.paths, eng.device, 24, 130, capture=False)
+    assert runner.shapes() == [(b, w) for b in (1, 2, 4, 8, 16, 24) for w in width_buckets(130)]
+    assert runner.warm_kernels() == 0  # the reference backend compiles nothing per shape
 
 
 def test_page_table_rows_follow_appends_and_replaced_lists():
@@ -172,3 +182,24 @@ def test_rows_sharing_prefix_pages_can_name_more_pages_than_the_pool_holds(tmp_p
     assert logits.shape[0] == 8 and torch.isfinite(logits).all()
     # the rows see the same prefix and the same token: equal logits up to summation order
     assert (logits - logits[:1]).abs().max().item() <= 1e-2 * logits.abs().max().item()
+
+
+@pytest.mark.gpu
+def test_no_decode_step_compiles_a_kernel_after_start_up(tmp_path):
+    """The engine compiles the NVFP4 decode for every captured shape at start-up: a growing batch of growing
+    sequences then never waits for a Triton compile (each used to stall the whole batch about a second)."""
+    from engine.tiny_model import make_tiny_model
+    from kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
+
+    def compiled() -> int:
+        return sum(len(c[0]) for k in (nvfp4_decode_kernel, merge_kernel) for c in k.device_caches.values())
+
+    model_dir = str(make_tiny_model(tmp_path / "m", num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=2,
+                                    head_dim=128, intermediate_size=512, seed=1))
+    eng = _engine(model_dir, "nvfp4", device="cuda")
+    before = compiled()
+    assert before >= 2
+    outs = eng.generate(_prompts(20, seed=3, max_len=180), GREEDY)  # batches 1..20, widths up to ~50 pages
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    assert eng.runner.graphs.num_captured >= 2
+    assert compiled() == before

@@ -89,6 +89,13 @@ class AttentionBackend(ABC):
         lengths (the same values already copied into ``plan.page_table`` / ``plan.seq_lens``). Default: none,
         the decode reads everything from device memory."""
 
+    def warm_decode(self, layer: LayerKV, shapes: list[tuple[int, int]], num_qo_heads: int,
+                    q_dtype: torch.dtype, sm_scale: float, fill_page: int) -> int:
+        """Compile, ahead of serving, whatever ``decode`` would compile on first use for plans of these
+        (batch, page-table width) shapes: tables full of ``fill_page`` (a page no request owns), one-token rows,
+        so only that page is read. Returns the number of shapes run; default 0 (nothing is compiled per shape)."""
+        return 0
+
     # -- per layer ---------------------------------------------------------------------------
     @abstractmethod
     def write_kv(self, layer: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -244,6 +244,27 @@ class TritonBackend(AttentionBackend):
                     fi.plan(page_table, seq_lens, *st.fallback_args)
         return plan
 
+    def warm_decode(self, layer: LayerKV, shapes: list[tuple[int, int]], num_qo_heads: int,
+                    q_dtype: torch.dtype, sm_scale: float, fill_page: int) -> int:
+        """Triton specializes the NVFP4 decode and merge kernels on values that follow the plan's shape (the
+        split count, via SPLITS_P2 and the partial buffers' strides; the table's row stride): a new shape
+        compiles a variant (about a second), which stalled every running request the first time a serving
+        batch grew into it. Running each shape once here moves those compiles to start-up."""
+        if layer.kv_dtype != "nvfp4" or layer.k.device.type != "cuda" or not shapes:
+            return 0
+        dev = layer.k.device
+        most = max(b * w for b, w in shapes)
+        table_flat = torch.full((most,), fill_page, dtype=torch.int32, device=dev)
+        lens = torch.ones(max(b for b, _ in shapes), dtype=torch.int32, device=dev)
+        q = torch.zeros(lens.numel(), num_qo_heads, layer.head_dim, dtype=q_dtype, device=dev)
+        for b, w in shapes:
+            table = table_flat[: b * w].view(b, w)  # contiguous: the row stride a captured table has
+            plan = self.plan_decode(table, lens[:b], num_qo_heads, layer.num_kv_heads, layer.head_dim,
+                                    layer.page_size)
+            self.decode(plan, q[:b], layer, sm_scale)
+        torch.cuda.synchronize(dev)
+        return len(shapes)
+
     def refresh_decode_plan(self, plan: DecodePlan, page_table: np.ndarray, seq_lens: np.ndarray) -> None:
         st = plan.backend_state
         if isinstance(st, _DecodeState) and st.fallback is not None and st.fallback_args is not None:
