@@ -448,6 +448,7 @@ def test_report_compares_fp8_and_nvfp4_where_both_ran():
             "from C=16 (30.0%)") in text
     assert "**nvfp4**: first evictions at C=16; later-turn cache hit rate within 90% of its best" in text
     assert "| 16 | 150.0 | 500.0 | 3.33 | 30.0% | 90.0% |" in text
-    assert "NVFP4 / FP8 = 1.05 at C=4, 3.33 at C=16; NVFP4 is ahead from C=4 on" in text
+    assert "NVFP4 / FP8 = 1.05 at C=4, 3.33 at C=16; NVFP4 stays at least 10% ahead from C=16 on" in text
+    assert "peak output throughput 190.0 tok/s at C=4, then 150.0 tok/s at C=16 (-21%)." in text
     assert text.index("## fp8_e4m3") < text.index("## nvfp4")
     assert math.isclose(cache_limits(runs[1]["points"])["falloff_hit_rate"], 0.3)

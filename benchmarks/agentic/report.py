@@ -5,7 +5,8 @@
 Every run (one deployment, one KV dtype) of every file is one series. Per dtype the report finds where the
 cache gives way: the first concurrency whose radix caches evicted anything (*saturation*), and the first whose
 later-turn cache hit rate fell below ``FALLOFF`` x that dtype's best (*fall-off*); then it compares the dtypes
-at every concurrency they share. Figures (need matplotlib): output throughput, tokens/s per user, cache hit
+at every concurrency they share: the *crossover* is the lowest concurrency from which NVFP4's output throughput
+stays at least ``AHEAD`` x FP8's (below the margin the two are within run-to-run noise). Figures (need matplotlib): output throughput, tokens/s per user, cache hit
 rate, and evicted / re-prefilled tokens, each against concurrency.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 FALLOFF = 0.9
+AHEAD = 1.1
 FIGURES = ("throughput", "tok_s_per_user", "cache_hit_rate", "evictions")
 _DTYPE_ORDER = {"bf16": 0, "fp8_e4m3": 1, "nvfp4": 2}
 
@@ -52,10 +54,13 @@ def cache_limits(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     saturation = next((p["concurrency"] for p in points if p["evicted_pages"] > 0), None)
     falloff = next((c for c, r in rates if best is not None and r < FALLOFF * best), None)
     top = max(points, key=lambda p: p["output_tok_s"], default=None)
+    last = points[-1] if points else None
     return {"best_hit_rate": best, "saturation_concurrency": saturation, "falloff_concurrency": falloff,
             "falloff_hit_rate": next((r for c, r in rates if c == falloff), None),
             "peak_throughput_concurrency": top["concurrency"] if top else None,
-            "peak_output_tok_s": top["output_tok_s"] if top else None}
+            "peak_output_tok_s": top["output_tok_s"] if top else None,
+            "last_concurrency": last["concurrency"] if last else None,
+            "last_output_tok_s": last["output_tok_s"] if last else None}
 
 
 def _f(value: Any, digits: int = 1, pct: bool = False) -> str:
@@ -103,8 +108,12 @@ def _limit_line(label: str, lim: dict[str, Any], c_max: int) -> str:
                 f"C={lim['falloff_concurrency']} ({_f(lim['falloff_hit_rate'], pct=True)})")
     else:
         fall = f"later-turn cache hit rate within {FALLOFF:.0%} of its best ({best}) up to C={c_max}"
+    after = ""
+    if lim["last_concurrency"] != lim["peak_throughput_concurrency"] and lim["peak_output_tok_s"]:
+        drop = 1.0 - lim["last_output_tok_s"] / lim["peak_output_tok_s"]
+        after = f", then {_f(lim['last_output_tok_s'])} tok/s at C={lim['last_concurrency']} (-{drop:.0%})"
     return (f"- **{label}**: {sat}; {fall}; peak output throughput {_f(lim['peak_output_tok_s'])} tok/s at "
-            f"C={lim['peak_throughput_concurrency']}.")
+            f"C={lim['peak_throughput_concurrency']}{after}.")
 
 
 _VS_HEAD = ("C", "fp8 out tok/s", "nvfp4 out tok/s", "nvfp4 / fp8", "fp8 hit t>0", "nvfp4 hit t>0",
@@ -120,10 +129,10 @@ def _versus(fp8: dict[int, dict[str, Any]], nv: dict[int, dict[str, Any]]) -> li
     out = []
     if ratios:
         lo, hi = min(ratios), max(ratios)
-        # the crossover: the lowest concurrency from which NVFP4 stays ahead
-        ahead = next((c for c in shared if all(ratios.get(x, 0.0) >= 1.0 for x in shared if x >= c)), None)
-        tail = (f"NVFP4 is ahead from C={ahead} on (the measured crossover)." if ahead is not None
-                else "NVFP4 is not ahead at the highest concurrency.")
+        # the crossover: the lowest concurrency from which NVFP4 stays AHEAD x FP8
+        ahead = next((c for c in shared if all(ratios.get(x, 0.0) >= AHEAD for x in shared if x >= c)), None)
+        tail = (f"NVFP4 stays at least {AHEAD - 1:.0%} ahead from C={ahead} on (the measured crossover)."
+                if ahead is not None else f"NVFP4 is not {AHEAD - 1:.0%} ahead at the highest concurrency.")
         out.append(f"- **throughput**: NVFP4 / FP8 = {ratios[lo]:.2f} at C={lo}, {ratios[hi]:.2f} at C={hi}; "
                    + tail)
     rows = []
