@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 tests"}  # run in file order
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 tests"}  # + issue9x2 on 2 GPUs  # run in file order
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -56,6 +56,12 @@ stage ramp 200 python3 -m benchmarks.engine.bench_ttft_ramp --model /tmp/q8b --n
   --input-len 32768 --chunk-size 8192 --mem-fraction-static 0.22 --workspace-tokens 262144 \
   --out docs/benchmarks/engine_ttft_ramp.json
 stage issue9 400 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --log-dir $R/logs9
+# issue 9 on the two-GPU kind (nvidia-h200-x2): prefill on GPU 0, decode on GPU 1 (the NVLink hop), then the
+# serving path through the launcher's GPU placement.
+stage issue9x2 400 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 1 --log-dir $R/logs9x2
+stage issue9x2 600 python3 -m nvfp4_serve.cli bench run --input-len 32768 --output-len 256 --concurrency 8 \
+  --num-prompts 16 --no-progress --out docs/benchmarks/serving_two_gpu.json --launch-log $R/two_gpu.launch.log \
+  --launch --model /tmp/q8b --num-layers 8 --prefill-gpus 0 --decode-gpus 1 --mem-fraction-static 0.5
 stage tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS
 echo "=== ALL DONE $(date +%T)"
 touch $R/DONE
