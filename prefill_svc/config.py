@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from nvfp4_serve.engine_args import add_engine_args, engine_config_from_args
@@ -58,7 +58,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(a: argparse.Namespace) -> PrefillConfig:
-    return PrefillConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
+    # A prefill service never runs a decode step (every request ends at its first token): no decode graphs,
+    # no start-up compile of the decode kernels, no graph staging buffers.
+    engine = replace(engine_config_from_args(a), disable_cuda_graph=True)
+    return PrefillConfig(engine=engine, host=a.host, port=a.port,
                          max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port, tls=tls_from_args(a),
                          debug_header_delay_s=a.debug_header_delay_s, debug_transfer_delay_s=a.debug_transfer_delay_s,
                          kv_transfer=a.kv_transfer, kv_hold_timeout_s=a.kv_hold_timeout)

@@ -160,6 +160,10 @@ def test_cuda_graph_flags_reach_the_engine_config_and_the_children():
     again = engine_config_from_args(p.parse_args(argv))
     assert again.disable_cuda_graph and again.cuda_graph_max_bs == 48
     assert not engine_config_from_args(p.parse_args(["--model", "m"])).disable_cuda_graph
+    # a prefill service never decodes: it builds no decode graphs whatever the flags
+    from prefill_svc.config import build_arg_parser, config_from_args
+
+    assert config_from_args(build_arg_parser().parse_args(["--model", "m"])).engine.disable_cuda_graph
 
 
 @pytest.mark.gpu
