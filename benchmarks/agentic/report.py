@@ -5,9 +5,10 @@
 Every run (one deployment, one KV dtype) of every file is one series. Per dtype the report finds where the
 cache gives way: the first concurrency whose radix caches evicted anything (*saturation*), and the first whose
 later-turn cache hit rate fell below ``FALLOFF`` x that dtype's best (*fall-off*); then it compares the dtypes
-at every concurrency they share: the *crossover* is the lowest concurrency from which NVFP4's output throughput
-stays at least ``AHEAD`` x FP8's (below the margin the two are within run-to-run noise). Figures (need matplotlib): output throughput, tokens/s per user, cache hit
-rate, and evicted / re-prefilled tokens, each against concurrency.
+at every concurrency they share: the *crossover* is the lowest concurrency from which NVFP4's output
+throughput stays at least ``AHEAD`` x FP8's (below the margin the two are within run-to-run noise). Figures
+(need matplotlib): output throughput, tokens/s per user, cache hit rate, and evicted / re-prefilled tokens,
+each against concurrency.
 """
 
 from __future__ import annotations

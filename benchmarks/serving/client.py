@@ -86,9 +86,10 @@ def _error_text(status: int, body: bytes) -> str:
 
 async def send_completion(client: httpx.AsyncClient, model: str, prompt: Sequence[int] | np.ndarray,
                           max_tokens: int, ignore_eos: bool, index: int, t0: float,
-                          token_ids: bool = True) -> RequestResult:
-    """POST one streamed completion of ``prompt`` (token ids) and time it; errors are recorded, not raised.
-    ``token_ids``: ask for ``return_token_ids`` and time chunks by the ids they carry."""
+                          token_ids: bool = True, output: list[int] | None = None) -> RequestResult:
+    """POST one streamed greedy completion of ``prompt`` (token ids) and time it; errors are recorded, not
+    raised. ``token_ids``: ask for ``return_token_ids`` and time chunks by the ids they carry; ``output``,
+    when given, receives those ids."""
     ids = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
@@ -100,7 +101,7 @@ async def send_completion(client: httpx.AsyncClient, model: str, prompt: Sequenc
             if response.status_code != 200:
                 result.error = _error_text(response.status_code, await response.aread())
             else:
-                await read_stream(response, result, t0)
+                await read_stream(response, result, t0, output)
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.end = time.perf_counter() - t0
