@@ -3,29 +3,49 @@
 All scheduler state is touched only by the loop thread: every call here enqueues a command that
 the loop applies between steps. Outputs reach callers through the callback they registered, called
 on the loop thread (services hop back to their event loop with ``call_soon_threadsafe``).
+
+Streaming overlaps the GPU: a step's outputs are handed to the callbacks once the *next* decode step's
+device work is queued (``Scheduler.on_decode_launched``), so the services' per-token work runs while the
+GPU computes instead of between steps. Invariants: a request's outputs reach its callback in step order,
+and outputs never wait past the end of the next step (or past the moment the loop goes idle).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from engine.engine import Engine
 from engine.request import PullStart, Request, StepOutput
+from engine.step_stats import StepStats
 
 log = logging.getLogger(__name__)
 
 OutputCallback = Callable[[StepOutput | PullStart], None]
 
+ENGINE_SWITCH_INTERVAL_S = 5e-4
+
+
+def favour_engine_thread(interval_s: float = ENGINE_SWITCH_INTERVAL_S) -> None:
+    """Shorten the GIL switch interval (CPython's default is 5 ms) for a service process: the engine thread,
+    back from waiting on the GPU, must not wait milliseconds for the GIL while the gRPC thread streams
+    tokens, or every decode step pays that wait. Process-wide, so only services call it."""
+    sys.setswitchinterval(interval_s)
+
 
 class EngineLoop:
-    def __init__(self, engine: Engine, check_integrity_when_idle: bool = True):
+    def __init__(self, engine: Engine, check_integrity_when_idle: bool = True, stats_interval_s: float = 10.0):
         self.engine = engine
         self.scheduler = engine.scheduler
+        self.scheduler.on_decode_launched = self._flush_pending
+        self._pending: list[StepOutput] = []  # the last step's outputs, not yet handed to their callbacks
+        self._stats_interval_s = stats_interval_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._callbacks: dict[str, OutputCallback] = {}
         self._wake = threading.Event()
@@ -99,9 +119,12 @@ class EngineLoop:
     # -- the loop ---------------------------------------------------------------------------------
     def _run(self) -> None:
         checked = False  # integrity is checked once each time the scheduler goes idle
+        runner = self.engine.runner
+        stats = StepStats(self._stats_interval_s, time.perf_counter(), runner.decode_wait_s)
         while not self._stop.is_set():
             self._drain()
             if not self.scheduler.has_work:
+                self._flush_pending()
                 if self._check_idle and not checked and not self.scheduler.pulling:
                     self._idle_check()
                     checked = True
@@ -109,13 +132,25 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             checked = False
+            t0, tokens0 = time.perf_counter(), self.scheduler.num_decode_tokens
             try:
                 outputs = self.scheduler.step()
             except Exception as e:  # a failing batch must not take the service down
                 log.exception("engine step failed; aborting the requests of this step")
                 outputs = self._abort_all(f"engine error: {e}")
-            self._dispatch(outputs)
+            self._flush_pending()  # when this step ran no decode, the last step's outputs are still here
+            self._pending = outputs
             self._dispatch_pull_starts()
+            now = time.perf_counter()
+            stats.add(now - t0, self.scheduler.num_decode_tokens - tokens0)
+            if (summary := stats.poll(now, runner.decode_wait_s)) is not None and summary.decode_steps:
+                log.info("%s", summary.line())
+
+    def _flush_pending(self) -> None:
+        """Hand the last step's outputs to their callbacks (on the loop thread, in step order)."""
+        if self._pending:
+            outputs, self._pending = self._pending, []
+            self._dispatch(outputs)
 
     def _dispatch_pull_starts(self) -> None:
         for req in self.scheduler.pull_starts:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs  # fixed-buffer (CUDA graph) decode; None: every decode step runs eagerly
         self._tables = PageTableRows()
+        self.decode_wait_s = 0.0  # total time decode() has blocked on the device for its sampled tokens
 
     @torch.inference_mode()
     def extend(
@@ -50,9 +52,18 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def decode(self, reqs: Sequence[Request]) -> list[int]:
-        """One token per request: write the K/V of its last token at position kv_len, sample the next."""
-        return self._sample(self.decode_logits(reqs), reqs)
+    def decode(self, reqs: Sequence[Request], on_launched: Callable[[], None] | None = None) -> list[int]:
+        """One token per request: write the K/V of its last token at position kv_len, sample the next.
+
+        ``on_launched`` runs once the step's device work is queued and before waiting for its tokens: host
+        work done there (streaming the previous step's tokens) overlaps the GPU instead of delaying it."""
+        tokens = sample(self.decode_logits(reqs), [r.sampling for r in reqs], [r.generator for r in reqs])
+        if on_launched is not None:
+            on_launched()
+        t0 = time.perf_counter()
+        out = tokens.tolist()  # the one host synchronisation of a decode step
+        self.decode_wait_s += time.perf_counter() - t0
+        return out
 
     @torch.inference_mode()
     def decode_logits(self, reqs: Sequence[Request], use_graphs: bool = True) -> torch.Tensor:

@@ -51,8 +51,10 @@ class Scheduler:
         self.held: dict[str, Request] = {}  # finished prefill-only requests whose pages await export
         self.requests: dict[str, Request] = {}
         self.num_retractions = 0
+        self.num_decode_tokens = 0  # tokens produced by decode steps (extends' first tokens not counted)
         self.num_prompt_cache_hit_tokens = 0
         self.on_layer_done: Callable[[list[Request], int], None] | None = None
+        self.on_decode_launched: Callable[[], None] | None = None  # see ModelRunner.decode
         self.pull_starts: list[Request] = []  # admitted into PULLING during the last step
 
     # -- submission -----------------------------------------------------------------------------
@@ -218,7 +220,8 @@ class Scheduler:
         batch = [r for r in self.running if r.status is Status.RUNNING]
         if not batch:
             return
-        tokens = self.runner.decode(batch)
+        tokens = self.runner.decode(batch, self.on_decode_launched)
+        self.num_decode_tokens += len(batch)
         for req, tok in zip(batch, tokens):
             req.kv_len += 1
             req.output_ids.append(tok)

@@ -1,0 +1,142 @@
+"""The engine loop streams a step's tokens while the next decode step runs, in order and without losing any,
+and logs where its time goes (engine/engine_loop.py, engine/step_stats.py)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+import pytest
+
+from engine.step_stats import StepStats
+
+
+@pytest.fixture()
+def engine(tiny_model_dir):
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import Engine
+
+    # bf16 pool: a cache hit then gives the same numbers as a fresh prompt (an NVFP4 prefix would round)
+    return Engine(EngineConfig(model_dir=tiny_model_dir, device="cpu", dtype="float32",
+                               cache=CacheConfig(page_size=4, max_total_tokens=512, kv_dtype="bf16")))
+
+
+def _run(loop, prompts: list[list[int]], max_tokens: int, events: list | None = None):
+    from engine.request import Request
+    from engine.sampling import SamplingParams
+
+    got: dict[str, list] = {}
+    done = threading.Semaphore(0)
+
+    def callback(rid):
+        def on_output(out):
+            got[rid].append(out)
+            if events is not None:
+                events.append(("out", rid, tuple(out.new_token_ids)))
+            if out.finish_reason:
+                done.release()
+        return on_output
+
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        got[rid] = []
+        loop.submit(Request(rid, p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)),
+                    callback(rid))
+    for _ in prompts:
+        assert done.acquire(timeout=60), "a request never finished"
+    return got
+
+
+def test_streamed_tokens_are_complete_in_order_and_equal_offline_generation(engine):
+    from engine.engine_loop import EngineLoop
+    from engine.sampling import SamplingParams
+
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [3] * 9]
+    want = [o.token_ids for o in engine.generate(prompts, SamplingParams(temperature=0, max_tokens=7,
+                                                                           ignore_eos=True))]
+    loop = EngineLoop(engine).start()
+    try:
+        got = _run(loop, prompts, 7)
+    finally:
+        loop.stop()
+    for i, w in enumerate(want):
+        outs = got[f"r{i}"]
+        assert [t for o in outs for t in o.new_token_ids] == w
+        assert [o.finish_reason for o in outs] == [None] * (len(outs) - 1) + ["length"]
+
+
+def test_a_steps_tokens_are_handed_out_while_the_next_decode_step_is_in_flight(engine):
+    from engine.engine_loop import EngineLoop
+
+    events: list = []
+    runner = engine.runner
+    decode = runner.decode
+
+    def traced(reqs, on_launched=None):
+        def launched():
+            events.append(("launched", len(reqs)))
+            if on_launched is not None:
+                on_launched()
+        tokens = decode(reqs, launched)
+        events.append(("tokens", tuple(tokens)))
+        return tokens
+
+    runner.decode = traced
+    loop = EngineLoop(engine).start()
+    try:
+        _run(loop, [[5, 6, 7, 8, 9]], 5, events)
+    finally:
+        loop.stop()
+    kinds = [e[0] for e in events]
+    # the first token comes from the extend; then every decode step's tokens go out inside the next step,
+    # after its launch and before its own tokens are back; the last step's tokens go out once idle
+    decode_tokens = [e[1] for e in events if e[0] == "tokens"]
+    outs = [e[2] for e in events if e[0] == "out"]
+    assert len(decode_tokens) == 4 and outs[1:] == decode_tokens
+    for k in range(1, len(decode_tokens)):
+        i_launch = [i for i, x in enumerate(kinds) if x == "launched"][k]
+        i_tokens = [i for i, x in enumerate(kinds) if x == "tokens"][k]
+        i_out = events.index(("out", "r0", decode_tokens[k - 1]))
+        assert i_launch < i_out < i_tokens, events
+    assert events[-1] == ("out", "r0", decode_tokens[-1])
+
+
+def test_the_loop_logs_decode_throughput_and_host_time(engine, caplog):
+    from engine.engine_loop import EngineLoop
+
+    loop = EngineLoop(engine, stats_interval_s=1e-3).start()
+    with caplog.at_level(logging.INFO, logger="engine.engine_loop"):
+        try:
+            _run(loop, [[5, 6, 7, 8, 9], [1, 2, 3]], 12)
+        finally:
+            loop.stop()
+    lines = [r.getMessage() for r in caplog.records if "decode tok/s" in r.getMessage()]
+    assert lines and "device wait" in lines[0] and "host" in lines[0]
+
+
+def test_step_stats_summarise_one_interval_at_a_time():
+    stats = StepStats(10.0, start=100.0, device_wait_total=5.0)
+    stats.add(0.020, 8)  # a decode step of 8
+    stats.add(0.030, 0)  # an extend-only step
+    stats.add(0.010, 8)
+    assert stats.poll(105.0, 5.02) is None  # the interval has not ended
+    s = stats.poll(110.0, 5.04)
+    assert (s.iterations, s.decode_steps, s.decode_tokens) == (3, 2, 16)
+    assert s.seconds == pytest.approx(10.0) and s.device_wait_s == pytest.approx(0.04)
+    assert s.host_ms_per_step == pytest.approx(1e3 * (0.060 - 0.04) / 3)
+    assert s.line().startswith("engine: 2 decode tok/s, 0.2 decode steps/s, mean batch 8.0;")
+    assert stats.poll(121.0, 6.0) is None  # a new interval in which nothing ran
+    with pytest.raises(ValueError):
+        StepStats(0, start=0.0)
+
+
+def test_services_shorten_the_gil_switch_interval():
+    from engine.engine_loop import ENGINE_SWITCH_INTERVAL_S, favour_engine_thread
+
+    before = sys.getswitchinterval()
+    try:
+        favour_engine_thread()
+        assert sys.getswitchinterval() == pytest.approx(ENGINE_SWITCH_INTERVAL_S)
+    finally:
+        sys.setswitchinterval(before)
