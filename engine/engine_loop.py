@@ -5,8 +5,8 @@ the loop applies between steps. Outputs reach callers through the callback they 
 on the loop thread (services hop back to their event loop with ``call_soon_threadsafe``).
 
 Streaming overlaps the GPU: a step's outputs are handed to the callbacks once the *next* decode step's
-device work is queued (``Scheduler.on_decode_launched``), so the services' per-token work runs while the
-GPU computes instead of between steps. Invariants: a request's outputs reach its callback in step order,
+device work is queued, or before the next extend batch (``Scheduler.on_device_wait``), so the services'
+per-token work runs while the GPU computes instead of between steps. Invariants: a request's outputs reach its callback in step order,
 and outputs never wait past the end of the next step (or past the moment the loop goes idle).
 """
 
@@ -43,7 +43,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, check_integrity_when_idle: bool = True, stats_interval_s: float = 10.0):
         self.engine = engine
         self.scheduler = engine.scheduler
-        self.scheduler.on_decode_launched = self._flush_pending
+        self.scheduler.on_device_wait = self._flush_pending
         self._pending: list[StepOutput] = []  # the last step's outputs, not yet handed to their callbacks
         self._stats_interval_s = stats_interval_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()

@@ -54,7 +54,9 @@ class Scheduler:
         self.num_decode_tokens = 0  # tokens produced by decode steps (extends' first tokens not counted)
         self.num_prompt_cache_hit_tokens = 0
         self.on_layer_done: Callable[[list[Request], int], None] | None = None
-        self.on_decode_launched: Callable[[], None] | None = None  # see ModelRunner.decode
+        # Called before the step blocks on the device: after a decode step is launched (ModelRunner.decode)
+        # and before an extend batch (which can take 100+ ms), so the outputs of the previous step never wait.
+        self.on_device_wait: Callable[[], None] | None = None
         self.pull_starts: list[Request] = []  # admitted into PULLING during the last step
 
     # -- submission -----------------------------------------------------------------------------
@@ -172,6 +174,8 @@ class Scheduler:
                 break
         if not batch:
             return
+        if self.on_device_wait is not None:
+            self.on_device_wait()
         sample_mask = [r.kv_len + n == r.extend_target_len and not r.output_ids for r, n in zip(batch, lens)]
         hook = None
         if self.on_layer_done is not None:
@@ -220,7 +224,7 @@ class Scheduler:
         batch = [r for r in self.running if r.status is Status.RUNNING]
         if not batch:
             return
-        tokens = self.runner.decode(batch, self.on_decode_launched)
+        tokens = self.runner.decode(batch, self.on_device_wait)
         self.num_decode_tokens += len(batch)
         for req, tok in zip(batch, tokens):
             req.kv_len += 1

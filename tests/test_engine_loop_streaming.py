@@ -102,6 +102,53 @@ def test_a_steps_tokens_are_handed_out_while_the_next_decode_step_is_in_flight(e
     assert events[-1] == ("out", "r0", decode_tokens[-1])
 
 
+def test_tokens_already_produced_go_out_before_an_extend_batch_runs(engine):
+    """An extend batch can take 100+ ms on a GPU: the running requests' last tokens must not wait for it."""
+    from engine.engine_loop import EngineLoop
+    from engine.request import Request
+    from engine.sampling import SamplingParams
+
+    events: list = []
+    runner = engine.runner
+    decode, extend = runner.decode, runner.extend
+
+    def traced_decode(reqs, on_launched=None):
+        tokens = decode(reqs, on_launched)
+        events.append(("produced", len(tokens)))
+        return tokens
+
+    def traced_extend(reqs, lens, mask, hook=None):
+        events.append(("extend",))
+        tokens = extend(reqs, lens, mask, hook)
+        events.append(("produced", sum(t is not None for t in tokens)))
+        return tokens
+
+    runner.decode, runner.extend = traced_decode, traced_extend
+    loop = EngineLoop(engine).start()
+    first, done = threading.Event(), threading.Semaphore(0)
+
+    def on_output(out):
+        events.append(("out",))
+        first.set()
+        if out.finish_reason:
+            done.release()
+
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    try:
+        loop.submit(Request("a", [5, 6, 7, 8, 9], sp), on_output)
+        assert first.wait(30)
+        loop.submit(Request("b", list(range(1, 31)), sp), on_output)  # extends while "a" decodes
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+    finally:
+        loop.stop()
+    extends = [i for i, e in enumerate(events) if e[0] == "extend"]
+    assert len(extends) == 2
+    i = extends[1]
+    produced = sum(e[1] for e in events[:i] if e[0] == "produced")
+    delivered = sum(1 for e in events[:i] if e[0] == "out")
+    assert produced > 1 and delivered == produced  # every token of "a" so far is out before "b"'s extend
+
+
 def test_the_loop_logs_decode_throughput_and_host_time(engine, caplog):
     from engine.engine_loop import EngineLoop
 
