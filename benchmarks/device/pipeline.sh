@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 tests"}  # file order; issue9x2 needs 2 GPUs
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 tests"}  # file order; issue9x2 needs 2 GPUs, itl_check is on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -34,6 +34,11 @@ stage issue5 900 python3 -m nvfp4_serve.cli bench experiments --kv-dtypes bf16 f
   --output-len 1024 --point-timeout-s 150 --no-progress --launch-log-dir $R/logs5 \
   --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --mem-fraction-static 0.22 --workspace-tokens 262144 \
   --chunked-prefill-size 8192
+# one nvfp4 point of issue5 (32K x 40) to check ITL after an engine-loop change, without the full sweep
+stage itl_check 400 python3 -m nvfp4_serve.cli bench experiments --kv-dtypes nvfp4 --iso 32768:40 --output-len 1024 \
+  --point-timeout-s 150 --no-progress --launch-log-dir $R/logs_itl --out docs/benchmarks/serving_itl_check.json \
+  --report docs/benchmarks/serving_itl_check.md --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 \
+  --mem-fraction-static 0.22 --workspace-tokens 262144 --chunked-prefill-size 8192
 if want issue7; then
   stage issue7 90 python3 -m nvfp4_serve.cli bench gen-trace --out docs/benchmarks/agentic_trace_h200.jsonl \
     --num-sessions 48 --output-median 32 --output-max 128 --fit-pool-tokens 393216 --saturate-at 12 \
