@@ -6,7 +6,7 @@ import asyncio
 
 from decode_svc.worker import DecodeWorker
 from engine.integrity import IntegrityError
-from nvfp4_serve.load import worker_load
+from nvfp4_serve.load import LoadReporter
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
 
 
@@ -14,16 +14,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, worker: DecodeWorker):
         self.worker = worker
         self.loop = worker.loop
+        self.reporter = LoadReporter(worker.loop, "decode", worker.layout, worker.metrics)
 
     async def Generate(self, request, context):
         async for msg in self.worker.generate(request):
             yield msg
 
     async def GetLoad(self, request, context):
-        return await worker_load(self.loop, "decode", self.worker.layout, self.worker.metrics)
+        return await self.reporter.load_or_abort(context)
 
     async def GetMetrics(self, request, context):
-        await worker_load(self.loop, "decode", self.worker.layout, self.worker.metrics)
+        await self.reporter.load_or_abort(context)
         return common_pb2.MetricsResponse(prometheus_text=self.worker.metrics.text())
 
     async def FlushCache(self, request, context):

@@ -46,6 +46,7 @@ class EngineLoop:
         self.scheduler.on_device_wait = self._flush_pending
         self._pending: list[StepOutput] = []  # the last step's outputs, not yet handed to their callbacks
         self._stats_interval_s = stats_interval_s
+        self._beat = time.monotonic()  # when the loop last began an iteration (idle iterations last <= 0.5 s)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._callbacks: dict[str, OutputCallback] = {}
         self._wake = threading.Event()
@@ -122,6 +123,7 @@ class EngineLoop:
         runner = self.engine.runner
         stats = StepStats(self._stats_interval_s, time.perf_counter(), runner.decode_wait_s)
         while not self._stop.is_set():
+            self._beat = time.monotonic()
             self._drain()
             if not self.scheduler.has_work:
                 self._flush_pending()
@@ -158,6 +160,10 @@ class EngineLoop:
             if cb is not None:
                 cb(PullStart(req.rid, tuple(req.page_ids), req.kv_len, req.prompt_len))
         self.scheduler.pull_starts.clear()
+
+    def busy_for_s(self) -> float:
+        """Seconds since the loop began its current iteration: how long one step or command has held it."""
+        return time.monotonic() - self._beat
 
     def is_alive(self) -> bool:
         """False once the loop thread has ended (stopped, or died): a service must not keep serving then."""

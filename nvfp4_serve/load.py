@@ -1,27 +1,69 @@
-"""WorkerLoad snapshots, taken on the engine loop thread so they see a consistent scheduler."""
+"""WorkerLoad snapshots, taken on the engine loop thread so they see a consistent scheduler.
+
+A snapshot waits for the loop to finish its current step or command. When that takes longer than
+``fresh_wait_s`` (a first-use JIT compile of a FlashInfer kernel takes ~25 s) the report answers the last
+snapshot instead (before the first snapshot it waits, within the RPC's deadline), so the router does not mark
+a busy worker unhealthy and turn clients away; a loop that has not started a new iteration for
+``max_stall_s`` is reported as failing (a hung engine must not look healthy).
+Invariant: at most one snapshot command is queued on the loop at a time.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
+
+import grpc
 
 from engine.engine_loop import EngineLoop
 from nvfp4_serve.metrics import ServiceMetrics
 from nvfp4_serve_proto import common_pb2
 
 
-async def worker_load(loop: EngineLoop, role: str, layout: common_pb2.KVLayout,
-                      metrics: ServiceMetrics) -> common_pb2.WorkerLoad:
-    def snapshot() -> common_pb2.WorkerLoad:
-        s = loop.scheduler
-        metrics.update_pool(s)
+class EngineStalled(RuntimeError):
+    """The engine loop has been inside one step or command for longer than the service allows."""
+
+
+class LoadReporter:
+    def __init__(self, loop: EngineLoop, role: str, layout: common_pb2.KVLayout, metrics: ServiceMetrics,
+                 fresh_wait_s: float = 0.5, max_stall_s: float = 120.0) -> None:
+        self.loop, self.role, self.layout, self.metrics = loop, role, layout, metrics
+        self.fresh_wait_s, self.max_stall_s = fresh_wait_s, max_stall_s
+        self._last: common_pb2.WorkerLoad | None = None
+        self._pending: Future | None = None
+
+    def _snapshot(self) -> common_pb2.WorkerLoad:  # on the loop thread
+        s = self.loop.scheduler
+        self.metrics.update_pool(s)
         outstanding = sum(r.prompt_len - r.kv_len + max(r.sampling.max_tokens - len(r.output_ids), 0)
                           for r in s.requests.values())
         in_use = s.allocator.num_pages - s.allocator.num_free - s.cache.num_evictable_pages()
-        return common_pb2.WorkerLoad(
-            role=role, num_running=s.num_active, num_waiting=len(s.waiting), outstanding_tokens=outstanding,
+        self._last = common_pb2.WorkerLoad(
+            role=self.role, num_running=s.num_active, num_waiting=len(s.waiting), outstanding_tokens=outstanding,
             pool_pages_total=s.allocator.num_pages, pool_pages_free=s.allocator.num_free,
             pool_pages_cached=s.cache.num_evictable_pages(), pool_pages_in_use=in_use,
-            page_size=s.page_size, max_total_tokens=s.allocator.num_pages * s.page_size, layout=layout,
-            model_path=loop.engine.config.model_dir)
+            page_size=s.page_size, max_total_tokens=s.allocator.num_pages * s.page_size, layout=self.layout,
+            model_path=self.loop.engine.config.model_dir)
+        return self._last
 
-    return await asyncio.wrap_future(loop.call(snapshot))
+    async def load(self) -> common_pb2.WorkerLoad:
+        """A fresh snapshot, or the last one while the loop is busy (raises EngineStalled past max_stall_s)."""
+        if self._pending is None or self._pending.done():
+            self._pending = self.loop.call(self._snapshot)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._pending)), self.fresh_wait_s)
+        except asyncio.TimeoutError:
+            busy = self.loop.busy_for_s()
+            if busy > self.max_stall_s:
+                raise EngineStalled(f"the engine loop has been busy in one step for {busy:.0f} s "
+                                    f"(limit {self.max_stall_s:g} s)") from None
+            if self._last is None:  # nothing to answer with yet (start-up): wait, within the caller's deadline
+                return await asyncio.wrap_future(self._pending)
+            return self._last
+
+    async def load_or_abort(self, context: grpc.aio.ServicerContext) -> common_pb2.WorkerLoad:
+        """``load`` for a GetLoad/GetMetrics handler: a stalled engine ends the RPC as UNAVAILABLE."""
+        try:
+            return await self.load()
+        except EngineStalled as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))

@@ -26,3 +26,17 @@ def tiny_model_dir(tmp_path_factory):
     from engine.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0))
+
+
+@pytest.fixture(scope="module")
+def cpu_engine_loop(tiny_model_dir):
+    """An EngineLoop thread over a small CPU engine (64 pages of 4 tokens), one per test module."""
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import Engine
+    from engine.engine_loop import EngineLoop
+
+    engine = Engine(EngineConfig(model_dir=tiny_model_dir, device="cpu", dtype="float32",
+                                 cache=CacheConfig(page_size=4, max_total_tokens=256)))
+    loop = EngineLoop(engine).start()
+    yield loop
+    loop.stop()

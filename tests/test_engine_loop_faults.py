@@ -13,16 +13,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def loop(tiny_model_dir):
-    from engine.config import CacheConfig, EngineConfig
-    from engine.engine import Engine
-    from engine.engine_loop import EngineLoop
-
-    engine = Engine(EngineConfig(model_dir=tiny_model_dir, device="cpu", dtype="float32",
-                                 cache=CacheConfig(page_size=4, max_total_tokens=256)))
-    loop = EngineLoop(engine).start()
-    yield loop
-    loop.stop()
+def loop(cpu_engine_loop):
+    return cpu_engine_loop
 
 
 def test_a_call_cancelled_before_it_ran_is_skipped_and_the_loop_lives_on(loop):
