@@ -6,8 +6,9 @@ on the loop thread (services hop back to their event loop with ``call_soon_threa
 
 Streaming overlaps the GPU: a step's outputs are handed to the callbacks once the *next* decode step's
 device work is queued, or before the next extend batch (``Scheduler.on_device_wait``), so the services'
-per-token work runs while the GPU computes instead of between steps. Invariants: a request's outputs reach its callback in step order,
-and outputs never wait past the end of the next step (or past the moment the loop goes idle).
+per-token work runs while the GPU computes instead of between steps. Invariants: a request's outputs
+reach its callback in step order, and outputs never wait past the end of the next step (or past the
+moment the loop goes idle).
 """
 
 from __future__ import annotations
