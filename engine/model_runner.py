@@ -46,7 +46,7 @@ class ModelRunner:
             return result
         ends = torch.tensor(lens, dtype=torch.long).cumsum(0) - 1
         rows = ends[want].to(self.device)
-        tokens = self._sample(self.model.compute_logits(hidden[rows]), [reqs[i] for i in want])
+        tokens = self._sample(self.model.compute_logits(hidden[rows]), [reqs[i] for i in want]).tolist()
         for i, t in zip(want, tokens):
             result[i] = t
         return result
@@ -57,7 +57,7 @@ class ModelRunner:
 
         ``on_launched`` runs once the step's device work is queued and before waiting for its tokens: host
         work done there (streaming the previous step's tokens) overlaps the GPU instead of delaying it."""
-        tokens = sample(self.decode_logits(reqs), [r.sampling for r in reqs], [r.generator for r in reqs])
+        tokens = self._sample(self.decode_logits(reqs), reqs)
         if on_launched is not None:
             on_launched()
         t0 = time.perf_counter()
@@ -90,8 +90,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
-        return sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+    def _sample(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        """Next token ids [B] on the logits' device (no host synchronisation here)."""
+        return sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
 
 
 class PageTableRows:

@@ -37,11 +37,11 @@ class LoadReporter:
         self.metrics.update_pool(s)
         outstanding = sum(r.prompt_len - r.kv_len + max(r.sampling.max_tokens - len(r.output_ids), 0)
                           for r in s.requests.values())
-        in_use = s.allocator.num_pages - s.allocator.num_free - s.cache.num_evictable_pages()
+        cached = s.cache.num_evictable_pages()
         self._last = common_pb2.WorkerLoad(
             role=self.role, num_running=s.num_active, num_waiting=len(s.waiting), outstanding_tokens=outstanding,
             pool_pages_total=s.allocator.num_pages, pool_pages_free=s.allocator.num_free,
-            pool_pages_cached=s.cache.num_evictable_pages(), pool_pages_in_use=in_use,
+            pool_pages_cached=cached, pool_pages_in_use=s.allocator.num_pages - s.allocator.num_free - cached,
             page_size=s.page_size, max_total_tokens=s.allocator.num_pages * s.page_size, layout=self.layout,
             model_path=self.loop.engine.config.model_dir)
         return self._last
