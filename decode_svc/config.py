@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from nvfp4_serve.engine_args import add_engine_args, engine_config_from_args
-from nvfp4_serve.kv_transfer import TRANSFER_MODES, check_mode
+from nvfp4_serve.kv_transfer import TRANSFER_MODES, check_address, check_mode
 from nvfp4_serve.service_main import add_server_args
 from nvfp4_serve.tls import TLSConfig, add_tls_args, tls_from_args
 
@@ -37,6 +37,9 @@ class DecodeConfig:
     timeouts: Timeouts = Timeouts()
     tls: TLSConfig = field(default_factory=TLSConfig)  # server side, and the client side of the pulls from prefill
     kv_transfer: str = "auto"  # nvfp4_serve/kv_transfer.py: auto | grpc | cuda-ipc
+    # The prefill services this decode may pull from (host:port, as the router names them); a request naming
+    # any other address is refused: a caller alone never decides where KV pages come from.
+    prefill_addresses: tuple[str, ...] = ()
     # Fault injection for tests only: stall the engine loop this long after each token it produces.
     debug_token_delay_s: float = 0.0
 
@@ -44,6 +47,8 @@ class DecodeConfig:
         if self.max_message_bytes < 64 * 1024:
             raise ValueError(f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
         check_mode(self.kv_transfer)
+        for address in self.prefill_addresses:
+            check_address(address, "--prefill-addresses")
         if self.debug_token_delay_s < 0:
             raise ValueError(f"--debug-token-delay-s must be >= 0, got {self.debug_token_delay_s}")
 
@@ -55,6 +60,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="how KV pages arrive from prefill: auto (CUDA IPC when both ends share a host and both pools "
                         "are on CUDA, else gRPC), grpc (always bytes over gRPC), cuda-ipc (as auto, and warn when "
                         "a transfer falls back to gRPC)")
+    p.add_argument("--prefill-addresses", nargs="*", default=[], metavar="HOST:PORT",
+                   help="the prefill services this decode pulls KV pages from (a request naming another address "
+                        "is refused); none: every prompt runs here")
     t = Timeouts()
     g = p.add_argument_group("deadlines (seconds)")
     g.add_argument("--admission-timeout", type=float, default=t.admission_s)
@@ -73,4 +81,5 @@ def config_from_args(a: argparse.Namespace) -> DecodeConfig:
                  a.between_tokens_timeout)
     return DecodeConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
                         max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port, timeouts=t,
-                        tls=tls_from_args(a), debug_token_delay_s=a.debug_token_delay_s, kv_transfer=a.kv_transfer)
+                        tls=tls_from_args(a), debug_token_delay_s=a.debug_token_delay_s, kv_transfer=a.kv_transfer,
+                        prefill_addresses=tuple(a.prefill_addresses))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 import time
 from collections.abc import AsyncIterator
 
@@ -29,12 +28,11 @@ from decode_svc.kv_receiver import KVReceiver
 from engine.engine_loop import EngineLoop
 from engine.request import PullStart, Request, StepOutput
 from nvfp4_serve.convert import check_token_ids, sampling_from_proto
-from nvfp4_serve.errors import InvalidRequest, TransferTimeout, check_request_id, engine_error
+from nvfp4_serve.errors import InvalidRequest, TransferTimeout, UntrustedPeer, check_request_id, engine_error
+from nvfp4_serve.kv_transfer import check_address
 from nvfp4_serve.layout import layout_of
 from nvfp4_serve.metrics import ServiceMetrics
 from nvfp4_serve_proto import decode_pb2
-
-_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")  # host:port, [v6]:port
 
 
 def _coalesce(ev: StepOutput | PullStart, events: asyncio.Queue) -> StepOutput | PullStart:
@@ -84,8 +82,15 @@ class DecodeWorker:
         if 0 < room < sampling.max_tokens:
             sampling = dataclasses.replace(sampling, max_tokens=room)
         address = request.prefill_address
-        if address and not _ADDRESS.match(address):
-            raise InvalidRequest(f"prefill_address {address[:80]!r} is not host:port")
+        if address:
+            try:
+                check_address(address, "prefill_address")
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
+            if address not in self.config.prefill_addresses:
+                allowed = ", ".join(self.config.prefill_addresses) or "none (--prefill-addresses)"
+                raise UntrustedPeer(f"prefill_address {address!r} is not a prefill service of this deployment; "
+                                     f"this decode pulls only from: {allowed}")
         return Request(rid, ids, sampling, remote_prefill=bool(address))
 
     async def generate(self, request: decode_pb2.GenerateRequest) -> AsyncIterator[decode_pb2.GenerateResponse]:

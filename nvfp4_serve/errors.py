@@ -21,6 +21,12 @@ class LayoutMismatch(ServiceError):
     status_name = "FAILED_PRECONDITION"
 
 
+class UntrustedPeer(ServiceError):
+    """A request names a peer (a prefill address) that this deployment does not list."""
+
+    status_name = "PERMISSION_DENIED"
+
+
 class Overloaded(ServiceError):
     status_name = "RESOURCE_EXHAUSTED"
 

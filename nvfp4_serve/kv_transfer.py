@@ -21,6 +21,7 @@ when they share the IPC namespace).
 from __future__ import annotations
 
 import logging
+import re
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -46,6 +47,17 @@ def check_mode(mode: str, flag: str = "--kv-transfer") -> str:
     if mode not in TRANSFER_MODES:
         raise ValueError(f"{flag} must be one of {', '.join(TRANSFER_MODES)}, got {mode!r}")
     return mode
+
+
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")  # host:port, [v6]:port
+
+
+def check_address(address: str, what: str = "address") -> str:
+    """Raise ValueError unless ``address`` is host:port with a port in 1..65535."""
+    m = _ADDRESS.match(address)
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        raise ValueError(f"{what} {address[:80]!r} is not host:port with a port in 1..65535")
+    return address
 
 
 def boot_id() -> str:

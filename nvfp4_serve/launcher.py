@@ -1,13 +1,19 @@
-"""`nvfp4-serve up`: a router, one prefill service and N decode services on this machine.
+"""`nvfp4-serve up`: a router, N prefill services and M decode services on this machine.
 
 Each service is its own process (as in a multi-host deployment), started with free loopback
 ports; the launcher waits until the router's /health is green, prints the URL, and on Ctrl-C
 (SIGINT) or SIGTERM stops every child, or stops them all when any one of them dies.
 
+GPU memory when services share a GPU: the prefill services start first, each with a KV pool sized
+for the prompts it has in flight (``--prefill-max-total-tokens``, default twice the workspace);
+the decode services start once the prefills are ready and size their pools from the memory still
+free, so that ``--mem-fraction-static F`` (or ``--max-total-tokens``) means the same as in a
+colocated run: the decode gets the rest of F. Each service logs its pool in tokens.
+
 ``--num-prefill 0`` starts no prefill service: the decode services run the prompts themselves
-(the one-GPU deployment, where a prefill process would hold a second copy of the weights). The
-router admits as many requests at once as the decode services run together
-(``--max-running-requests`` x ``--num-decode``), so that it is not the tighter limit.
+(colocated). The router admits as many requests at once as the decode services run together
+(``--max-running-requests`` x ``--num-decode``), so that it is not the tighter limit, and balances
+prompts over the prefill services by outstanding tokens.
 """
 
 from __future__ import annotations
@@ -65,24 +71,39 @@ def _spawn(name: str, argv: list[str], env: dict[str, str]) -> Child:
 
 
 def gpu_envs(env: dict[str, str], prefill_gpus: str | None, decode_gpus: str | None,
-             num_decode: int) -> tuple[dict[str, str], list[dict[str, str]]]:
-    """Child environments placing the prefill and each decode service on their GPUs (CUDA_VISIBLE_DEVICES);
-    None leaves a child's visibility as inherited. Decode i gets the (i mod count)-th decode id."""
+             num_decode: int, num_prefill: int = 1) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Child environments placing each prefill and each decode service on their GPUs (CUDA_VISIBLE_DEVICES);
+    None leaves a child's visibility as inherited. Prefill i gets the (i mod count)-th prefill id, decode i
+    the (i mod count)-th decode id."""
     def parse(spec: str, flag: str) -> list[str]:
         ids = [x.strip() for x in spec.split(",") if x.strip()]
         if not ids or not all(x.isdigit() for x in ids):
             raise SystemExit(f"{flag} takes GPU ids like 0 or 1,2, got {spec!r}")
         return ids
 
-    prefill_env = dict(env)
-    if prefill_gpus is not None:
-        prefill_env["CUDA_VISIBLE_DEVICES"] = ",".join(parse(prefill_gpus, "--prefill-gpus"))
-    decode_envs = [dict(env) for _ in range(num_decode)]
-    if decode_gpus is not None:
-        ids = parse(decode_gpus, "--decode-gpus")
-        for i, e in enumerate(decode_envs):
-            e["CUDA_VISIBLE_DEVICES"] = ids[i % len(ids)]
-    return prefill_env, decode_envs
+    def place(spec: str | None, flag: str, n: int) -> list[dict[str, str]]:
+        envs = [dict(env) for _ in range(n)]
+        if spec is not None:
+            ids = parse(spec, flag)
+            for i, e in enumerate(envs):
+                e["CUDA_VISIBLE_DEVICES"] = ids[i % len(ids)]
+        return envs
+
+    return place(prefill_gpus, "--prefill-gpus", num_prefill), place(decode_gpus, "--decode-gpus", num_decode)
+
+
+def prefill_pool_tokens(explicit: int | None, workspace_tokens: int | None, context_len: int | None,
+                        chunk_size: int) -> int | None:
+    """KV pool tokens of each prefill service: ``explicit`` when given, else room for two prompts of the
+    workspace's size (one being computed while the previous one's last pages go out); None (the engine
+    sizes it from memory) when neither the workspace nor the context is known. A prefill holds a prompt's
+    pages only until they have been sent, so it never needs the decode's capacity."""
+    if explicit is not None:
+        if explicit < chunk_size:
+            raise SystemExit(f"--prefill-max-total-tokens {explicit} is below --chunked-prefill-size {chunk_size}")
+        return explicit
+    ws = workspace_tokens or context_len
+    return None if ws is None else 2 * ws
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -91,11 +112,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="router bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument("--num-decode", type=int, default=1, help="decode services to start")
-    p.add_argument("--num-prefill", type=int, default=1, choices=(0, 1),
-                   help="prefill services to start: 1, or 0 for none (the decode services run the prompts "
-                        "themselves: the one-GPU deployment)")
+    p.add_argument("--num-prefill", type=int, default=1,
+                   help="prefill services to start (default 1), or 0 for none (the decode services run the "
+                        "prompts themselves: colocated)")
     p.add_argument("--prefill-gpus", default=None,
-                   help="GPU ids for the prefill service, e.g. 0 (sets its CUDA_VISIBLE_DEVICES)")
+                   help="GPU ids for the prefill services, e.g. 0 or 0,1 (prefill i gets id i mod count; sets "
+                        "their CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--prefill-max-total-tokens", type=int, default=None,
+                   help="KV pool of each prefill service in tokens (default: twice --workspace-tokens, else twice "
+                        "the model context): prompts in flight there; the decode services get the rest")
     p.add_argument("--decode-gpus", default=None,
                    help="GPU ids for the decode services, e.g. 1 or 1,2 (decode i gets id i mod count)")
     p.add_argument("--kv-transfer", default="auto", choices=TRANSFER_MODES,
@@ -133,6 +158,29 @@ def _wait_health(url: str, router: Child, deadline: float) -> None:
     raise TimeoutError("router /health did not turn green in time")
 
 
+def _context_len(model_dir: str) -> int | None:
+    """The checkpoint's context length (config.json only), or None when it cannot be read here."""
+    from engine.model_config import ModelConfig
+
+    try:
+        return ModelConfig.from_dir(model_dir).max_context_len
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _drop_flag(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x == flag:
+            skip = True
+        else:
+            out.append(x)
+    return out
+
+
 def stop_all(children: list[Child], grace: float = 15.0) -> None:
     for c in children:
         if c.popen.poll() is None:
@@ -150,6 +198,8 @@ def up(argv: list[str] | None = None) -> int:
     a = build_arg_parser().parse_args(argv)
     if a.num_decode < 1:
         raise SystemExit("--num-decode must be >= 1")
+    if a.num_prefill < 0:
+        raise SystemExit("--num-prefill must be >= 0")
     if a.num_prefill == 0 and a.prefill_gpus is not None:
         raise SystemExit("--prefill-gpus places the prefill service, but --num-prefill 0 starts none: drop one")
     a.model = a.model or default_model_dir()
@@ -165,14 +215,22 @@ def up(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         deadline = time.monotonic() + a.startup_timeout
-        prefill_env, decode_envs = gpu_envs(env, a.prefill_gpus, a.decode_gpus, a.num_decode)
-        prefills = [_spawn("prefill", ["-m", "prefill_svc", "--port", str(free_port()), *common], prefill_env)
-                    for _ in range(a.num_prefill)]
+        prefill_envs, decode_envs = gpu_envs(env, a.prefill_gpus, a.decode_gpus, a.num_decode, a.num_prefill)
+        prefill_argv = list(common)
+        pool = prefill_pool_tokens(a.prefill_max_total_tokens, a.workspace_tokens, _context_len(a.model),
+                                   a.chunk_size)
+        if pool is not None:
+            prefill_argv = [*_drop_flag(common, "--max-total-tokens"), "--max-total-tokens", str(pool)]
+        names = ["prefill"] if a.num_prefill == 1 else [f"prefill-{i}" for i in range(a.num_prefill)]
+        prefills = [_spawn(name, ["-m", "prefill_svc", "--port", str(free_port()), *prefill_argv], prefill_envs[i])
+                    for i, name in enumerate(names)]
         children += prefills
-        decodes = [_spawn(f"decode-{i}", ["-m", "decode_svc", "--port", str(free_port()), *common], decode_envs[i])
-                   for i in range(a.num_decode)]
+        _wait_ready(prefills, deadline)  # their pools are allocated: what is free now is the decodes' to size
+        allowed = ["--prefill-addresses", *[p.address for p in prefills]] if prefills else []
+        decodes = [_spawn(f"decode-{i}", ["-m", "decode_svc", "--port", str(free_port()), *common, *allowed],
+                          decode_envs[i]) for i in range(a.num_decode)]
         children += decodes
-        _wait_ready(children, deadline)
+        _wait_ready(decodes, deadline)
         router_argv = ["-m", "router", "--host", a.host, "--port", str(a.port), "--model-dir", a.model,
                        "--decode-addresses", *[d.address for d in decodes],
                        "--max-concurrent-requests", str(a.max_running_requests * a.num_decode),
@@ -189,7 +247,8 @@ def up(argv: list[str] | None = None) -> int:
         children.append(router)
         url = f"http://{a.host}:{a.port}"
         _wait_health(url, router, deadline)
-        prefill_text = f"prefill {prefills[0].address}" if prefills else "no prefill: decode runs the prompts"
+        prefill_text = (f"{len(prefills)} prefill ({', '.join(p.address for p in prefills)})" if prefills
+                        else "no prefill: decode runs the prompts")
         layers_text = "" if a.num_layers is None else f", --num-layers {a.num_layers}"
         print(f"nvfp4-serve ready: {url}/v1  (model {a.model}, kv {a.kv_cache_dtype}{layers_text}, "
               f"{a.num_decode} decode, {prefill_text}); Ctrl-C stops", flush=True)
