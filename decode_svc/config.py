@@ -65,10 +65,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "is refused); none: every prompt runs here")
     t = Timeouts()
     g = p.add_argument_group("deadlines (seconds)")
-    g.add_argument("--admission-timeout", type=float, default=t.admission_s)
-    g.add_argument("--prefill-first-message-timeout", type=float, default=t.prefill_first_message_s)
-    g.add_argument("--between-pages-timeout", type=float, default=t.between_pages_s)
-    g.add_argument("--between-tokens-timeout", type=float, default=t.between_tokens_s)
+    g.add_argument("--admission-timeout", type=float, default=t.admission_s,
+                   help="longest wait in the queue until the request's pages are allocated")
+    g.add_argument("--prefill-first-message-timeout", type=float, default=t.prefill_first_message_s,
+                   help="longest wait from the pull's start to the prefill's transfer header (includes the "
+                        "prefill's compute)")
+    g.add_argument("--between-pages-timeout", type=float, default=t.between_pages_s,
+                   help="longest wait between two messages of a KV transfer")
+    g.add_argument("--between-tokens-timeout", type=float, default=t.between_tokens_s,
+                   help="longest wait between two generated tokens")
     p.add_argument("--debug-token-delay-s", type=float, default=0.0,
                    help="testing only: stall the engine loop after each token it produces (to trip token deadlines)")
     add_tls_args(p)

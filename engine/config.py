@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from kernels.kv_layout import KV_DTYPES
@@ -86,14 +87,21 @@ class EngineConfig:
     # Decode under CUDA graphs (CUDA only): batches up to cuda_graph_max_bs rows replay captured graphs.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
+    # Longest prompt + output served (--context-length); None -> the model's own (config.json, capped by a
+    # sliding window). Larger than the model's is refused at start-up.
+    context_length: int | None = None
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError(f"--num-layers must be >= 1 (or left out to serve every layer), got {self.num_layers}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"--context-length must be >= 1 (or left out for the model's), got {self.context_length}")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -29,6 +29,7 @@ from engine.radix_cache import RadixCache
 from engine.request import Request, StepOutput
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
+from engine.startup_error import StartupError
 from engine.tokenizer import Tokenizer
 from kernels.backends.registry import get_backend
 from kernels.kv_layout import bytes_per_token_per_layer
@@ -53,9 +54,12 @@ class Engine:
         self.config = config
         self.device = torch.device(config.resolved_device())
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        loaded = load_model(config.model_dir, device=self.device, dtype=dtype, num_layers=config.num_layers)
+        try:  # every failure here is the checkpoint's (missing files, unsupported model, bad tensors)
+            loaded = load_model(config.model_dir, device=self.device, dtype=dtype, num_layers=config.num_layers)
+            self.tokenizer = Tokenizer.from_dir(config.model_dir)
+        except (OSError, ValueError, NotImplementedError) as e:
+            raise StartupError(f"cannot serve {config.model_dir}: {e}") from e
         self.model, self.model_config, self.fingerprint = loaded.model, loaded.config, loaded.fingerprint
-        self.tokenizer = Tokenizer.from_dir(config.model_dir)
         mc, cc = self.model_config, config.cache
         n_layers = mc.num_hidden_layers
         # Checkpoint k_scale/v_scale are FP8 scales (amax / 448, the vLLM/ModelOpt convention): an nvfp4
@@ -70,7 +74,7 @@ class Engine:
         else:
             ws_k = _per_layer(cc.ws_k_scales, ckpt, "k", n_layers)
             ws_v = _per_layer(cc.ws_v_scales, ckpt, "v", n_layers)
-        self.max_context_len = mc.max_context_len
+        self.max_context_len = served_context_len(config.context_length, mc.max_context_len, config.model_dir)
         num_pages, ws_tokens = self._size_pool()
         self.pool = KVPool(cc.kv_dtype, n_layers, num_pages, cc.page_size, mc.num_key_value_heads, mc.head_dim,
                            device=self.device, k_scales=self.k_scales, v_scales=self.v_scales,
@@ -116,9 +120,15 @@ class Engine:
             per_token = mc.num_hidden_layers * bytes_per_token_per_layer(
                 cc.kv_dtype, mc.num_key_value_heads, mc.head_dim)
             if budget < per_token * cc.page_size:
-                raise RuntimeError(
-                    f"no GPU memory left for the KV pool ({free / 2**30:.1f} GiB free of {total / 2**30:.1f}); "
-                    "raise --mem-fraction-static or set --max-total-tokens")
+                gib = 2**30
+                raise StartupError(
+                    f"not enough GPU memory for the KV pool: {free / gib:.1f} of {total / gib:.1f} GiB free after "
+                    f"loading the weights; --mem-fraction-static {cc.mem_fraction_static} keeps "
+                    f"{total * (1.0 - cc.mem_fraction_static) / gib:.1f} GiB back and the workspace of {ws_tokens} "
+                    f"tokens takes {ws_tokens * ws_row / gib:.2f} GiB, leaving less than one page "
+                    f"({per_token * cc.page_size / 2**20:.2f} MiB): raise --mem-fraction-static, lower "
+                    "--workspace-tokens or --context-length, or set --max-total-tokens (other processes on this "
+                    "GPU count against its free memory)")
             tokens = int(budget // per_token)
         else:
             tokens = cc.cpu_default_tokens
@@ -162,6 +172,16 @@ class Engine:
 
 
 def _per_layer(given: Sequence[float] | None, checkpoint: dict | None, key: str, n: int) -> list[float]:
+def served_context_len(requested: int | None, model_len: int, model_dir: str) -> int:
+    """The engine's max context: ``--context-length`` when given (at most the model's), else the model's."""
+    if requested is None:
+        return model_len
+    if requested > model_len:
+        raise StartupError(f"--context-length {requested} is longer than {model_dir} supports ({model_len} tokens, "
+                           f"from config.json and its rope scaling): pass at most {model_len}")
+    return requested
+
+
     """Per-layer scales: explicit config > checkpoint k_scale/v_scale > 1.0."""
     vals = list(given) if given is not None else (list(checkpoint[key]) if checkpoint else [1.0] * n)
     if len(vals) != n:

@@ -19,7 +19,8 @@ commands:
   make-model random-weight HF checkpoint, e.g. OUT_DIR --preset qwen3-8b --device cuda
             (same as: python -m engine.tiny_model)
 
-`nvfp4-serve COMMAND --help` lists each command's options."""
+`nvfp4-serve COMMAND --help` lists each command's options and their defaults;
+`nvfp4-serve --version` prints the version."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from nvfp4_serve.cli_help import DIST_NAME, version
+
+        print(f"{DIST_NAME} {version()}")
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "up":
         from nvfp4_serve.launcher import up

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kernels.backends.registry import available_backends
 from kernels.kv_layout import KV_DTYPES
 
 
@@ -19,27 +20,41 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c, s = CacheConfig(), SchedulerConfig()
     g = p.add_argument_group("engine")
     g.add_argument("--model", "--model-path", dest="model", default=None,
-                   help="Hugging Face checkpoint directory (default: the embedded model)")
-    g.add_argument("--device", default="auto", help="cuda, cpu or auto")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--attention-backend", default="auto", help="auto, reference, triton")
-    g.add_argument("--kv-cache-dtype", default=c.kv_dtype, choices=KV_DTYPES)
+                   help="Hugging Face checkpoint directory, or a hub id such as Qwen/Qwen3-8B (config, tokenizer and "
+                        "safetensors downloaded into the hub cache, $HF_HOME; HF_HUB_OFFLINE=1 uses the cache only); "
+                        "default: the embedded model")
+    g.add_argument("--device", default="auto", help="cuda, cuda:N, cpu, or auto (cuda when PyTorch sees a GPU)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations; auto: bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", *available_backends()],
+                   help="auto: triton on CUDA, reference on CPU; reference: pure PyTorch; reference-block-select: "
+                        "pure PyTorch with the per-block NVFP4 scale choice (amax/6 or amax/4); triton: the fused "
+                        "NVFP4 kernels (FlashInfer for fp8/bf16 and prefill when installed)")
+    g.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
+                   help="longest prompt + output in tokens; default: the model's (config.json); at most that")
+    g.add_argument("--kv-cache-dtype", default=c.kv_dtype, choices=KV_DTYPES,
+                   help="KV pool format: nvfp4 (9 bytes per 16 values), fp8_e4m3, bf16")
     g.add_argument("--kv-scales", default=None, metavar="FILE",
                    help="per-layer K/V global scales from `nvfp4-serve calibrate` (nvfp4 pools take its "
                         "nvfp4 scales and its fp8 scales for the FP8 workspace, fp8_e4m3 pools its fp8 "
                         "scales); default: the checkpoint's k_scale/v_scale, else 1.0")
-    g.add_argument("--page-size", type=int, default=c.page_size)
-    g.add_argument("--max-total-tokens", type=int, default=None, help="KV pool capacity in tokens")
+    g.add_argument("--page-size", type=int, default=c.page_size, help="tokens per KV page")
+    g.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV pool capacity in tokens; default: from --mem-fraction-static on CUDA, "
+                        f"{c.cpu_default_tokens} on CPU")
     g.add_argument("--mem-fraction-static", type=float, default=c.mem_fraction_static,
                    help="fraction of GPU memory for weights + KV pool (GPU only)")
     g.add_argument("--workspace-tokens", type=int, default=None,
-                   help="rows of the shared extend workspace (default: model context, capped by the pool)")
-    g.add_argument("--chunked-prefill-size", "--chunk-size", dest="chunk_size", type=int, default=s.chunk_size)
-    g.add_argument("--max-running-requests", type=int, default=s.max_running_requests)
-    g.add_argument("--max-waiting-requests", type=int, default=s.max_waiting_requests)
+                   help="rows of the shared extend workspace (default: the context length, capped by the pool)")
+    g.add_argument("--chunked-prefill-size", "--chunk-size", dest="chunk_size", type=int, default=s.chunk_size,
+                   help="prompt tokens per extend batch (chunked prefill)")
+    g.add_argument("--max-running-requests", type=int, default=s.max_running_requests,
+                   help="requests in the running batch at once")
+    g.add_argument("--max-waiting-requests", type=int, default=s.max_waiting_requests,
+                   help="requests queued for admission; beyond: RESOURCE_EXHAUSTED (HTTP 429)")
     g.add_argument("--local-extend-min-cached-ratio", type=float, default=s.local_extend_min_cached_ratio,
                    help="decode: extend locally when at least this fraction of the prompt is cached here")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="accepted for SGLang compatibility; unused: a request seeds its own sampling with its 'seed' field")
     g.add_argument("--num-layers", type=int, default=None, metavar="N",
                    help="serve only the first N decoder layers of the checkpoint (quick benchmark runs; the "
                         "KV layout and model fingerprint say N, so every service must get the same N)")
@@ -78,7 +93,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model_dir=model_dir, device=a.device, dtype=a.dtype,
                         attention_backend=a.attention_backend, cache=cache, scheduler=sched, seed=a.seed,
                         num_layers=a.num_layers, disable_cuda_graph=a.disable_cuda_graph,
-                        cuda_graph_max_bs=a.cuda_graph_max_bs)
+                        cuda_graph_max_bs=a.cuda_graph_max_bs, context_length=a.context_length)
 
 
 def engine_args_to_argv(a: argparse.Namespace) -> list[str]:
@@ -92,7 +107,8 @@ def engine_args_to_argv(a: argparse.Namespace) -> list[str]:
                       ("--chunked-prefill-size", "chunk_size"), ("--max-running-requests", "max_running_requests"),
                       ("--max-waiting-requests", "max_waiting_requests"),
                       ("--local-extend-min-cached-ratio", "local_extend_min_cached_ratio"), ("--seed", "seed"),
-                      ("--num-layers", "num_layers"), ("--cuda-graph-max-bs", "cuda_graph_max_bs")]:
+                      ("--num-layers", "num_layers"), ("--cuda-graph-max-bs", "cuda_graph_max_bs"),
+                      ("--context-length", "context_length")]:
         v = getattr(a, key)
         if v is not None:
             # children may run elsewhere in the tree: pass the scales file as an absolute path

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from nvfp4_serve.cli_help import HelpFormatter, add_version
+from nvfp4_serve.model_source import resolve_model
 from router.app import serve
 from router.config import build_arg_parser, config_from_args
 
@@ -11,8 +13,12 @@ from router.config import build_arg_parser, config_from_args
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags once, build the RouterConfig, serve until interrupted."""
     parser = build_arg_parser()
+    parser.formatter_class = HelpFormatter
+    add_version(parser)
     args = parser.parse_args(argv)
     try:
+        if args.model_dir:  # a hub id becomes its cached directory (the services resolve theirs the same way)
+            args.model_dir = resolve_model(args.model_dir)
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
