@@ -24,7 +24,7 @@ async def serve(config: DecodeConfig) -> None:
     loop = EngineLoop(engine).start()
     metrics = ServiceMetrics("decode")
     worker = DecodeWorker(loop, config, metrics)
-    server = build_server(config.max_message_bytes)
+    server = build_server(config.max_message_bytes, config.tls)
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
     cap = engine.capacity()
     log.info("decode service: KV pool %s holds %d tokens", cap.kv_dtype, cap.max_tokens)

@@ -1,4 +1,5 @@
-"""What every gRPC service shares: error -> status mapping, health checking, reflection, TLS, metrics RPC."""
+"""What every gRPC service shares: the service-token check, error -> status mapping, health checking,
+reflection, TLS, metrics RPC."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.scheduler import RequestRejected
 from nvfp4_serve.errors import ServiceError
+from nvfp4_serve.service_auth import server_interceptors
 from nvfp4_serve.tls import TLSConfig
 
 log = logging.getLogger(__name__)
@@ -115,8 +117,12 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.max_receive_message_length", max_message_bytes)]
 
 
-def build_server(max_message_bytes: int) -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=server_options(max_message_bytes))
+def build_server(max_message_bytes: int, tls: TLSConfig | None = None) -> grpc.aio.Server:
+    """A grpc.aio server that requires ``tls.service_token`` on every call but the health check (when set) and
+    maps handler exceptions to statuses."""
+    token = tls.service_token if tls is not None else ""
+    return grpc.aio.server(interceptors=[*server_interceptors(token), ErrorMappingInterceptor()],
+                           options=server_options(max_message_bytes))
 
 
 async def add_health_and_reflection(server: grpc.aio.Server,
@@ -147,8 +153,10 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None = 
         log.info("gRPC on %s:%d (%s), loopback only: pass --host 0.0.0.0 to serve other hosts", host, bound,
                  tls.describe())
     else:
-        log.warning("gRPC on %s:%d (%s), NOT loopback: anyone who can reach it can use it%s", host, bound,
-                    tls.describe(), "" if tls.mutual else " (--tls-cert/--tls-key/--tls-ca require certificates)")
+        open_to_all = not tls.mutual and not tls.service_token
+        log.warning("gRPC on %s:%d (%s), NOT loopback%s", host, bound, tls.describe(),
+                    ": anyone who can reach it can use it (--service-token or --tls-cert/--tls-key/--tls-ca "
+                    "authenticate callers)" if open_to_all else "")
     return bound
 
 

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 from nvfp4_serve.engine_args import add_engine_args, default_model_dir, engine_args_to_argv
 from nvfp4_serve.kv_transfer import TRANSFER_MODES
-from nvfp4_serve.tls import add_tls_args, tls_argv, tls_from_args
+from nvfp4_serve.service_auth import API_KEY_ENV, SERVICE_TOKEN_ENV
+from nvfp4_serve.tls import add_tls_args, check_handshake, tls_argv, tls_from_args
 
 _READY = re.compile(r"ready on (\S+):(\d+)")
 
@@ -125,8 +126,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="GPU ids for the decode services, e.g. 1 or 1,2 (decode i gets id i mod count)")
     p.add_argument("--kv-transfer", default="auto", choices=TRANSFER_MODES,
                    help="passed to the prefill and decode services: how KV pages travel between them")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
-    p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on the API (or ${API_KEY_ENV}); also the service "
+                        f"token of every gRPC link unless --service-token is given")
+    p.add_argument("--metrics-open", action="store_true",
+                   help="serve the router's /metrics without the API key (it names the services' addresses)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--log-level", default="info")
@@ -204,10 +208,15 @@ def up(argv: list[str] | None = None) -> int:
         raise SystemExit("--prefill-gpus places the prefill service, but --num-prefill 0 starts none: drop one")
     a.model = a.model or default_model_dir()
     try:
-        tls = tls_argv(tls_from_args(a))  # the same certificate files for every child (server and client)
+        links = tls_from_args(a)
+        if links.enabled:  # every child dials the others on loopback: a certificate that fails there fails now
+            check_handshake(links, "127.0.0.1")
     except ValueError as e:
         raise SystemExit(f"nvfp4-serve up: {e}") from None
+    tls = tls_argv(links)  # the same certificate files for every child (server and client)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if links.service_token:  # through the environment: flags show in `ps`
+        env[SERVICE_TOKEN_ENV] = links.service_token
     common = [*engine_args_to_argv(a), "--log-level", a.log_level, *tls, "--kv-transfer", a.kv_transfer]
     children: list[Child] = []
     stop = threading.Event()
@@ -237,12 +246,12 @@ def up(argv: list[str] | None = None) -> int:
                        "--log-level", a.log_level, *tls]
         if prefills:
             router_argv += ["--prefill-addresses", *[p.address for p in prefills]]
-        if a.metrics_require_key:
-            router_argv.append("--metrics-require-key")
+        if a.metrics_open:
+            router_argv.append("--metrics-open")
         if a.served_model_name:
             router_argv += ["--served-model-name", a.served_model_name]
         if a.api_key:
-            env = {**env, "NVFP4_SERVE_API_KEY": a.api_key}
+            env = {**env, API_KEY_ENV: a.api_key}
         router = _spawn("router", router_argv, env)
         children.append(router)
         url = f"http://{a.host}:{a.port}"

@@ -21,7 +21,7 @@ async def serve(config: PrefillConfig) -> None:
     metrics = ServiceMetrics("prefill")
     worker = PrefillWorker(loop, config.max_message_bytes, metrics, config.debug_transfer_delay_s,
                            config.debug_header_delay_s, config.kv_transfer, config.kv_hold_timeout_s)
-    server = build_server(config.max_message_bytes)
+    server = build_server(config.max_message_bytes, config.tls)
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
     try:
         await start_and_wait(server, [SERVICE_NAME], "prefill", config.host, config.port, metrics,

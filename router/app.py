@@ -94,7 +94,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     _add_error_handlers(app)
     _add_routes(app, state)
     if config.api_key:
-        open_paths = {"/health"} if config.metrics_require_key else {"/health", "/metrics"}
+        open_paths = {"/health", "/metrics"} if config.metrics_open else {"/health"}
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, endpoints=ROUTES)  # outermost: counts 401s
     return app

@@ -13,9 +13,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from nvfp4_serve.service_auth import API_KEY_ENV, SERVICE_TOKEN_ENV, resolve_service_token
 from nvfp4_serve.tls import TLSConfig
 
-API_KEY_ENV = "NVFP4_SERVE_API_KEY"  # read when --api-key is absent (keeps the key out of `ps`)
+_SECRETS = ("api_key", "service_token")  # never printed: not in --help defaults, "<set>" in /server_info
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -38,8 +39,10 @@ class RouterConfig:
     host: str = field(default="127.0.0.1", metadata=_opt("bind address (localhost only by default)"))
     port: int = field(default=8000, metadata=_opt("HTTP port"))
     max_model_len: int = field(default=0, metadata=_opt("context limit in tokens; 0 -> config.json's"))
-    api_key: str = field(default="", metadata=_opt(f"require 'Authorization: Bearer KEY' (or ${API_KEY_ENV})"))
-    metrics_require_key: bool = field(default=False, metadata=_opt("/metrics needs the API key too"))
+    api_key: str = field(default="", repr=False,
+                         metadata=_opt(f"require 'Authorization: Bearer KEY' (or ${API_KEY_ENV})"))
+    metrics_open: bool = field(
+        default=False, metadata=_opt("serve /metrics without the API key (it names the workers' gRPC addresses)"))
     max_body_bytes: int = field(default=16 << 20, metadata=_opt("largest request body; beyond -> 413"))
     max_concurrent_requests: int = field(default=256, metadata=_opt("requests generating at once"))
     max_queued_requests: int = field(default=1024, metadata=_opt("requests waiting for a slot; beyond -> 429"))
@@ -68,6 +71,8 @@ class RouterConfig:
     tls_key: str = field(default="", metadata=_opt("PEM private key of --tls-cert"))
     tls_ca: str = field(default="", metadata=_opt("PEM CA that signs the workers' certificates"))
     tls_server_name: str = field(default="", metadata=_opt("verify workers against this name, not their host"))
+    service_token: str = field(default="", repr=False, metadata=_opt(
+        f"token sent on every gRPC call to the workers (or ${SERVICE_TOKEN_ENV}; default: the API key)"))
     log_level: str = field(default="info", metadata=_opt("log level: " + "|".join(_LOG_LEVELS)))
 
     def __post_init__(self) -> None:
@@ -111,7 +116,8 @@ class RouterConfig:
     @property
     def tls(self) -> TLSConfig:
         """The client side of the router's gRPC links (plaintext when no certificate is given)."""
-        return TLSConfig(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca, server_name=self.tls_server_name)
+        return TLSConfig(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca, server_name=self.tls_server_name,
+                         service_token=self.service_token)
 
     @property
     def model_name(self) -> str:
@@ -119,12 +125,13 @@ class RouterConfig:
         return self.served_model_name or Path(self.model_dir).name
 
     def public_dict(self) -> dict[str, Any]:
-        """The config as JSON-able values, the API key replaced by whether one is set."""
+        """The config as JSON-able values, the API key and the service token replaced by whether one is set."""
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
-        out["api_key"] = "<set>" if self.api_key else ""
+        for name in _SECRETS:
+            out[name] = "<set>" if getattr(self, name) else ""
         return out
 
 
@@ -169,7 +176,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         else:
             conv = {"int": int, "float": float, "str": str}[kind]
             parser.add_argument(*names, dest=f.name, type=conv, default=default,
-                                help=f"{help_text} (default: {default!r})" if f.name != "api_key" else help_text)
+                                help=help_text if f.name in _SECRETS else f"{help_text} (default: {default!r})")
     return parser
 
 
@@ -181,12 +188,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
-    """Build the RouterConfig from parsed flags (the API key falls back to $NVFP4_SERVE_API_KEY)."""
+    """Build the RouterConfig from parsed flags (the API key falls back to $NVFP4_SERVE_API_KEY, the service
+    token to $NVFP4_SERVE_SERVICE_TOKEN, then to the API key)."""
     values = {f.name: getattr(args, f.name) for f in fields(RouterConfig) if hasattr(args, f.name)}
     for name in ("decode_addresses", "prefill_addresses"):
         if name in values:
             values[name] = tuple(values[name] or ())
     if not values.get("api_key"):
         values["api_key"] = os.environ.get(API_KEY_ENV, "")
+    values["service_token"] = resolve_service_token(values.get("service_token"), values["api_key"])
     values.update(overrides)
     return RouterConfig(**values)

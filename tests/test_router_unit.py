@@ -8,6 +8,7 @@ import random
 import grpc
 import pytest
 
+from nvfp4_serve.service_auth import SERVICE_TOKEN_ENV
 from router.admission import AdmissionGate
 from router.config import API_KEY_ENV, RouterConfig, build_arg_parser, config_from_args, model_limits
 from router.generation import map_grpc_error
@@ -324,8 +325,9 @@ def test_config_validation_names_the_flag():
 
 def test_arg_parser_defaults_come_from_the_dataclass(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(SERVICE_TOKEN_ENV, raising=False)
     args = build_arg_parser().parse_args(["--decode", "h:1,h:2", "h:3", "--prefill-addresses", "p:9",
-                                          "--model", "/models/qwen", "--no-metrics-require-key"])
+                                          "--model", "/models/qwen", "--no-metrics-open"])
     cfg = config_from_args(args)
     assert cfg == RouterConfig(decode_addresses=("h:1", "h:2", "h:3"), prefill_addresses=("p:9",),
                                model_dir="/models/qwen")
@@ -333,6 +335,11 @@ def test_arg_parser_defaults_come_from_the_dataclass(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert config_from_args(args).api_key == "from-env"
     assert config_from_args(args).public_dict()["api_key"] == "<set>"
+    assert config_from_args(args).service_token == "from-env"  # the API key guards the gRPC links too
+    monkeypatch.setenv(SERVICE_TOKEN_ENV, "internal")
+    cfg = config_from_args(args)
+    assert cfg.service_token == cfg.tls.service_token == "internal" and cfg.public_dict()["service_token"] == "<set>"
+    assert "internal" not in repr(cfg) and "internal" not in repr(cfg.tls)
 
 
 def test_model_limits_read_config_json(tmp_path):

@@ -10,6 +10,8 @@ import asyncio
 import datetime
 import ipaddress
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -112,10 +114,10 @@ def test_requests_flow_over_mutual_tls_router_decode_prefill(deployment):
     assert "gRPC links to the workers: mutual TLS" in deployment.output
 
 
-async def _get_load(address: str, stub_cls, credentials: grpc.ChannelCredentials | None):
+async def _get_load(address: str, stub_cls, credentials: grpc.ChannelCredentials | None, metadata=None):
     channel = grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)
     async with channel:
-        return await stub_cls(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+        return await stub_cls(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5, metadata=metadata)
 
 
 def _creds(root: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials:
@@ -139,13 +141,25 @@ def test_services_refuse_plaintext_and_clients_without_a_certificate_of_the_ca(d
         with pytest.raises(grpc.aio.AioRpcError) as e:
             asyncio.run(_get_load(address, stub_cls, creds))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (what, e.value)
-    load = asyncio.run(_get_load(address, stub_cls, _creds(pki["ca"], pki["cert"], pki["key"])))
+    good = _creds(pki["ca"], pki["cert"], pki["key"])
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # up --api-key: the key is the service token on top of mTLS
+        asyncio.run(_get_load(address, stub_cls, good))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    load = asyncio.run(_get_load(address, stub_cls, good, (("authorization", f"Bearer {API_KEY}"),)))
     assert load.role == role.partition("-")[0]
 
 
 def test_tls_config_says_what_is_missing(tmp_path, pki):
     with pytest.raises(ValueError, match="--tls-cert and --tls-key go together"):
         TLSConfig(cert=pki["cert"])
+    with pytest.raises(ValueError, match="do not load as a PEM certificate and its private key"):
+        TLSConfig(cert=pki["cert"], key=pki["rogue_key"])
+    with pytest.raises(ValueError, match="does not load as a PEM CA bundle"):
+        TLSConfig(cert=pki["cert"], key=pki["key"], ca=pki["key"])
+    with pytest.raises(ValueError, match="--tls-cert without --tls-ca accepts any client"):
+        TLSConfig(cert=pki["cert"], key=pki["key"]).check_server()
+    TLSConfig(cert=pki["cert"], key=pki["key"], service_token="t").check_server()  # the token authenticates
+    TLSConfig(cert=pki["cert"], key=pki["key"], any_client=True).check_server()  # said on purpose
     with pytest.raises(ValueError, match="need --tls-cert and --tls-key"):
         TLSConfig(ca=pki["ca"])
     with pytest.raises(ValueError, match="is not a readable file"):
@@ -156,9 +170,24 @@ def test_tls_config_says_what_is_missing(tmp_path, pki):
     assert tls_argv(tls) == ["--tls-cert", pki["cert"], "--tls-key", pki["key"], "--tls-ca", pki["ca"]]
 
 
+@pytest.mark.parametrize("what, flags, message", [
+    ("CA that did not sign the certificates", ("--tls-ca", "rogue_ca"), "TLS check failed: .*local issuer"),
+    ("server checking no client", (), "--tls-cert without --tls-ca accepts any client"),
+    ("key of another certificate", ("--tls-key", "rogue_key"), "do not load as a PEM certificate"),
+])
+def test_a_tls_misconfiguration_stops_up_at_once_with_the_reason(tiny_model_dir, pki, what, flags, message):
+    argv = {"--tls-cert": pki["cert"], "--tls-key": pki["key"]}
+    argv.update({flag: pki[name] for flag, name in zip(flags[::2], flags[1::2], strict=True)})
+    r = subprocess.run([sys.executable, "-m", "nvfp4_serve.cli", "up", "--model", tiny_model_dir, "--device", "cpu",
+                        "--port", "0", *[x for kv in argv.items() for x in kv]], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, check=False)  # before any child starts, not after the start-up timeout
+    assert r.returncode != 0 and re.search(message, r.stderr), (what, r.stderr)
+    assert "[router]" not in r.stdout and "[decode-0]" not in r.stdout
+
+
 # -- API key, binding ---------------------------------------------------------------------------------------------
 
-def test_api_key_guards_the_api_but_not_health_or_metrics(deployment):
+def test_api_key_guards_the_api_and_metrics_but_not_health(deployment):
     with httpx.Client(base_url=deployment.url, timeout=30) as c:
         body = {"model": "model", "prompt": "hi", "max_tokens": 1}
         for headers in ({}, {"Authorization": "Bearer sk-test-4f1c9a"}, {"Authorization": API_KEY}):
@@ -166,7 +195,8 @@ def test_api_key_guards_the_api_but_not_health_or_metrics(deployment):
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert c.get("/v1/models").status_code == 401
         assert c.get("/health").status_code == 200
-        assert c.get("/metrics").status_code == 200  # open unless --metrics-require-key
+        assert c.get("/metrics").status_code == 401  # it names the gRPC addresses: open only with --metrics-open
+        assert c.get("/metrics", headers=_auth()).status_code == 200
         assert c.get("/v1/models", headers=_auth()).status_code == 200
 
 
