@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -31,8 +32,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from nvfp4_serve.engine_args import add_engine_args, default_model_dir, engine_args_to_argv
+from nvfp4_serve.cli_help import HelpFormatter, add_version
+from nvfp4_serve.engine_args import add_engine_args, engine_args_to_argv
 from nvfp4_serve.kv_transfer import TRANSFER_MODES
+from nvfp4_serve.preflight import prepare_engine_args
 from nvfp4_serve.service_auth import API_KEY_ENV, SERVICE_TOKEN_ENV
 from nvfp4_serve.tls import add_tls_args, check_handshake, tls_argv, tls_from_args
 
@@ -108,9 +111,10 @@ def prefill_pool_tokens(explicit: int | None, workspace_tokens: int | None, cont
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser("nvfp4-serve up", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1", help="router bind address (default loopback only)")
+    p = argparse.ArgumentParser("nvfp4-serve up", description=__doc__, formatter_class=HelpFormatter)
+    add_version(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="router bind address (default: loopback only; 0.0.0.0 listens on the network)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument("--num-decode", type=int, default=1, help="decode services to start")
     p.add_argument("--num-prefill", type=int, default=1,
@@ -131,9 +135,21 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         f"token of every gRPC link unless --service-token is given")
     p.add_argument("--metrics-open", action="store_true",
                    help="serve the router's /metrics without the API key (it names the services' addresses)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id in the API (default: the model directory's name)")
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds until every service is ready and the router healthy")
+    p.add_argument("--log-level", default="info", help="log level of every service")
+    p.add_argument("--prefill-metrics-port", type=int, default=None, metavar="PORT",
+                   help="Prometheus metrics over HTTP: prefill i on PORT+i (default: none)")
+    p.add_argument("--decode-metrics-port", type=int, default=None, metavar="PORT",
+                   help="Prometheus metrics over HTTP: decode i on PORT+i (default: none)")
+    for svc, cmd in (("prefill", "prefill"), ("decode", "decode"), ("router", "router")):
+        p.add_argument(f"--{svc}-args", default="", metavar="'ARGS'",
+                       help=f"more flags for every {svc} service, one shell-quoted string, e.g. "
+                            + ("'--between-tokens-timeout 300'" if svc == "decode" else
+                               "'--kv-hold-timeout 120'" if svc == "prefill" else "'--queue-timeout-s 30'")
+                            + f" (see nvfp4-serve {cmd} --help)")
     add_tls_args(p)
     add_engine_args(p)
     return p
@@ -185,6 +201,18 @@ def _drop_flag(argv: list[str], flag: str) -> list[str]:
     return out
 
 
+def _split_args(flag: str, text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise ValueError(f"{flag} {text!r}: {e} (give the flags as one shell-quoted string)") from None
+
+
+def _metrics_argv(base: int | None, i: int) -> list[str]:
+    """``--metrics-port base+i`` for the i-th service of a kind, or nothing."""
+    return [] if base is None else ["--metrics-port", str(base + i)]
+
+
 def stop_all(children: list[Child], grace: float = 15.0) -> None:
     for c in children:
         if c.popen.poll() is None:
@@ -206,8 +234,9 @@ def up(argv: list[str] | None = None) -> int:
         raise SystemExit("--num-prefill must be >= 0")
     if a.num_prefill == 0 and a.prefill_gpus is not None:
         raise SystemExit("--prefill-gpus places the prefill service, but --num-prefill 0 starts none: drop one")
-    a.model = a.model or default_model_dir()
     try:
+        prepare_engine_args(a)  # --model resolved once (a hub id becomes its cached directory), then checked
+        extra = {svc: _split_args(f"--{svc}-args", getattr(a, f"{svc}_args")) for svc in ("prefill", "decode", "router")}
         links = tls_from_args(a)
         if links.enabled:  # every child dials the others on loopback: a certificate that fails there fails now
             check_handshake(links, "127.0.0.1")
@@ -226,17 +255,19 @@ def up(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + a.startup_timeout
         prefill_envs, decode_envs = gpu_envs(env, a.prefill_gpus, a.decode_gpus, a.num_decode, a.num_prefill)
         prefill_argv = list(common)
-        pool = prefill_pool_tokens(a.prefill_max_total_tokens, a.workspace_tokens, _context_len(a.model),
-                                   a.chunk_size)
+        pool = prefill_pool_tokens(a.prefill_max_total_tokens, a.workspace_tokens,
+                                   a.context_length or _context_len(a.model), a.chunk_size)
         if pool is not None:
             prefill_argv = [*_drop_flag(common, "--max-total-tokens"), "--max-total-tokens", str(pool)]
         names = ["prefill"] if a.num_prefill == 1 else [f"prefill-{i}" for i in range(a.num_prefill)]
-        prefills = [_spawn(name, ["-m", "prefill_svc", "--port", str(free_port()), *prefill_argv], prefill_envs[i])
+        prefills = [_spawn(name, ["-m", "prefill_svc", "--port", str(free_port()), *prefill_argv,
+                                  *_metrics_argv(a.prefill_metrics_port, i), *extra["prefill"]], prefill_envs[i])
                     for i, name in enumerate(names)]
         children += prefills
         _wait_ready(prefills, deadline)  # their pools are allocated: what is free now is the decodes' to size
         allowed = ["--prefill-addresses", *[p.address for p in prefills]] if prefills else []
-        decodes = [_spawn(f"decode-{i}", ["-m", "decode_svc", "--port", str(free_port()), *common, *allowed],
+        decodes = [_spawn(f"decode-{i}", ["-m", "decode_svc", "--port", str(free_port()), *common, *allowed,
+                                          *_metrics_argv(a.decode_metrics_port, i), *extra["decode"]],
                           decode_envs[i]) for i in range(a.num_decode)]
         children += decodes
         _wait_ready(decodes, deadline)
@@ -250,6 +281,9 @@ def up(argv: list[str] | None = None) -> int:
             router_argv.append("--metrics-open")
         if a.served_model_name:
             router_argv += ["--served-model-name", a.served_model_name]
+        if a.context_length:
+            router_argv += ["--max-model-len", str(a.context_length)]
+        router_argv += extra["router"]
         if a.api_key:
             env = {**env, API_KEY_ENV: a.api_key}
         router = _spawn("router", router_argv, env)
