@@ -1,121 +1,204 @@
 """The KV receive path: pull a prompt's missing pages from a prefill service into pages already
 allocated here, checking the handshake and every message, under a deadline per state.
 
-The header names the path (``nvfp4_serve/kv_transfer.py``); every pool write runs on the engine thread:
+Pages stream while the prefill computes the prompt (after each chunk, the pages it completed). The header
+names the path (``nvfp4_serve/kv_transfer.py``); writes run on worker threads and a side CUDA stream
+(``nvfp4_serve/kv_copy.py``), never on the engine thread, so a transfer neither waits for decode steps
+nor delays them:
 
-    grpc      KVPageRun bytes -> KVPool.import_pages
-    cuda-ipc  KVPageRefs -> copy_pages from the prefill's pool (opened once, decode_svc/kv_ipc.py);
-              after the last layer: fence (copies complete) -> ReleaseTransfer -> the stream ends
+    grpc      KVPageRun bytes (zero-copy views, ``nvfp4_serve/kv_wire.py``) -> PageImporter.write
+    cuda-ipc  KVPageRefs -> PageImporter.copy_from the prefill's pool (opened once, decode_svc/kv_ipc.py);
+              after PrefillDone: writes complete -> ReleaseTransfer -> the stream ends
+
+Every value the peer sends is checked before it touches the pool or the engine: request id, layer, page
+ranges against the header (in sequence order per layer, nothing twice, no more than announced), part
+sizes against the layout, source page ids against the opened pool, scales (and fp8/bf16 values) finite,
+the first token inside the vocabulary. A bad message fails this request's transfer only.
+
+Invariant: ``pull`` returns (or raises) only once every write it issued is complete, so the caller may
+then free the pages (abort) or hand them to the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable
-from functools import partial
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from decode_svc.config import Timeouts
 from decode_svc.kv_ipc import PeerShare, PrefillShares
-from engine.kv_pool import KVPool, PagePayload
+from decode_svc.peer_channels import PeerChannels
+from engine.kv_pool import KVPool
 from engine.request import PullStart
 from engine.sampling import SamplingParams
 from nvfp4_serve.convert import sampling_to_proto
 from nvfp4_serve.errors import InvalidRequest, LayoutMismatch, PrefillUnavailable, TransferTimeout
-from nvfp4_serve.grpc_server import server_options
+from nvfp4_serve.kv_copy import PARTS, PageImporter
 from nvfp4_serve.kv_transfer import PATH_GRPC, PATH_IPC, PathChoice, TransferMetrics, select_path
-from nvfp4_serve.kv_transfer_ipc import Fence, PoolView, copy_pages
+from nvfp4_serve.kv_transfer_ipc import PoolView
+from nvfp4_serve.kv_wire import WireError, decode_page_run
 from nvfp4_serve.layout import check_layout
 from nvfp4_serve.metrics import ServiceMetrics
-from nvfp4_serve.tls import TLSConfig, open_channel
-from nvfp4_serve_proto import common_pb2, prefill_pb2, prefill_pb2_grpc
+from nvfp4_serve.tls import TLSConfig
+from nvfp4_serve_proto import common_pb2, prefill_pb2
 
-# A restarted prefill is reached again within a second (gRPC's default backoff grows to 120 s).
-_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                      ("grpc.max_reconnect_backoff_ms", 1000)]
-_HOLD_MARGIN = 0.9  # cuda-ipc copies must complete within this share of the prefill's hold (header in flight)
-_BYTES_IN_FLIGHT = 2  # grpc: page-run imports awaited this many messages behind (bounds memory to ~3 messages)
+_HOLD_MARGIN = 0.9  # cuda-ipc copies must complete within this share of the prefill's hold (messages in flight)
+_WRITES_IN_FLIGHT = 2  # writes running behind the message being read (bounds memory to ~3 messages)
 _RELEASE_TIMEOUT_S = 5.0
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Progress:
+    """Which sequence pages of each layer arrived: pages of one layer come in order, each once."""
+
+    first_page: int
+    end_page: int
+    next_page: list[int]  # per layer
+
+    def claim(self, layer: int, first_page: int, num_pages: int, address: str) -> None:
+        """Raise PrefillUnavailable unless the run is the next one of ``layer``, inside the announced pages
+        (checked arithmetically before anything else is looked at or allocated)."""
+        if not 0 <= layer < len(self.next_page):
+            raise PrefillUnavailable(f"prefill {address} sent layer {layer}; the layout has {len(self.next_page)}")
+        want = self.next_page[layer]
+        if first_page != want or not 1 <= num_pages <= self.end_page - want:
+            raise PrefillUnavailable(
+                f"prefill {address} sent layer {layer} pages [{first_page}, +{num_pages}); expected the next run "
+                f"to start at page {want} and end by page {self.end_page}")
+        self.next_page[layer] = want + num_pages
+
+    def num_missing(self) -> int:
+        return sum(self.end_page - p for p in self.next_page)
+
+
+class _Writes:
+    """One pull's pool writes on the receiver's threads, at most ``limit`` running behind the reader.
+    ``settle`` waits for every write already started, even when the pull is being cancelled."""
+
+    def __init__(self, executor: concurrent.futures.ThreadPoolExecutor, limit: int):
+        self.executor, self.limit = executor, limit
+        self._running: list[concurrent.futures.Future] = []
+        self.busy_s = 0.0  # seconds the writes ran (copy rate = bytes / busy_s)
+
+    async def post(self, fn: Callable[[], object], what: str, address: str) -> None:
+        def timed() -> None:
+            t0 = time.perf_counter()
+            try:
+                fn()
+            finally:
+                self.busy_s += time.perf_counter() - t0
+
+        self._running.append(self.executor.submit(timed))
+        while len(self._running) > self.limit:
+            await self._result(self._running.pop(0), what, address)
+
+    async def drain(self, what: str, address: str) -> None:
+        while self._running:
+            await self._result(self._running.pop(0), what, address)
+
+    @staticmethod
+    async def _result(fut: concurrent.futures.Future, what: str, address: str) -> None:
+        try:
+            await asyncio.wrap_future(fut)
+        except ValueError as e:
+            raise PrefillUnavailable(f"bad KV {what} from prefill {address}: {e}") from None
+
+    async def settle(self) -> None:
+        running = [f for f in self._running if not f.cancel()]  # not started: dropped
+        self._running.clear()
+        if running:
+            await _uncancellable(asyncio.to_thread(concurrent.futures.wait, running))
+
+
+async def _uncancellable(coro) -> None:
+    """Run ``coro`` to its end even if the awaiting task is cancelled meanwhile (re-raised afterwards)."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # noqa: BLE001 - reported by whoever reads the task
+            break
+    if cancelled:
+        raise asyncio.CancelledError
+
+
 class KVReceiver:
     def __init__(self, pool: KVPool, layout: common_pb2.KVLayout, metrics: ServiceMetrics, timeouts: Timeouts,
-                 max_message_bytes: int, run_on_engine: Callable[[Callable[[], object]], Awaitable[object]],
-                 tls: TLSConfig | None = None, kv_transfer: str = "auto"):
-        """``run_on_engine`` runs a pool write on the engine loop thread and returns its result: writes are
-        ordered before any later abort of the request, so a page is never written after it was freed."""
+                 max_message_bytes: int, vocab_size: int, tls: TLSConfig | None = None,
+                 kv_transfer: str = "auto"):
         self.pool = pool
-        self.run_on_engine = run_on_engine
         self.layout = layout
         self.metrics = metrics
         self.timeouts = timeouts
-        self.max_message_bytes = max_message_bytes
-        self.tls = tls or TLSConfig()
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.vocab_size = vocab_size
+        self.channels = PeerChannels(tls or TLSConfig(), max_message_bytes)
         self.transfer_metrics = TransferMetrics(metrics)
         self.shares = PrefillShares(pool, layout, kv_transfer)
-
-    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = open_channel(
-                address, self.tls, [*server_options(self.max_message_bytes), *_RECONNECT_OPTIONS])
-        return prefill_pb2_grpc.PrefillStub(ch)
+        self._executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kv-write")
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
+        await self.channels.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def pull(self, address: str, start: PullStart, token_ids: list[int], sampling: SamplingParams) -> int:
         """Fill tokens [start.prefix_len, num_tokens) of ``start.page_ids``; return the first sampled token.
 
         Cancelling the awaiting task cancels the Prefill stream (the prefill frees its pages)."""
-        stub = self._stub(address)
-        offer, peer = await self.shares.offer(address, stub)
-        call = stub.Prefill(prefill_pb2.PrefillRequest(
+        async with self.channels.lease(address) as peer_stubs:
+            return await self._pull(peer_stubs, address, start, token_ids, sampling)
+
+    async def _pull(self, peer_stubs, address: str, start: PullStart, token_ids: list[int],
+                    sampling: SamplingParams) -> int:
+        offer, peer = await self.shares.offer(address, peer_stubs.stub)
+        call = peer_stubs.prefill(prefill_pb2.PrefillRequest(
             request_id=start.rid, token_ids=token_ids, prefix_len=start.prefix_len,
             sampling=sampling_to_proto(sampling), expected_layout=self.layout, transfer=offer))
         t0 = time.perf_counter()
-        writes = _Writes(self.run_on_engine)
+        importer = PageImporter(self.pool)
+        writes = _Writes(self._executor, _WRITES_IN_FLIGHT)
         try:
             stream = call.__aiter__()
-            header = await self._next(stream, self.timeouts.prefill_first_message_s, "transfer header", address)
-            if header.WhichOneof("payload") != "header":
-                raise PrefillUnavailable(f"prefill {address} sent {header.WhichOneof('payload')} before its header")
+            first = await self._next(stream, self.timeouts.prefill_first_message_s, "transfer header", address)
+            header = self._parse(first, address)
+            if header.request_id != start.rid or header.WhichOneof("payload") != "header":
+                raise PrefillUnavailable(f"prefill {address} sent {header.WhichOneof('payload')} for request "
+                                         f"{header.request_id[:80]!r} before the header of {start.rid!r}")
             h = header.header
-            check_layout(self.layout, h.layout, "decode", "prefill")
-            ps = self.layout.page_size
-            first_page = start.prefix_len // ps
-            num_pages = math.ceil(start.num_tokens / ps) - first_page
-            if (h.num_tokens, h.first_page, h.num_pages) != (start.num_tokens, first_page, num_pages):
-                raise PrefillUnavailable(
-                    f"transfer header from {address} announces {h.num_tokens} tokens / pages "
-                    f"[{h.first_page}, +{h.num_pages}), expected {start.num_tokens} / [{first_page}, +{num_pages})")
+            progress = self._check_header(h, start, address)
             t_header = time.perf_counter()
             self.transfer_metrics.wait_seconds.inc(t_header - t0)
             path = self._path_of(address, h, offer, peer)
-            missing = {(layer, p) for layer in range(self.layout.num_layers)
-                       for p in range(first_page, first_page + num_pages)}
-            writes.limit = _BYTES_IN_FLIGHT if path == PATH_GRPC else self.layout.num_layers
-            received, done = await self._receive(stream, start, path, peer.view, missing, writes, address)
-            await writes.drain()
-            if path == PATH_IPC:
-                fence = await self.run_on_engine(lambda: Fence(self.pool.device))
-                await asyncio.to_thread(fence.wait)  # every copy is complete: the pages may be released
+            received, done, t_last = await self._receive(stream, start, path, peer.view, progress, importer,
+                                                         writes, address)
+            await writes.drain("pages", address)
+            try:
+                await asyncio.to_thread(importer.finish)  # every write complete; scales checked
+            except ValueError as e:
+                raise PrefillUnavailable(f"bad KV pages from prefill {address}: {e}") from None
+            if not 0 <= done.first_token_id < self.vocab_size:
+                raise PrefillUnavailable(f"prefill {address} sent first token {done.first_token_id}, outside the "
+                                         f"vocabulary [0, {self.vocab_size})")
             seconds = time.perf_counter() - t_header
             if path == PATH_IPC:
-                await self._release(stub, stream, h, seconds, address)
+                await self._release(peer_stubs.stub, stream, h, time.perf_counter() - t_last, address)
             self.metrics.observe_transfer(received, seconds)
-            log.info("request %s: %d pages x %d layers from prefill %s via %s, %.1f MB in %.1f ms (%.2f GB/s)",
-                     start.rid, num_pages, self.layout.num_layers, address, path, received / 1e6, seconds * 1e3,
-                     received / max(seconds, 1e-9) / 1e9)
+            self.transfer_metrics.copy_seconds.inc(writes.busy_s)
+            log.info("request %s: %d pages x %d layers from prefill %s via %s, %.1f MB in %.1f ms after the header "
+                     "(%.1f ms of it copying: %.2f GB/s)", start.rid, progress.end_page - progress.first_page,
+                     self.layout.num_layers, address, path, received / 1e6, seconds * 1e3, writes.busy_s * 1e3,
+                     received / max(writes.busy_s, 1e-9) / 1e9)
             return done.first_token_id
         except grpc.aio.AioRpcError as e:
             self.metrics.failed_transfers.labels(e.code().name.lower()).inc()
@@ -128,40 +211,85 @@ class KVReceiver:
             self.metrics.failed_transfers.labels(type(e).__name__.lower()).inc()
             raise
         finally:
-            writes.cancel()
             call.cancel()  # no-op when the stream completed; otherwise tells prefill to free its pages
+            await writes.settle()
+            await _uncancellable(asyncio.to_thread(importer.settle))
 
-    async def _receive(self, stream, start: PullStart, path: str, view: PoolView | None, missing: set,
-                       writes: _Writes, address: str) -> tuple[int, prefill_pb2.PrefillDone]:
-        """Read page messages up to PrefillDone, posting each one's pool write (bound now, run later on the
-        engine thread); returns (bytes, done)."""
-        received = 0
+    def _check_header(self, h: prefill_pb2.TransferHeader, start: PullStart, address: str) -> _Progress:
+        check_layout(self.layout, h.layout, "decode", "prefill")
+        ps = self.layout.page_size
+        first_page = start.prefix_len // ps
+        num_pages = math.ceil(start.num_tokens / ps) - first_page
+        if (h.num_tokens, h.first_page, h.num_pages) != (start.num_tokens, first_page, num_pages):
+            raise PrefillUnavailable(
+                f"transfer header from {address} announces {h.num_tokens} tokens / pages "
+                f"[{h.first_page}, +{h.num_pages}), expected {start.num_tokens} / [{first_page}, +{num_pages})")
+        return _Progress(first_page, first_page + num_pages, [first_page] * self.layout.num_layers)
+
+    async def _receive(self, stream, start: PullStart, path: str, view: PoolView | None, progress: _Progress,
+                       importer: PageImporter, writes: _Writes, address: str
+                       ) -> tuple[int, prefill_pb2.PrefillDone, float]:
+        """Read page messages up to PrefillDone, posting each one's pool write; returns (bytes, done, when the
+        last page message arrived)."""
+        received, t_last = 0, time.perf_counter()
         while True:
-            msg = await self._next(stream, self.timeouts.between_pages_s, "next KV page message", address)
+            raw = await self._next(stream, self.timeouts.between_pages_s, "next KV page message", address)
+            try:
+                run = decode_page_run(raw)
+            except WireError as e:
+                raise PrefillUnavailable(f"prefill {address} sent an undecodable message: {e}") from None
+            if run is not None:
+                if path != PATH_GRPC or run.request_id != start.rid:
+                    raise PrefillUnavailable(f"unexpected KV page bytes for {run.request_id[:80]!r} on the {path} "
+                                             f"transfer of {start.rid!r} from prefill {address}")
+                progress.claim(run.layer, run.first_page, run.num_pages, address)
+                try:
+                    importer.check_sizes(run)
+                except ValueError as e:
+                    raise PrefillUnavailable(f"bad KV page run from prefill {address}: {e}") from None
+                pages = start.page_ids[run.first_page:run.first_page + run.num_pages]
+                valid = self._tokens_in(start, run.first_page, run.num_pages)
+                await writes.post(lambda run=run, pages=pages, valid=valid: importer.write(run, pages, valid),
+                                  "page run", address)
+                received += run.num_bytes
+                t_last = time.perf_counter()
+                continue
+            msg = self._parse(raw, address)
             if msg.request_id != start.rid:
-                raise PrefillUnavailable(f"message for request {msg.request_id!r} on the stream of {start.rid!r}")
+                raise PrefillUnavailable(f"message for request {msg.request_id[:80]!r} on the stream of {start.rid!r}")
             kind = msg.WhichOneof("payload")
-            if kind == "pages" and path == PATH_GRPC:
-                run = msg.pages
-                missing -= self._claim(run.layer, run.first_page, run.num_pages, missing)
-                pages = list(start.page_ids[run.first_page:run.first_page + run.num_pages])
-                payload = PagePayload(run.k, run.k_scales, run.v, run.v_scales)
-                await writes.post(partial(self.pool.import_pages, run.layer, pages, payload), "payload")
-                received += payload.num_bytes
-            elif kind == "page_refs" and path == PATH_IPC:
+            if kind == "page_refs" and path == PATH_IPC:
                 refs = msg.page_refs
-                n = len(refs.src_page_ids)
-                missing -= self._claim(refs.layer, refs.first_page, n, missing)
-                dst = list(start.page_ids[refs.first_page:refs.first_page + n])
                 src = list(refs.src_page_ids)
-                await writes.post(partial(copy_pages, self.pool, view, refs.layer, src, dst), "page refs")
-                received += n * self.pool.page_bytes_per_layer
+                progress.claim(refs.layer, refs.first_page, len(src), address)
+                if min(src) < 0 or max(src) >= view.num_pages:
+                    raise PrefillUnavailable(f"prefill {address} names source pages outside its pool "
+                                             f"(0..{view.num_pages - 1})")
+                dst = start.page_ids[refs.first_page:refs.first_page + len(src)]
+                parts = [view.layers[refs.layer].get(name) for name in PARTS]
+                valid = self._tokens_in(start, refs.first_page, len(src))
+                await writes.post(lambda p=parts, layer=refs.layer, s=src, d=dst, v=valid:
+                                  importer.copy_from(p, layer, s, d, v), "page refs", address)
+                received += len(src) * self.pool.page_bytes_per_layer
+                t_last = time.perf_counter()
             elif kind == "done":
-                if missing:
-                    raise PrefillUnavailable(f"prefill {address} finished with {len(missing)} layer pages missing")
-                return received, msg.done
+                if missing := progress.num_missing():
+                    raise PrefillUnavailable(f"prefill {address} finished with {missing} layer pages missing")
+                return received, msg.done, t_last
             else:
                 raise PrefillUnavailable(f"unexpected {kind} message on the {path} transfer from prefill {address}")
+
+    def _tokens_in(self, start: PullStart, first_page: int, num_pages: int) -> int:
+        """Prompt tokens in sequence pages [first_page, +num_pages) (a last, partial page holds fewer)."""
+        ps = self.layout.page_size
+        return min(start.num_tokens, (first_page + num_pages) * ps) - first_page * ps
+
+    @staticmethod
+    def _parse(raw: bytes, address: str) -> prefill_pb2.PrefillMessage:
+        try:
+            return prefill_pb2.PrefillMessage.FromString(raw)
+        except (DecodeError, UnicodeDecodeError, ValueError) as e:
+            raise PrefillUnavailable(f"prefill {address} sent an undecodable message: {type(e).__name__}") from None
 
     def _path_of(self, address: str, h: prefill_pb2.TransferHeader, offer: prefill_pb2.TransferOffer,
                  peer: PeerShare) -> str:
@@ -186,7 +314,7 @@ class KVReceiver:
         self.transfer_metrics.count(f"prefill {address}", choice, self.shares.wants_ipc)
         return path
 
-    async def _next(self, stream, timeout: float, what: str, address: str):
+    async def _next(self, stream, timeout: float, what: str, address: str) -> bytes:
         try:
             return await asyncio.wait_for(stream.__anext__(), timeout)
         except TimeoutError:
@@ -194,22 +322,14 @@ class KVReceiver:
         except StopAsyncIteration:
             raise PrefillUnavailable(f"prefill {address} ended the stream before it was done") from None
 
-    @staticmethod
-    def _claim(layer: int, first_page: int, num_pages: int, missing: set) -> set:
-        keys = {(layer, p) for p in range(first_page, first_page + num_pages)}
-        if num_pages < 1 or not keys <= missing:
-            raise PrefillUnavailable(f"unexpected or repeated pages: layer {layer} pages [{first_page}, +{num_pages})")
-        return keys
-
-    async def _release(self, stub: prefill_pb2_grpc.PrefillStub, stream, h: prefill_pb2.TransferHeader,
-                       elapsed: float, address: str) -> None:
+    async def _release(self, stub, stream, h: prefill_pb2.TransferHeader, since_last: float, address: str) -> None:
         """Release the prefill's source pages (every copy is complete) and let its stream end.
 
         The copies must have completed before the prefill's hold ended (it frees the pages then, and may
         reuse them): too late, and the pages just copied cannot be trusted."""
-        if elapsed > _HOLD_MARGIN * h.hold_timeout_s:
-            raise PrefillUnavailable(f"cuda-ipc copies from prefill {address} completed {elapsed:.1f} s after the "
-                                     f"header, past {_HOLD_MARGIN:.0%} of its {h.hold_timeout_s:g} s hold")
+        if since_last > _HOLD_MARGIN * h.hold_timeout_s:
+            raise PrefillUnavailable(f"cuda-ipc copies from prefill {address} completed {since_last:.1f} s after "
+                                     f"its last page message, past {_HOLD_MARGIN:.0%} of its {h.hold_timeout_s:g} s hold")
         try:
             released = (await stub.ReleaseTransfer(prefill_pb2.ReleaseTransferRequest(transfer_id=h.transfer_id),
                                                    timeout=_RELEASE_TIMEOUT_S)).released
@@ -222,38 +342,3 @@ class KVReceiver:
             await asyncio.wait_for(stream.__anext__(), _RELEASE_TIMEOUT_S)
         except (StopAsyncIteration, TimeoutError, grpc.aio.AioRpcError):
             pass
-
-
-class _Writes:
-    """Pool writes posted to the engine thread in message order, awaited at most ``limit`` behind: the next
-    message is read while earlier ones are written. The engine thread runs them in order, and before any
-    later abort of the request (the worker aborts only after the pull has ended)."""
-
-    def __init__(self, run_on_engine: Callable[[Callable[[], object]], Awaitable[object]], limit: int = 1):
-        self.run_on_engine = run_on_engine
-        self.limit = limit
-        self._tasks: deque[asyncio.Task] = deque()
-
-    async def post(self, fn: Callable[[], object], what: str) -> None:
-        self._tasks.append(asyncio.ensure_future(self._apply(fn, what)))
-        while len(self._tasks) > self.limit:
-            await self._tasks.popleft()
-
-    async def drain(self) -> None:
-        while self._tasks:
-            await self._tasks.popleft()
-
-    def cancel(self) -> None:
-        """Drop what is left (a write the engine has not started is skipped: its pages are being freed)."""
-        for t in self._tasks:
-            if not t.done():
-                t.cancel()
-            elif not t.cancelled():
-                t.exception()  # retrieved: the pull already failed for another reason
-        self._tasks.clear()
-
-    async def _apply(self, fn: Callable[[], object], what: str) -> object:
-        try:
-            return await self.run_on_engine(fn)
-        except ValueError as e:
-            raise PrefillUnavailable(f"bad KV {what}: {e}") from None

@@ -57,13 +57,11 @@ class DecodeWorker:
         self.metrics = metrics
         self.layout = layout_of(self.engine)
         self.receiver = KVReceiver(self.engine.pool, self.layout, metrics, config.timeouts,
-                                   config.max_message_bytes, self._run_on_engine, config.tls, config.kv_transfer)
+                                   config.max_message_bytes, self.engine.model_config.vocab_size, config.tls,
+                                   config.kv_transfer)
         self.debug_token_delay = config.debug_token_delay_s
         self._in_flight: set[str] = set()  # request ids between submit and the end of their stream
         self.max_sequence_len = min(self.engine.max_context_len, self.engine.capacity().max_tokens)
-
-    async def _run_on_engine(self, fn):
-        return await asyncio.wrap_future(self.loop.call(fn))
 
     def _build_request(self, request: decode_pb2.GenerateRequest) -> Request:
         rid = check_request_id(request.request_id)

@@ -23,12 +23,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine.engine import Engine
-from engine.request import PullStart, Request, StepOutput
+from engine.request import PrefillProgress, PullStart, Request, StepOutput
 from engine.step_stats import StepStats
 
 log = logging.getLogger(__name__)
 
-OutputCallback = Callable[[StepOutput | PullStart], None]
+Event = StepOutput | PullStart | PrefillProgress
+OutputCallback = Callable[[Event], None]
 
 ENGINE_SWITCH_INTERVAL_S = 5e-4
 
@@ -45,7 +46,7 @@ class EngineLoop:
         self.engine = engine
         self.scheduler = engine.scheduler
         self.scheduler.on_device_wait = self._flush_pending
-        self._pending: list[StepOutput] = []  # the last step's outputs, not yet handed to their callbacks
+        self._pending: list[Event] = []  # the last step's outputs, not yet handed to their callbacks
         self._stats_interval_s = stats_interval_s
         self._beat = time.monotonic()  # when the loop last began an iteration (idle iterations last <= 0.5 s)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -181,10 +182,10 @@ class EngineLoop:
             except Exception:  # no command may end the loop thread: every request would hang
                 log.exception("engine loop command failed")
 
-    def _dispatch(self, outputs: list[StepOutput]) -> None:
+    def _dispatch(self, outputs: list[Event]) -> None:
         for out in outputs:
             cb = self._callbacks.get(out.rid)
-            if out.finish_reason and out.finish_reason != "prefill":
+            if isinstance(out, StepOutput) and out.finish_reason and out.finish_reason != "prefill":
                 self._callbacks.pop(out.rid, None)
             if cb is not None:
                 try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.fence import Fence
 from engine.sampling import SamplingParams
 
 
@@ -84,6 +85,16 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """A prefill-only request's prompt K/V is in the pool, every layer, for tokens [0, kv_len): pages
+    [0, kv_len // page_size) are final and may be sent. ``fence`` completes once the device wrote them."""
+
+    rid: str
+    kv_len: int
+    fence: Fence
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,12 @@ from collections.abc import Callable
 import torch
 
 from engine.config import SchedulerConfig
+from engine.fence import Fence
 from engine.integrity import IntegrityReport, check_integrity
 from engine.model_runner import ModelRunner
 from engine.page_allocator import PageAllocator
 from engine.radix_cache import RadixCache
-from engine.request import Request, Status, StepOutput
+from engine.request import PrefillProgress, Request, Status, StepOutput
 from engine.sampling import make_generator
 
 
@@ -97,8 +98,9 @@ class Scheduler:
         return len(self.extending) + len(self.pulling) + len(self.running)
 
     # -- one step -------------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
+    def step(self) -> list[StepOutput | PrefillProgress]:
+        """One scheduling step; its outputs in order (a prefill-only request's progress before its end)."""
+        outputs: list[StepOutput | PrefillProgress] = []
         self._admit(outputs)
         if self.extending:
             self._run_extend(outputs)
@@ -111,7 +113,7 @@ class Scheduler:
         per_req = math.ceil(self.config.decode_reserve_tokens / self.page_size)
         return per_req * (len(self.running) + len(self.pulling) + len(self.extending))
 
-    def _admit(self, outputs: list[StepOutput]) -> None:
+    def _admit(self, outputs: list) -> None:
         while self.waiting and self.num_active < self.config.max_running_requests:
             req = self.waiting[0]
             target = req.extend_target_len
@@ -159,7 +161,7 @@ class Scheduler:
         return self.allocator.can_allocate(num_pages)
 
     # -- extend (paths 1 and 2) -----------------------------------------------------------------
-    def _run_extend(self, outputs: list[StepOutput]) -> None:
+    def _run_extend(self, outputs: list) -> None:
         budget, ws_left = self.config.chunk_size, self.workspace_tokens
         batch, lens = [], []
         for req in self.extending:
@@ -182,9 +184,12 @@ class Scheduler:
             def hook(layer_id: int, _batch=batch) -> None:
                 self.on_layer_done(_batch, layer_id)
         tokens = self.runner.extend(batch, lens, sample_mask, hook)
+        fence = Fence(self.device) if any(r.prefill_only for r in batch) else None
         for req, n, tok in zip(batch, lens, tokens):
             req.kv_len += n
             if req.kv_len < req.extend_target_len:
+                if req.prefill_only:  # its pages so far may stream out while the next chunks run
+                    outputs.append(PrefillProgress(req.rid, req.kv_len, fence))
                 continue
             self.extending.remove(req)
             self.cache.insert(req.tokens[:req.kv_len], req.page_ids)
@@ -207,7 +212,7 @@ class Scheduler:
                 self._finish(req)
 
     # -- decode (path 3) ------------------------------------------------------------------------
-    def _run_decode(self, outputs: list[StepOutput]) -> None:
+    def _run_decode(self, outputs: list) -> None:
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue

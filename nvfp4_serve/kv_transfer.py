@@ -130,6 +130,9 @@ class TransferMetrics:
     ``nvfp4_<role>_kv_transfer_wait_seconds_total``      decode: pull start -> transfer header (prefill
                                                           queueing and compute); the transfer itself is
                                                           ``..._kv_transfer_seconds`` (header -> last page in)
+    ``nvfp4_<role>_kv_transfer_copy_seconds_total`` decode: time the pool writes of transfers ran (pages
+                                                          stream while the prefill computes, so the
+                                                          transfer's own duration says little of its rate)
     ``nvfp4_<role>_kv_holds_total{outcome}``              prefill, cuda-ipc: how the hold on source pages ended
                                                           (released | stream_ended | expired)
     """
@@ -141,6 +144,9 @@ class TransferMetrics:
                                     ["reason"], registry=r)
         self.wait_seconds = Counter(f"{p}_kv_transfer_wait_seconds",
                                     "pull start to transfer header (prefill queueing and compute)", registry=r)
+        self.copy_seconds = Counter(f"{p}_kv_transfer_copy_seconds",
+                                    "time spent writing received pages into the pool (copy rate = bytes / this)",
+                                    registry=r)
         self.holds = Counter(f"{p}_kv_holds", "cuda-ipc holds on prefill source pages by outcome", ["outcome"],
                              registry=r)
         self._warned: set[tuple[str, str]] = set()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.fence import Fence  # noqa: F401 - re-exported: the transfer's fences
 from engine.kv_pool import KVPool
 from nvfp4_serve_proto import prefill_pb2
 
@@ -174,20 +175,3 @@ def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append([sp, dp, 1])
     return [(a, b, n) for a, b, n in runs]
-
-
-class Fence:
-    """Completion of the work issued so far on the current stream of a device (a recorded CUDA event);
-    on the CPU every copy is already complete and ``wait`` returns at once."""
-
-    def __init__(self, device: torch.device | str):
-        device = torch.device(device)
-        self._event = None
-        if device.type == "cuda":
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(device))
-
-    def wait(self) -> None:
-        """Block until the fenced work is complete (call from a worker thread, not the event loop)."""
-        if self._event is not None:
-            self._event.synchronize()

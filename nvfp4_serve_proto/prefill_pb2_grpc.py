@@ -66,7 +66,9 @@ class PrefillServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
-        """Stream: one TransferHeader, then KVPageRun messages (layer by layer), then PrefillDone.
+        """Stream: one TransferHeader, then page messages as the prompt is computed (after each chunk of the chunked
+        prefill, the pages it completed, every layer in order; after the last chunk, the rest), then PrefillDone.
+        The header goes out with the first chunk's pages. Pages of one layer arrive in sequence order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

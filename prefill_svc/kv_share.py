@@ -5,7 +5,8 @@ Hold lifecycle (one per cuda-ipc transfer; every transition on the service's eve
 
     open (before the header) --ReleaseTransfer(transfer_id)--> released  -> the stream ends OK
                              --stream cancelled / broken-----> stream_ended
-                             --hold_timeout_s after header---> expired   -> DEADLINE_EXCEEDED
+                             --hold_timeout_s after the last---> expired  -> DEADLINE_EXCEEDED
+                               page message (touch)
     then (whatever ended it) the worker aborts the engine request, which frees or caches its pages.
 
 So a killed decode or a cancelled stream never leaks prefill pages, and the pages are never freed
@@ -51,12 +52,18 @@ class Hold:
     released: asyncio.Event = field(default_factory=asyncio.Event)
     outcome: str = ""  # set when it ends: released | stream_ended | expired
 
+    def touch(self) -> None:
+        """More pages were named: the decode has ``timeout_s`` from now to copy them (pages stream while the
+        prompt runs, so the deadline counts from the last page message, not from the header)."""
+        if not self.released.is_set():
+            self.deadline = time.monotonic() + self.timeout_s
+
     def check(self) -> None:
         """Raise TransferTimeout once the deadline passed (the caller's stream then ends and frees the pages)."""
         if time.monotonic() > self.deadline and not self.released.is_set():
             self.outcome = "expired"
             raise TransferTimeout(f"the decode did not copy and release transfer {self.transfer_id[:8]} within "
-                                  f"{self.timeout_s:g} s of its header; its source pages are freed")
+                                  f"{self.timeout_s:g} s of its last page message; its source pages are freed")
 
     async def wait_released(self) -> None:
         """Return once released; TransferTimeout at the deadline."""

@@ -6,9 +6,9 @@ from engine.engine import Engine
 from engine.engine_loop import EngineLoop, favour_engine_thread
 from nvfp4_serve.grpc_server import build_server, start_and_wait
 from nvfp4_serve.metrics import ServiceMetrics
-from nvfp4_serve_proto import prefill_pb2, prefill_pb2_grpc
+from nvfp4_serve_proto import prefill_pb2
 from prefill_svc.config import PrefillConfig
-from prefill_svc.servicer import PrefillServicer
+from prefill_svc.servicer import PrefillServicer, add_to_server
 from prefill_svc.worker import PrefillWorker
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
@@ -22,7 +22,7 @@ async def serve(config: PrefillConfig) -> None:
     worker = PrefillWorker(loop, config.max_message_bytes, metrics, config.debug_transfer_delay_s,
                            config.debug_header_delay_s, config.kv_transfer, config.kv_hold_timeout_s)
     server = build_server(config.max_message_bytes, config.tls)
-    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
+    add_to_server(PrefillServicer(worker), server)
     try:
         await start_and_wait(server, [SERVICE_NAME], "prefill", config.host, config.port, metrics,
                              config.metrics_port, config.tls, alive=loop.is_alive)

@@ -1,6 +1,13 @@
-"""Thin gRPC servicer of the Prefill service: protobuf in, one worker call, protobuf out."""
+"""Thin gRPC servicer of the Prefill service: protobuf in, one worker call, protobuf out.
+
+``add_to_server`` registers it like the generated ``add_PrefillServicer_to_server``, except that the Prefill
+stream's messages may also be bytes already serialized (``nvfp4_serve/kv_wire.py``: page runs framed without
+protobuf copies); on the wire both are the same ``PrefillMessage``.
+"""
 
 from __future__ import annotations
+
+import grpc
 
 from nvfp4_serve.load import LoadReporter
 from nvfp4_serve_proto import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -28,3 +35,32 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def ReleaseTransfer(self, request, context):
         return prefill_pb2.ReleaseTransferResponse(released=self.worker.share.holds.release(request.transfer_id))
+
+
+def _serialize_message(msg: prefill_pb2.PrefillMessage | bytes) -> bytes:
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def add_to_server(servicer: PrefillServicer, server: grpc.aio.Server) -> None:
+    handlers = {
+        "Prefill": grpc.unary_stream_rpc_method_handler(
+            servicer.Prefill, request_deserializer=prefill_pb2.PrefillRequest.FromString,
+            response_serializer=_serialize_message),
+        "GetLoad": grpc.unary_unary_rpc_method_handler(
+            servicer.GetLoad, request_deserializer=common_pb2.GetLoadRequest.FromString,
+            response_serializer=common_pb2.WorkerLoad.SerializeToString),
+        "GetMetrics": grpc.unary_unary_rpc_method_handler(
+            servicer.GetMetrics, request_deserializer=common_pb2.MetricsRequest.FromString,
+            response_serializer=common_pb2.MetricsResponse.SerializeToString),
+        "GetKVShare": grpc.unary_unary_rpc_method_handler(
+            servicer.GetKVShare, request_deserializer=prefill_pb2.KVShareRequest.FromString,
+            response_serializer=prefill_pb2.KVShare.SerializeToString),
+        "ReleaseTransfer": grpc.unary_unary_rpc_method_handler(
+            servicer.ReleaseTransfer, request_deserializer=prefill_pb2.ReleaseTransferRequest.FromString,
+            response_serializer=prefill_pb2.ReleaseTransferResponse.SerializeToString),
+    }
+    assert set(handlers) == set(prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].methods_by_name), \
+        "the Prefill service's methods changed: register every one here"
+    name = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)

@@ -1,12 +1,16 @@
 """Prefill worker: runs prompts on the engine loop (batched with every other prompt in flight) and
-turns their pages into the transfer stream: header, pages layer by layer, first token.
+turns their pages into the transfer stream while they are computed:
+
+    header (with the first chunk's pages) -> pages of chunk 1, every layer -> ... -> the last pages -> done
 
 The header states the path (``prefill_svc/kv_share.py`` chooses it per request):
 
     grpc      KVPageRun messages carry the pages' bytes;
     cuda-ipc  KVPageRefs messages name the source pages, which the decode copies out of this process's
-              pool; the pool writes are fenced (complete) before the header, and the pages stay held
-              until ReleaseTransfer, the end of the stream, or the hold deadline.
+              pool; each chunk's pool writes are complete before a message names its pages, and the pages
+              stay held until ReleaseTransfer, the end of the stream, or the hold deadline.
+
+So TTFT is the prompt's compute plus the last chunk's transfer, not compute plus the whole transfer.
 """
 
 from __future__ import annotations
@@ -18,12 +22,12 @@ import time
 from collections.abc import AsyncIterator
 
 from engine.engine_loop import EngineLoop
-from engine.kv_pool import PagePayload
-from engine.request import Request, StepOutput
+from engine.fence import Fence
+from engine.request import PrefillProgress, Request, StepOutput
 from nvfp4_serve.convert import check_token_ids, sampling_from_proto
 from nvfp4_serve.errors import InvalidRequest, check_request_id, engine_error
+from nvfp4_serve.kv_copy import PageExporter
 from nvfp4_serve.kv_transfer import PATH_IPC, TRANSFER_MODES, TransferMetrics
-from nvfp4_serve.kv_transfer_ipc import Fence
 from nvfp4_serve.layout import check_layout, layout_of
 from nvfp4_serve.metrics import ServiceMetrics
 from nvfp4_serve_proto import prefill_pb2
@@ -52,6 +56,7 @@ class PrefillWorker:
             raise ValueError(f"one KV page of one layer is {page_bytes} bytes, over --max-message-bytes "
                              f"{max_message_bytes}: lower --page-size or raise the limit")
         self.refs_per_message = (max_message_bytes - _HEADER_MARGIN) // _PAGE_ID_BYTES
+        self.exporter = PageExporter(self.engine.pool)
         self.transfer_metrics = TransferMetrics(metrics)
         self.share = KVShareSource(self.engine.pool, self.layout, kv_transfer, kv_hold_timeout_s,
                                    self.transfer_metrics)
@@ -71,97 +76,143 @@ class PrefillWorker:
                                  f"got {mode[:40]!r}")
         return ids
 
-    async def prefill(self, request: prefill_pb2.PrefillRequest) -> AsyncIterator[prefill_pb2.PrefillMessage]:
+    async def prefill(self, request: prefill_pb2.PrefillRequest) -> AsyncIterator[prefill_pb2.PrefillMessage | bytes]:
+        """The transfer stream of one prompt. Pages go out as the engine writes them: after each chunk of the
+        chunked prefill (``PrefillProgress``), the pages that chunk completed, every layer; after the last
+        chunk, the rest and the first token. The header goes out with the first pages (or the end)."""
         ids = self._validate(request)
         rid = request.request_id
         req = Request(f"{rid}#{next(self._seq)}", ids, sampling_from_proto(request.sampling), prefill_only=True)
         aio_loop = asyncio.get_running_loop()
-        done: asyncio.Future[StepOutput] = aio_loop.create_future()
+        events: asyncio.Queue[StepOutput | PrefillProgress] = asyncio.Queue()
 
-        def on_output(out) -> None:
-            if isinstance(out, StepOutput):
-                aio_loop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
+        def on_output(ev) -> None:  # on the engine loop thread
+            if isinstance(ev, (StepOutput, PrefillProgress)):
+                aio_loop.call_soon_threadsafe(events.put_nowait, ev)
 
         t0 = time.perf_counter()
         self.metrics.prompt_tokens.inc(len(ids))
         self.loop.submit(req, on_output)
-        hold: Hold | None = None
+        first_page = request.prefix_len // self.page_size
+        end_page = math.ceil(len(ids) / self.page_size)
+        stream = _Stream(self, request, rid, first_page, end_page - first_page)
         try:
-            out = await done
-            if out.error or out.finish_reason != "prefill":
-                raise engine_error(out.error or f"prefill ended with {out.finish_reason}")
-            self.metrics.ttft.observe(time.perf_counter() - t0)
-            if self.debug_header_delay:
-                await asyncio.sleep(self.debug_header_delay)
-            first_page = request.prefix_len // self.page_size
-            num_pages = math.ceil(len(ids) / self.page_size) - first_page
-            pages = req.page_ids[first_page:first_page + num_pages]
-            choice = self.share.choose(request)
-            header = prefill_pb2.TransferHeader(
-                layout=self.layout, num_tokens=len(ids), prefix_len=request.prefix_len, first_page=first_page,
-                num_pages=num_pages, path=choice.path, endpoint=self.share.endpoint, share_id=self.share.share_id)
-            if choice.path == PATH_IPC:
-                fence = await asyncio.wrap_future(self.loop.call(lambda: Fence(self.engine.pool.device)))
-                await asyncio.to_thread(fence.wait)  # every page is written before any message names it
-                hold = self.share.holds.open(self.share.hold_timeout_s)
-                header.transfer_id, header.hold_timeout_s = hold.transfer_id, hold.timeout_s
-                messages = self._page_refs(rid, header, pages, hold)
-            else:
-                messages = self._page_bytes(rid, header, pages)
-            yield prefill_pb2.PrefillMessage(request_id=rid, header=header)
-            async for msg in messages:
-                yield msg
+            sent, out = first_page, None
+            while out is None:
+                ev = await _latest(events)
+                if isinstance(ev, StepOutput):
+                    if ev.error or ev.finish_reason != "prefill":
+                        raise engine_error(ev.error or f"prefill ended with {ev.finish_reason}")
+                    self.metrics.ttft.observe(time.perf_counter() - t0)
+                    out, ready, fence = ev, end_page, None  # the first token's sampling synchronised the device
+                else:
+                    ready, fence = min(ev.kv_len // self.page_size, end_page), ev.fence
+                if not stream.started:
+                    if self.debug_header_delay:
+                        await asyncio.sleep(self.debug_header_delay)
+                    yield await stream.start()
+                if ready > sent:
+                    async for msg in stream.pages(req.page_ids[sent:ready], sent, fence):
+                        yield msg
+                    sent = ready
             yield prefill_pb2.PrefillMessage(request_id=rid, done=prefill_pb2.PrefillDone(
                 first_token_id=out.new_token_ids[0], num_computed_tokens=len(ids) - out.num_cached_tokens))
-            if hold is not None:
-                t1 = time.perf_counter()
-                await hold.wait_released()
-                self.metrics.observe_transfer(num_pages * self.layout.num_layers * self.engine.pool.page_bytes_per_layer,
-                                              time.perf_counter() - t1)
+            await stream.finish()
             self.metrics.requests.labels("ok").inc()
         except BaseException:
             self.metrics.requests.labels("failed").inc()
             raise
         finally:
-            if hold is not None:
-                self.transfer_metrics.holds.labels(self.share.holds.close(hold)).inc()
+            stream.close()
             self.loop.abort(req.rid)  # frees (or caches) its transient pages whatever ended the stream
 
-    async def _page_bytes(self, rid: str, header: prefill_pb2.TransferHeader,
-                          pages: list[int]) -> AsyncIterator[prefill_pb2.PrefillMessage]:
-        """grpc path: every page's bytes, layer by layer, in runs under the message size limit. The next run is
-        read out of the pool (on a worker thread) while this one is sent."""
-        n = self.pages_per_message
-        runs = [(layer, i) for layer in range(self.layout.num_layers) for i in range(0, len(pages), n)]
 
-        def export(k: int) -> asyncio.Future[PagePayload]:
+async def _latest(events: asyncio.Queue):
+    """The next event, skipping progress already superseded by a later event in the queue."""
+    ev = await events.get()
+    while isinstance(ev, PrefillProgress) and not events.empty():
+        ev = events.get_nowait()
+    return ev
+
+
+class _Stream:
+    """One prompt's transfer: its header, then page messages for each run of pages as it becomes ready.
+
+    grpc      each (layer, run) as one pre-serialized KVPageRun message (``PageExporter``: gathered on a
+              side stream after the chunk's fence, copied to host once, framed without protobuf copies);
+    cuda-ipc  each layer's source page ids, once the chunk's writes are complete (the decode copies them
+              out of this pool); the hold keeps the pages until ReleaseTransfer, the stream's end, or
+              ``hold_timeout_s`` after the last message.
+    """
+
+    def __init__(self, worker: PrefillWorker, request: prefill_pb2.PrefillRequest, rid: str, first_page: int,
+                 num_pages: int):
+        self.w, self.request, self.rid = worker, request, rid
+        self.first_page, self.num_pages = first_page, num_pages
+        self.started = False
+        self.hold: Hold | None = None
+        self.path = ""
+        self.num_bytes = 0
+        self.t_header = 0.0
+
+    async def start(self) -> prefill_pb2.PrefillMessage:
+        w = self.w
+        choice = w.share.choose(self.request)
+        self.path = choice.path
+        header = prefill_pb2.TransferHeader(
+            layout=w.layout, num_tokens=len(self.request.token_ids), prefix_len=self.request.prefix_len,
+            first_page=self.first_page, num_pages=self.num_pages, path=choice.path, endpoint=w.share.endpoint,
+            share_id=w.share.share_id)
+        if choice.path == PATH_IPC:
+            self.hold = w.share.holds.open(w.share.hold_timeout_s)
+            header.transfer_id, header.hold_timeout_s = self.hold.transfer_id, self.hold.timeout_s
+        self.started, self.t_header = True, time.perf_counter()
+        return prefill_pb2.PrefillMessage(request_id=self.rid, header=header)
+
+    async def pages(self, page_ids: list[int], first: int, fence: Fence | None
+                    ) -> AsyncIterator[prefill_pb2.PrefillMessage | bytes]:
+        """Messages for sequence pages [first, first + len(page_ids)), every layer, in layer order."""
+        w = self.w
+        if self.path == PATH_IPC:
+            if fence is not None:
+                await asyncio.to_thread(fence.wait)  # every page is written before any message names it
+            for layer in range(w.layout.num_layers):
+                for i in range(0, len(page_ids), w.refs_per_message):
+                    if w.debug_delay:
+                        await asyncio.sleep(w.debug_delay)
+                    self.hold.check()
+                    refs = page_ids[i:i + w.refs_per_message]
+                    yield prefill_pb2.PrefillMessage(request_id=self.rid, page_refs=prefill_pb2.KVPageRefs(
+                        layer=layer, first_page=first + i, src_page_ids=refs))
+                    self.num_bytes += len(refs) * w.engine.pool.page_bytes_per_layer
+            self.hold.touch()
+            return
+        n = w.pages_per_message
+        runs = [(layer, i) for layer in range(w.layout.num_layers) for i in range(0, len(page_ids), n)]
+
+        def export(k: int) -> asyncio.Future[bytes]:
             layer, i = runs[k]
-            return asyncio.ensure_future(asyncio.to_thread(self.engine.pool.export_pages, layer, pages[i:i + n]))
+            return asyncio.ensure_future(asyncio.to_thread(
+                w.exporter.message, self.rid, layer, first + i, page_ids[i:i + n], fence))
 
-        t1, sent = time.perf_counter(), 0
-        ahead = export(0) if runs else None
+        ahead = export(0) if runs else None  # the next run is gathered while this one is sent
         try:
-            for k, (layer, i) in enumerate(runs):
-                if self.debug_delay:
-                    await asyncio.sleep(self.debug_delay)
-                payload, ahead = await ahead, (export(k + 1) if k + 1 < len(runs) else None)
-                sent += payload.num_bytes
-                yield prefill_pb2.PrefillMessage(request_id=rid, pages=prefill_pb2.KVPageRun(
-                    layer=layer, first_page=header.first_page + i, num_pages=len(pages[i:i + n]),
-                    k=payload.k, k_scales=payload.k_sf, v=payload.v, v_scales=payload.v_sf))
+            for k in range(len(runs)):
+                if w.debug_delay:
+                    await asyncio.sleep(w.debug_delay)
+                msg, ahead = await ahead, (export(k + 1) if k + 1 < len(runs) else None)
+                self.num_bytes += len(msg)
+                yield msg
         finally:
             if ahead is not None:
                 ahead.cancel()  # an export already running ends on its thread; its bytes are dropped
-        self.metrics.observe_transfer(sent, time.perf_counter() - t1)
 
-    async def _page_refs(self, rid: str, header: prefill_pb2.TransferHeader, pages: list[int],
-                         hold: Hold) -> AsyncIterator[prefill_pb2.PrefillMessage]:
-        """cuda-ipc path: each layer's source page ids (the pages themselves stay held in this pool)."""
-        for layer in range(self.layout.num_layers):
-            for start in range(0, len(pages), self.refs_per_message):
-                if self.debug_delay:
-                    await asyncio.sleep(self.debug_delay)
-                hold.check()
-                yield prefill_pb2.PrefillMessage(request_id=rid, page_refs=prefill_pb2.KVPageRefs(
-                    layer=layer, first_page=header.first_page + start,
-                    src_page_ids=pages[start:start + self.refs_per_message]))
+    async def finish(self) -> None:
+        """After PrefillDone: cuda-ipc waits for the decode's release (or the hold's deadline)."""
+        if self.hold is not None:
+            await self.hold.wait_released()
+        self.w.metrics.observe_transfer(self.num_bytes, time.perf_counter() - self.t_header)
+
+    def close(self) -> None:
+        if self.hold is not None:
+            self.w.transfer_metrics.holds.labels(self.w.share.holds.close(self.hold)).inc()

@@ -99,8 +99,19 @@ def start(module: str, *args: str, timeout: float = 120.0, env: dict | None = No
 
 
 def start_many(specs: list[tuple[str, ...]], timeout: float = 180.0) -> list[Proc]:
-    """Start several services at once (``(module, *args)`` each, on free ports) and wait for all of them."""
-    launches = [_Launch(s[0], _service_cmd(s[0], s[1:]), {}, _READY) for s in specs]
+    """Start several services at once (``(module, *args)`` each, on free ports) and wait for all of them.
+
+    As a deployment does, every decode service started here may pull from the prefill services started here
+    (``--prefill-addresses``, unless its spec names them itself)."""
+    ports = [free_port() if s[0] == "prefill_svc" else 0 for s in specs]
+    prefills = [f"127.0.0.1:{p}" for p in ports if p]
+
+    def args(spec: tuple[str, ...]) -> tuple[str, ...]:
+        if spec[0] == "decode_svc" and prefills and "--prefill-addresses" not in spec:
+            return (*spec[1:], "--prefill-addresses", *prefills)
+        return spec[1:]
+
+    launches = [_Launch(s[0], _service_cmd(s[0], args(s), port), {}, _READY) for s, port in zip(specs, ports)]
     deadline = time.monotonic() + timeout
     procs: list[Proc] = []
     try:

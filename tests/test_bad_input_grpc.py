@@ -30,8 +30,16 @@ def services(tmp_path_factory):
     model = str(make_tiny_model(tmp_path_factory.mktemp("ctx256") / "model", max_position_embeddings=256))
     common = ("--model", model, "--device", "cpu", "--dtype", "float32", "--page-size", "4",
               "--max-message-bytes", str(MAX_MESSAGE))
-    prefill, decode = start_many([("prefill_svc", *common), ("decode_svc", *common, "--max-total-tokens", "128")])
-    yield {"prefill": prefill, "decode": decode}
+    from nvfp4_serve.launcher import free_port
+
+    # The decode's deployment names, besides its real prefill, an address nobody listens on and the decode's
+    # own: misconfigured peers it must survive.
+    pport, dport, closed = free_port(), free_port(), f"127.0.0.1:{free_port()}"
+    prefill, decode = start_many([
+        ("prefill_svc", *common, "--port", str(pport)),
+        ("decode_svc", *common, "--max-total-tokens", "128", "--port", str(dport), "--prefill-addresses",
+         f"127.0.0.1:{pport}", closed, f"127.0.0.1:{dport}")])
+    yield {"prefill": prefill, "decode": decode, "closed": closed}
     prefill.stop()
     decode.stop()
 
@@ -99,6 +107,10 @@ CASES = [
     Case("prefill address not host:port", GENERATE, lambda c: gen(prefill="not an address"), INVALID,
          "is not host:port"),
     # (prompts nothing else sends: a cached prompt runs locally and would never reach the prefill address)
+    Case("prefill address outside the deployment", GENERATE, lambda c: gen(prefill=c["stranger"]),
+         grpc.StatusCode.PERMISSION_DENIED, "is not a prefill service of this deployment"),
+    Case("prefill port out of range", GENERATE, lambda c: gen(prefill="127.0.0.1:99999"), INVALID,
+         "with a port in 1..65535"),
     Case("prefill address nobody listens on", GENERATE, lambda c: gen(ids=[40, 41, 42, 43, 44], prefill=c["closed"]),
          grpc.StatusCode.UNAVAILABLE, "failed: UNAVAILABLE"),
     Case("prefill address of a decode service", GENERATE,
@@ -174,8 +186,8 @@ def ctx(services):
         async with grpc.aio.insecure_channel(services["prefill"].address) as ch:
             return (await prefill_pb2_grpc.PrefillStub(ch).GetLoad(common_pb2.GetLoadRequest())).layout
 
-    return {"layout": asyncio.run(layout()), "closed": f"127.0.0.1:{free_port()}",
-            "decode": services["decode"].address}
+    return {"layout": asyncio.run(layout()), "closed": services["closed"], "decode": services["decode"].address,
+            "stranger": f"127.0.0.1:{free_port()}"}
 
 
 def test_there_are_at_least_30_cases():

@@ -78,7 +78,7 @@ async def state(prefill: str, decode: str):
 def test_greedy_through_prefill_and_decode_processes_equals_the_engine(model_dir, kv_dtype, path):
     args = ("--model", model_dir, "--kv-cache-dtype", kv_dtype, *GPU, "--kv-transfer", path)
     p = start("prefill_svc", *args)
-    d = start("decode_svc", *args)
+    d = start("decode_svc", *args, "--prefill-addresses", p.address)
     try:
         prompts = [prompt(137), prompt(45, offset=11)]
         outs = [asyncio.run(generate(d.address, f"r{i}", ids, p.address, 12)) for i, ids in enumerate(prompts)]
@@ -102,7 +102,7 @@ def test_greedy_through_prefill_and_decode_processes_equals_the_engine(model_dir
 def test_a_cancelled_cuda_ipc_transfer_frees_the_prefill_pages(model_dir):
     args = ("--model", model_dir, *GPU, "--kv-transfer", "cuda-ipc")
     p = start("prefill_svc", *args, "--debug-transfer-delay-s", "1.0")
-    d = start("decode_svc", *args)
+    d = start("decode_svc", *args, "--prefill-addresses", p.address)
 
     async def scenario():
         task = asyncio.ensure_future(generate(d.address, "c", prompt(300), p.address, 4))

@@ -30,7 +30,7 @@ from nvfp4_serve.kv_transfer_ipc import check_share, describe_tensors, pool_view
 from nvfp4_serve.metrics import ServiceMetrics
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prefill_svc.kv_share import KVShareSource
-from prefill_svc.servicer import PrefillServicer
+from prefill_svc.servicer import PrefillServicer, add_to_server
 from prefill_svc.worker import PrefillWorker
 from tests.service_procs import start
 
@@ -100,7 +100,11 @@ async def services(model_dir: str, kv_dtype: str = "nvfp4", hold_timeout_s: floa
                             hold_timeout_s)
     prefill.share = KVShareSource(pe.pool, prefill.layout, "cuda-ipc", hold_timeout_s, prefill.transfer_metrics,
                                   PREFILL_EP, describe_tensors)  # metadata only: no handles on a CPU
-    decode = DecodeWorker(dloop, DecodeConfig(engine=de.config, kv_transfer="cuda-ipc"), ServiceMetrics("decode"))
+    ps, ds = build_server(16 << 20), build_server(16 << 20)
+    add_to_server(PrefillServicer(prefill), ps)
+    pport = ps.add_insecure_port("127.0.0.1:0")
+    decode = DecodeWorker(dloop, DecodeConfig(engine=de.config, kv_transfer="cuda-ipc",
+                                              prefill_addresses=(f"127.0.0.1:{pport}",)), ServiceMetrics("decode"))
     opened: list[str] = []
 
     def open_view(share: prefill_pb2.KVShare, pool):
@@ -109,10 +113,8 @@ async def services(model_dir: str, kv_dtype: str = "nvfp4", hold_timeout_s: floa
         return pool_view(pe.pool)  # the prefill's own tensors: what open_share maps on a GPU
 
     decode.receiver.shares = PrefillShares(de.pool, decode.layout, "cuda-ipc", DECODE_EP, opener or open_view)
-    ps, ds = build_server(16 << 20), build_server(16 << 20)
-    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(prefill), ps)
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), ds)
-    pport, dport = ps.add_insecure_port("127.0.0.1:0"), ds.add_insecure_port("127.0.0.1:0")
+    dport = ds.add_insecure_port("127.0.0.1:0")
     await ps.start()
     await ds.start()
     try:
@@ -286,7 +288,8 @@ def test_a_bad_transfer_mode_in_the_offer_is_invalid_argument(tiny_model_dir):
 def test_cpu_service_processes_asked_for_cuda_ipc_keep_to_grpc_and_say_why(tiny_model_dir):
     args = ("--model", tiny_model_dir, "--device", "cpu", "--dtype", "float32", "--page-size", "4",
             "--kv-transfer", "cuda-ipc")
-    p, d = start("prefill_svc", *args), start("decode_svc", *args)
+    p = start("prefill_svc", *args)
+    d = start("decode_svc", *args, "--prefill-addresses", p.address)
     try:
         sp = common_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 

@@ -47,6 +47,10 @@ def procs():
     started = []
 
     def _start(module: str, *args: str):
+        """A service; a decode may pull from every prefill started before it (its deployment)."""
+        prefills = [q.address for q in started if q.name == "prefill_svc"]
+        if module == "decode_svc" and prefills:
+            args = (*args, "--prefill-addresses", *prefills)
         p = start(module, *CPU, *args)
         started.append(p)
         return p

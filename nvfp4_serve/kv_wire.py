@@ -1,0 +1,155 @@
+"""KV page runs on the wire without protobuf's copies: ``PrefillMessage{request_id, pages: KVPageRun}``
+encoded and decoded by hand, byte for byte what ``SerializeToString`` writes (proto/prefill.proto stays
+the contract: any protobuf client parses these messages).
+
+Why: building a ``KVPageRun`` from 19 MB of bytes and serializing it copies the payload twice and ran at
+0.2-0.6 GB/s here; the encoder below copies each part once (``bytes.join`` from the exporter's host
+buffers), and the decoder hands out zero-copy ``memoryview`` slices of the received message.
+
+    PrefillMessage  1: request_id (string)   3: pages (KVPageRun, length-delimited)
+    KVPageRun       1: layer  2: first_page  3: num_pages (varints)   4: k  5: k_scales  6: v  7: v_scales
+
+Fields at their proto3 default (0, empty) are omitted, as protobuf does. The decoder accepts exactly one
+``pages`` payload and the request id; any other payload (header, page_refs, done) is left to protobuf
+(``decode_page_run`` returns None), and anything malformed raises ``WireError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+_WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
+_PAGES_FIELD = 3
+_PARTS = (4, 5, 6, 7)  # k, k_scales, v, v_scales
+
+
+class WireError(ValueError):
+    """A message that is not valid protobuf wire format (truncated, overlong varint, bad wire type)."""
+
+
+class PageRunView(NamedTuple):
+    """A decoded KVPageRun message: the parts are views of the received bytes (no copy)."""
+
+    request_id: str
+    layer: int
+    first_page: int
+    num_pages: int
+    k: memoryview
+    k_scales: memoryview
+    v: memoryview
+    v_scales: memoryview
+
+    @property
+    def num_bytes(self) -> int:
+        return self.k.nbytes + self.k_scales.nbytes + self.v.nbytes + self.v_scales.nbytes
+
+
+def _varint(n: int) -> bytes:
+    if n < 0:
+        raise ValueError(f"wire varints here are non-negative, got {n}")
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _tag(field: int, wire: int) -> bytes:
+    return _varint(field << 3 | wire)
+
+
+def encode_page_run(request_id: str, layer: int, first_page: int, num_pages: int,
+                    parts: Sequence[bytes | memoryview]) -> bytes:
+    """The serialized ``PrefillMessage(request_id=..., pages=KVPageRun(layer, first_page, num_pages, k, k_scales,
+    v, v_scales))``; ``parts`` are the four payloads (any buffer; empty for absent scales). One copy of each."""
+    if len(parts) != len(_PARTS):
+        raise ValueError(f"a page run has {len(_PARTS)} parts (k, k_scales, v, v_scales), got {len(parts)}")
+    head = bytearray()
+    for field, value in ((1, layer), (2, first_page), (3, num_pages)):
+        if value:
+            head += _tag(field, _WIRE_VARINT) + _varint(value)
+    pieces: list[bytes | memoryview] = []
+    run_len = len(head)
+    for field, part in zip(_PARTS, parts, strict=True):
+        n = memoryview(part).nbytes
+        if n:
+            prefix = _tag(field, _WIRE_LEN) + _varint(n)
+            pieces += [prefix, part]
+            run_len += len(prefix) + n
+    rid = request_id.encode()
+    top = (_tag(1, _WIRE_LEN) + _varint(len(rid)) + rid if rid else b"") + _tag(_PAGES_FIELD, _WIRE_LEN) + _varint(run_len)
+    return b"".join([top, bytes(head), *pieces])
+
+
+def _read_varint(buf: memoryview, i: int, end: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if i >= end:
+            raise WireError("truncated varint")
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+        if shift >= 64:
+            raise WireError("varint longer than 10 bytes")
+
+
+def _fields(buf: memoryview, i: int, end: int):
+    """(field, wire type, value or (start, stop) of a length-delimited field) over buf[i:end]."""
+    while i < end:
+        key, i = _read_varint(buf, i, end)
+        field, wire = key >> 3, key & 7
+        if field == 0:
+            raise WireError("field number 0")
+        if wire == _WIRE_VARINT:
+            value, i = _read_varint(buf, i, end)
+            yield field, wire, value
+        elif wire == _WIRE_LEN:
+            n, i = _read_varint(buf, i, end)
+            if n > end - i:
+                raise WireError(f"field {field} claims {n} bytes, {end - i} left")
+            yield field, wire, (i, i + n)
+            i += n
+        elif wire in (_WIRE_I64, _WIRE_I32):
+            i += 8 if wire == _WIRE_I64 else 4
+            if i > end:
+                raise WireError(f"truncated fixed-width field {field}")
+            yield field, wire, None
+        else:
+            raise WireError(f"field {field} has unsupported wire type {wire}")
+
+
+def decode_page_run(data: bytes) -> PageRunView | None:
+    """The page run of a serialized ``PrefillMessage``, or None when its payload is not ``pages`` (parse those
+    with protobuf). Unknown fields are skipped, as protobuf does; the last occurrence of a field wins."""
+    buf = memoryview(data)
+    rid, run = b"", None
+    for field, wire, value in _fields(buf, 0, len(buf)):
+        if field == 1 and wire == _WIRE_LEN:
+            rid = bytes(buf[value[0]:value[1]])
+        elif field in (2, 4, 5) and wire == _WIRE_LEN:  # header / done / page_refs: another payload
+            return None
+        elif field == _PAGES_FIELD and wire == _WIRE_LEN:
+            run = value
+    if run is None:
+        return None
+    ints = {1: 0, 2: 0, 3: 0}
+    empty = buf[0:0]
+    payload = dict.fromkeys(_PARTS, empty)
+    for field, wire, value in _fields(buf, run[0], run[1]):
+        if field in ints and wire == _WIRE_VARINT:
+            ints[field] = value if value < 1 << 31 else value - (1 << 64)  # int32 as protobuf reads it
+        elif field in payload and wire == _WIRE_LEN:
+            payload[field] = buf[value[0]:value[1]]
+    try:
+        request_id = rid.decode()
+    except UnicodeDecodeError:
+        raise WireError("request_id is not UTF-8") from None
+    return PageRunView(request_id, ints[1], ints[2], ints[3], *(payload[f] for f in _PARTS))
