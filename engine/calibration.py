@@ -244,11 +244,14 @@ def calibrate(
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    from nvfp4_serve.cli_help import HelpFormatter, add_version
+
     p = argparse.ArgumentParser(
-        "nvfp4-serve calibrate",
+        "nvfp4-serve calibrate", formatter_class=HelpFormatter,
         description="Write per-layer KV-cache global scales "
         "(nvfp4: amax / 2688, fp8: amax / 448) for `--kv-scales FILE`.",
     )
+    add_version(p)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--out", required=True, metavar="FILE", help="scales file to write (JSON)")
     p.add_argument(
@@ -259,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--num-tokens", type=int, default=16384, help="calibration tokens (default 16384)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per forward (default: context, <= 2048)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when PyTorch sees a GPU)")
     p.add_argument(
         "--dtype",
         default=None,

@@ -326,9 +326,12 @@ def evaluate(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from nvfp4_serve.cli_help import HelpFormatter, add_version
+
     p = argparse.ArgumentParser(
-        "nvfp4-serve eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        "nvfp4-serve eval", description=__doc__, formatter_class=HelpFormatter
     )
+    add_version(p)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     p.add_argument(
         "--kv-scales",
@@ -341,15 +344,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     p.add_argument("--markdown", default=None, metavar="FILE", help="write the tables here")
-    p.add_argument("--short-context", type=int, default=128)
-    p.add_argument("--short-windows", type=int, default=32)
-    p.add_argument("--long-context", type=int, default=1920)
-    p.add_argument("--long-windows", type=int, default=8)
-    p.add_argument("--continuation-tokens", type=int, default=EvalConfig.continuation_tokens)
-    p.add_argument("--greedy-tokens", type=int, default=EvalConfig.greedy_tokens)
-    p.add_argument("--calibration-tokens", type=int, default=16384)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--short-context", type=int, default=128, help="tokens of context of each short window")
+    p.add_argument("--short-windows", type=int, default=32, help="short windows evaluated")
+    p.add_argument("--long-context", type=int, default=1920, help="tokens of context of each long window")
+    p.add_argument("--long-windows", type=int, default=8, help="long windows evaluated")
+    p.add_argument("--continuation-tokens", type=int, default=EvalConfig.continuation_tokens,
+                   help="teacher-forced next-token predictions per window (perplexity, KL)")
+    p.add_argument("--greedy-tokens", type=int, default=EvalConfig.greedy_tokens,
+                   help="greedy tokens per window compared with the bf16 cache's")
+    p.add_argument("--calibration-tokens", type=int, default=16384,
+                   help="tokens calibrated on when no --kv-scales file is given")
+    p.add_argument("--device", default="cpu", help="cuda or cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="model weights and activations")
     a = p.parse_args(argv)
     if a.model is None:
         from nvfp4_serve.default_model import default_model_dir

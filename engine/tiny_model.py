@@ -339,7 +339,9 @@ _NOT_CONFIG = ("seed", "shard_size_bytes", "kv_scales", "device")  # make_tiny_m
 
 
 def build_arg_parser(prog: str = "python -m engine.tiny_model") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog, description="Write a random-weight HF checkpoint for tests/benchmarks "
+    from nvfp4_serve.cli_help import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog, formatter_class=HelpFormatter, description="Write a random-weight HF checkpoint for tests/benchmarks "
                                                        "(explicit flags override the --preset's values).")
     parser.add_argument("out_dir")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -350,8 +352,9 @@ def build_arg_parser(prog: str = "python -m engine.tiny_model") -> argparse.Argu
         choices = sorted(ARCHS) if key == "arch" else sorted(_DTYPES) if key == "dtype" else None
         parser.add_argument(flag, dest=key, type=kind, choices=choices, default=None,
                             help=f"default {defaults[key]!r} (or the preset's)")
-    parser.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                        help="share the embedding and output matrices (default: the preset's, else not)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--shard-mb", type=float, default=None,
                         help="shard size in MiB (default: one file, or the preset's)")
     parser.add_argument("--device", choices=DEVICES, default="cpu",

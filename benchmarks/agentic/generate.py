@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.agentic.trace import SessionTrace, Trace, Turn, save
+from nvfp4_serve.cli_help import HelpFormatter
 
 
 def _opt(help_text: str) -> dict[str, str]:
@@ -207,7 +208,7 @@ def generate(cfg: AgentTraceConfig) -> Trace:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nvfp4-serve bench gen-trace", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--out", required=True, help="trace file to write (JSONL)")
     d = AgentTraceConfig()
     g = p.add_argument_group("trace shape")

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nvfp4_serve.cli_help import HelpFormatter
+
 FALLOFF = 0.9
 AHEAD = 1.1
 FIGURES = ("throughput", "tok_s_per_user", "cache_hit_rate", "evictions")
@@ -296,9 +298,9 @@ def _relative(path: Path, start: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="nvfp4-serve bench agentic-report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("results", nargs="+", help="results files of `nvfp4-serve bench --trace`")
-    p.add_argument("--out", default="docs/benchmarks/agentic.md")
+    p.add_argument("--out", default="docs/benchmarks/agentic.md", help="markdown report to write (PNGs beside it)")
     p.add_argument("--figures-dir", default=None, help="PNG directory (default: beside --out)")
     a = p.parse_args(argv)
     try:

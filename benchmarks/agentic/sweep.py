@@ -41,6 +41,7 @@ from benchmarks.serving.launch import LaunchedDeployment
 from benchmarks.serving.report import write_json
 from benchmarks.serving.runner import BenchError, Session, run_benchmark
 from benchmarks.serving.server import describe_deployment, flag_value, gpu_name
+from nvfp4_serve.cli_help import HelpFormatter
 
 SCHEMA = "nvfp4-serve/bench-agentic/1"
 KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4")  # as kernels.kv_layout.KV_DTYPES (not imported: it pulls in torch)
@@ -48,7 +49,7 @@ KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4")  # as kernels.kv_layout.KV_DTYPES (not
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nvfp4-serve bench --trace", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--trace", required=True,
                    help="trace file (JSONL; `nvfp4-serve bench gen-trace` writes one)")
     p.add_argument("--concurrency", type=int, nargs="+", required=True, help="sessions in flight, per point")
@@ -69,20 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --launch: one deployment per KV dtype, in this order")
     d.add_argument("--equal-pool-bytes", type=int, default=None, metavar="FP8_TOKENS",
                    help="with --launch: every pool gets the bytes of FP8_TOKENS fp8 tokens (CPU runs)")
-    d.add_argument("--launch-timeout", type=float, default=900.0)
+    d.add_argument("--launch-timeout", type=float, default=900.0, help="seconds a deployment may take to start")
     d.add_argument("--launch-log", default=None, help="launcher log (default: OUT.<dtype>.launch.log)")
     d.add_argument("--model", default="", help="model id to request (default: the router's)")
     d.add_argument("--tokenizer", default="", help="tokenizer dir (default: the router's --model-dir)")
     d.add_argument("--api-key", default="",
                    help=f"bearer token (default: ${_KEY_ENVS[0]} or ${_KEY_ENVS[1]})")
     m = p.add_argument_group("measurement and output")
-    m.add_argument("--request-timeout-s", type=float, default=3600.0)
+    m.add_argument("--request-timeout-s", type=float, default=3600.0, help="HTTP read timeout of one turn")
     m.add_argument("--sample-interval-s", type=float, default=0.5, help="/server_info pool sampling period")
-    m.add_argument("--peak-window-s", type=float, default=1.0)
-    m.add_argument("--num-gpus", type=int, default=1)
+    m.add_argument("--peak-window-s", type=float, default=1.0, help="window of the peak output throughput")
+    m.add_argument("--num-gpus", type=int, default=1, help="GPUs the deployment uses (for per-GPU figures)")
     m.add_argument("--save-turns", action=argparse.BooleanOptionalAction, default=True,
                    help="keep every turn's timings in the JSON")
-    m.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    m.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     m.add_argument("--out", default=None, help="results JSON")
     m.add_argument("--report", default=None, help="also write this markdown report (PNGs beside it)")
     return p

@@ -4,6 +4,8 @@
           --num-prompts P [--seed S] [--warmup K] [--out results.json]
     sweep (the same, --concurrency C1 C2 ...; --num-prompts P or --prompts-per-concurrency M)
     plot  results.json... --out-dir docs/benchmarks
+    pd    --input-len N --output-len N --concurrency C --num-prompts P --launch [shared up args...]
+          (colocated vs prefill + decode over cuda-ipc and gRPC, nvfp4 and fp8: benchmarks/serving/pd.py)
     experiments [--kv-dtypes bf16 fp8_e4m3 nvfp4] [--iso L:C ...] [--capacity-input-lens L ...]
           [--sweep-concurrency C ...] [--out docs/benchmarks/serving.json] --launch [nvfp4-serve up args...]
           (one deployment per KV dtype; JSON, docs/benchmarks/README.md and plots: see experiments.py)
@@ -39,6 +41,7 @@ from benchmarks.serving.runner import (
     sweep_configs,
 )
 from benchmarks.serving.server import describe_deployment, flag_value, max_concurrency
+from nvfp4_serve.cli_help import HelpFormatter
 
 LAUNCH_FLAG = "--launch"
 _KEY_ENVS = ("NVFP4_SERVE_API_KEY", "OPENAI_API_KEY")
@@ -63,8 +66,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--input-len", type=int, required=True, help="prompt tokens (exact)")
     w.add_argument("--output-len", type=int, required=True, help="max_tokens (exact with --ignore-eos)")
-    w.add_argument("--seed", type=int, default=d.seed)
-    w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=d.ignore_eos)
+    w.add_argument("--seed", type=int, default=d.seed, help="seed of the random prompts")
+    w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=d.ignore_eos,
+                   help="generate every output token (ignore_eos in each request)")
     w.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured requests before each point")
     w.add_argument("--request-rate", type=float, default=d.request_rate,
                    help="Poisson arrivals per second (default inf: as fast as the concurrency allows)")
@@ -83,23 +87,23 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="one point")
+    run = sub.add_parser("run", formatter_class=HelpFormatter, help="one point")
     _add_common(run)
     run.add_argument("--concurrency", type=_concurrency, required=True,
                      help="requests in flight; 'max': as many as the decode pools hold")
-    run.add_argument("--num-prompts", type=int, required=True)
-    sweep = sub.add_parser("sweep", help="several concurrencies, one JSON")
+    run.add_argument("--num-prompts", type=int, required=True, help="requests sent")
+    sweep = sub.add_parser("sweep", formatter_class=HelpFormatter, help="several concurrencies, one JSON")
     _add_common(sweep)
     sweep.add_argument("--concurrency", type=_concurrency, nargs="+", required=True,
                        help="the points (integers, or 'max')")
     sweep.add_argument("--num-prompts", type=int, default=None, help="prompts per point (default: M x C)")
     sweep.add_argument("--prompts-per-concurrency", type=int, default=1,
                        help="M: each point sends M x C prompts (1: one wave, every request at full batch)")
-    plot = sub.add_parser("plot", help="PNG figures from results files")
+    plot = sub.add_parser("plot", formatter_class=HelpFormatter, help="PNG figures from results files")
     plot.add_argument("results", nargs="+")
-    plot.add_argument("--out-dir", default="docs/benchmarks")
+    plot.add_argument("--out-dir", default="docs/benchmarks", help="where the PNGs go")
     plot.add_argument("--prefix", default="", help="prefix of the PNG file names")
     add_experiment_args(sub.add_parser("experiments", help="KV dtypes compared: one deployment each, every "
                                                            "experiment against it, JSON + markdown report"))
@@ -177,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from benchmarks.agentic.__main__ import is_agentic
 
+    if argv[:1] == ["pd"]:
+        from benchmarks.serving.pd import main as pd_main
+
+        return pd_main(argv[1:])
     if is_agentic(argv):
         from benchmarks.agentic.__main__ import main as agentic_main
 

@@ -40,6 +40,7 @@ from benchmarks.serving.launch import LaunchedDeployment
 from benchmarks.serving.report import write_json
 from benchmarks.serving.runner import Session, run_point
 from benchmarks.serving.server import describe_deployment, flag_value, gpu_name
+from nvfp4_serve.cli_help import HelpFormatter
 
 SCHEMA = "nvfp4-serve/bench-experiments/1"
 KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4")  # kernels.kv_layout.KV_DTYPES (not imported: no torch here)
@@ -114,7 +115,7 @@ def parse_iso(text: str) -> tuple[int, int | str]:
 def add_experiment_args(p: argparse.ArgumentParser) -> None:
     """The options of ``experiments`` (``--launch UP_ARGS...`` is split off before parsing, as for run)."""
     p.description = __doc__
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.formatter_class = HelpFormatter
     p.epilog = ("--launch UP_ARGS... must come last: every argument after it goes to `nvfp4-serve up` (each "
                 "dtype's deployment adds --kv-cache-dtype D). Regenerate the report from a results file with "
                 "python -m benchmarks.serving.experiments_report RESULTS.json")
@@ -134,23 +135,24 @@ def add_experiment_args(p: argparse.ArgumentParser) -> None:
                    help="cap of the iso-capacity ('max') and the 'fit' concurrencies")
     w.add_argument("--sweep-concurrency", type=int, nargs="+", default=[], metavar="C",
                    help="Pareto sweep concurrencies")
-    w.add_argument("--sweep-input-len", type=int, default=d.sweep_input_len)
+    w.add_argument("--sweep-input-len", type=int, default=d.sweep_input_len,
+                   help="prompt tokens of the --sweep-concurrency points")
     w.add_argument("--output-len", type=int, default=d.output_len, help="max_tokens of every request")
     w.add_argument("--prompts-per-concurrency", type=int, default=d.prompts_per_concurrency,
                    help="M: a point at concurrency C sends M x C prompts")
     w.add_argument("--target-input-len", type=int, default=d.target_input_len,
                    help="input length at which the report checks the done-when targets")
     m = p.add_argument_group("measurement")
-    m.add_argument("--seed", type=int, default=b.seed)
+    m.add_argument("--seed", type=int, default=b.seed, help="seed of the random prompts")
     m.add_argument("--warmup", type=int, default=b.warmup, help="unmeasured requests before the first point")
-    m.add_argument("--peak-window-s", type=float, default=b.peak_window_s)
-    m.add_argument("--sample-interval-s", type=float, default=b.sample_interval_s)
-    m.add_argument("--request-timeout-s", type=float, default=b.request_timeout_s)
+    m.add_argument("--peak-window-s", type=float, default=b.peak_window_s, help="peak-batch figure's window")
+    m.add_argument("--sample-interval-s", type=float, default=b.sample_interval_s, help="/server_info period")
+    m.add_argument("--request-timeout-s", type=float, default=b.request_timeout_s, help="HTTP read timeout")
     m.add_argument("--point-timeout-s", type=float, default=None, help="give up a point after this long")
     m.add_argument("--num-gpus", type=int, default=b.num_gpus, help="GPUs one deployment uses")
     m.add_argument("--save-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="keep per-request timings in the JSON (large)")
-    m.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    m.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     o = p.add_argument_group("deployment and output")
     o.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for each deployment")
     o.add_argument("--launch-log-dir", default=None, help="launcher logs (default: OUT without .json + -logs)")

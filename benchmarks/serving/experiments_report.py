@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serving.report import fmt_number, write_json
+from nvfp4_serve.cli_help import HelpFormatter
 
 DTYPE_ORDER = ("bf16", "fp8_e4m3", "nvfp4")
 # The seed's reported gains of NVFP4 over FP8 (decode throughput), for comparison.
@@ -355,7 +356,7 @@ def write_report(doc: dict[str, Any], json_path: str | Path, report_path: str | 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser("python -m benchmarks.serving.experiments_report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("results", help="results JSON of nvfp4-serve bench experiments")
     p.add_argument("--report", default=None, help="markdown path (default: README.md beside the results)")
     a = p.parse_args(argv)

@@ -1,0 +1,182 @@
+"""User mistakes at start-up end in one line that says what to change, never a traceback: `--device cuda` on a
+CPU-only PyTorch, a model directory missing files, an unsupported architecture or head_dim, a context length
+past the model's, too little GPU memory for the KV pool."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import Engine
+from engine.startup_error import StartupError
+from engine.tiny_model import make_tiny_model
+from nvfp4_serve.preflight import check_device, check_model
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_ONLY_TORCH = torch.version.cuda is None
+
+
+def _run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line_error(r: subprocess.CompletedProcess, prog: str) -> str:
+    """The single stderr line of a refused start-up (and no traceback anywhere)."""
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(prog), lines[0]
+    return lines[0]
+
+
+@pytest.fixture()
+def model_copy(tmp_path, tiny_model_dir):
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, dst)
+    return dst
+
+
+# -- --device cuda without CUDA --------------------------------------------------------------------
+@pytest.mark.skipif(not CPU_ONLY_TORCH, reason="needs the CPU-only PyTorch build (this one has CUDA)")
+@pytest.mark.parametrize("argv,prog,code", [
+    (["-m", "nvfp4_serve.cli", "up", "--device", "cuda"], "nvfp4-serve up:", 1),
+    (["-m", "prefill_svc", "--device", "cuda"], "nvfp4-serve prefill: error:", 2),
+    (["-m", "decode_svc", "--device", "cuda:1"], "nvfp4-serve decode: error:", 2),
+])
+def test_device_cuda_on_a_cpu_only_torch_is_one_line_naming_the_fix(argv, prog, code):
+    r = _run(*argv)
+    line = _one_line_error(r, prog)
+    assert r.returncode == code
+    assert "CPU-only build" in line and "--device cpu" in line and "torch==2.13.0" in line
+
+
+@pytest.mark.skipif(not CPU_ONLY_TORCH, reason="needs the CPU-only PyTorch build (this one has CUDA)")
+def test_check_device_keeps_cpu_and_auto_on_a_cpu_only_torch():
+    assert check_device("cpu") == "cpu" and check_device("auto") == "cpu"
+    with pytest.raises(ValueError, match="auto, cpu, cuda or cuda:N"):
+        check_device("tpu")
+
+
+# -- the model directory -----------------------------------------------------------------------------
+def test_a_directory_without_weights_names_what_is_missing(model_copy):
+    (model_copy / "model.safetensors").unlink()
+    line = _one_line_error(_run("-m", "nvfp4_serve.cli", "up", "--model", str(model_copy)), "nvfp4-serve up:")
+    assert f"--model {model_copy}" in line and "no safetensors weights" in line
+
+
+def test_a_directory_without_tokenizer_or_config_names_what_is_missing(model_copy):
+    (model_copy / "tokenizer.json").unlink()
+    line = _one_line_error(_run("-m", "prefill_svc", "--model", str(model_copy)), "nvfp4-serve prefill: error:")
+    assert "no tokenizer.json" in line
+    (model_copy / "config.json").unlink()
+    line = _one_line_error(_run("-m", "decode_svc", "--model", str(model_copy)), "nvfp4-serve decode: error:")
+    assert "no config.json" in line
+
+
+def test_an_unsupported_architecture_lists_the_supported_ones(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    (model_copy / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    line = _one_line_error(_run("-m", "nvfp4_serve.cli", "up", "--model", str(model_copy)), "nvfp4-serve up:")
+    assert "unsupported architecture 'GPT2LMHeadModel'" in line and "Qwen3ForCausalLM" in line
+
+
+def test_nvfp4_refuses_a_head_dim_not_divisible_by_16_and_names_the_dtypes_that_work(tmp_path):
+    model = make_tiny_model(tmp_path / "hd24", head_dim=24)
+    line = _one_line_error(_run("-m", "nvfp4_serve.cli", "up", "--model", str(model)), "nvfp4-serve up:")
+    assert "head_dim divisible by 16" in line and "has 24" in line and "--kv-cache-dtype fp8_e4m3" in line
+    check_model(str(model), "fp8_e4m3", "cpu", "auto", None)  # the suggested dtype passes
+
+
+def test_the_triton_nvfp4_kernels_need_a_power_of_two_head_dim_on_cuda(tiny_model_dir):
+    """head_dim 16 is fine on the CPU (reference backend) but not for the Triton NVFP4 kernels on CUDA."""
+    check_model(tiny_model_dir, "nvfp4", "cpu", "auto", None)
+    check_model(tiny_model_dir, "nvfp4", "cuda", "reference", None)
+    with pytest.raises(ValueError, match=r"power of two >= 64 \(.* has 16\).*--attention-backend reference"):
+        check_model(tiny_model_dir, "nvfp4", "cuda", "auto", None)
+
+
+# -- context length ----------------------------------------------------------------------------------
+def test_context_length_past_the_models_is_refused_before_and_at_start_up(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"--context-length 5000 is longer than .* \(4096 tokens\)"):
+        check_model(tiny_model_dir, "nvfp4", "cpu", "auto", 5000)
+    with pytest.raises(StartupError, match="pass at most 4096"):
+        Engine(EngineConfig(model_dir=tiny_model_dir, device="cpu", context_length=5000,
+                            cache=CacheConfig(max_total_tokens=256, page_size=4)))
+    with pytest.raises(ValueError, match="--context-length must be >= 1"):
+        EngineConfig(model_dir=tiny_model_dir, context_length=0)
+
+
+def test_context_length_caps_the_engine_context_and_its_workspace(tiny_model_dir):
+    from engine.sampling import SamplingParams
+    from engine.scheduler import RequestRejected
+
+    eng = Engine(EngineConfig(model_dir=tiny_model_dir, device="cpu", dtype="float32", context_length=64,
+                              cache=CacheConfig(max_total_tokens=1024, page_size=4)))
+    assert eng.max_context_len == 64 and eng.scheduler.max_context_len == 64
+    assert eng.paths.workspace_tokens == 64  # the workspace defaults to the context length
+    out = eng.generate([[5] * 60], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"  # 60 + 4 = the 64-token context
+    with pytest.raises(RequestRejected, match="does not fit the model context of 64 tokens"):
+        eng.generate([[5] * 64], SamplingParams(max_tokens=1))
+
+
+# -- GPU memory ----------------------------------------------------------------------------------------
+def test_not_enough_gpu_memory_says_how_much_and_which_flags_to_change(tiny_model_dir, monkeypatch):
+    """``_size_pool`` on a (faked) 80 GiB GPU with 5 GiB free: the message carries the numbers and the flags."""
+    eng = Engine.__new__(Engine)
+    ref = Engine(EngineConfig(model_dir=tiny_model_dir, device="cpu", cache=CacheConfig(max_total_tokens=64)))
+    eng.model_config, eng.max_context_len = ref.model_config, 4096
+    eng.config = EngineConfig(model_dir=tiny_model_dir, cache=CacheConfig(mem_fraction_static=0.9))
+    eng.device = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 * 2**30, 80 * 2**30))
+    with pytest.raises(StartupError) as err:
+        eng._size_pool()
+    msg = str(err.value)
+    assert "5.0 of 80.0 GiB free" in msg and "--mem-fraction-static 0.9 keeps 8.0 GiB back" in msg
+    assert "workspace of 4096 tokens" in msg and "--max-total-tokens" in msg and "\n" not in msg
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 2**30, 80 * 2**30))
+    num_pages, ws_tokens = eng._size_pool()  # 32 GiB over the reserve: a pool, and the whole workspace
+    assert num_pages > 1000 and ws_tokens == 4096
+
+
+def test_a_service_prints_a_start_up_error_as_one_line_and_exits_1(tiny_model_dir, capsys):
+    from nvfp4_serve.service_main import run_service
+    from prefill_svc.config import build_arg_parser, config_from_args
+
+    async def serve(config):
+        raise StartupError("not enough GPU memory for the KV pool: raise --mem-fraction-static")
+
+    code = run_service(build_arg_parser(), config_from_args, serve, ["--model", tiny_model_dir, "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err == "nvfp4-serve prefill: error: not enough GPU memory for the KV pool: raise --mem-fraction-static\n"
+
+
+def test_a_bad_flag_value_is_one_line_not_the_usage(tiny_model_dir, capsys):
+    from nvfp4_serve.service_main import run_service
+    from prefill_svc.config import build_arg_parser, config_from_args
+
+    async def serve(config):  # never reached
+        raise AssertionError
+
+    code = run_service(build_arg_parser(), config_from_args, serve,
+                       ["--model", tiny_model_dir, "--device", "cpu", "--page-size", "0"])
+    assert code == 2 and capsys.readouterr().err == "nvfp4-serve prefill: error: --page-size must be >= 1, got 0\n"
+
+
+def test_prepare_engine_args_resolves_the_model_in_place(tiny_model_dir):
+    from nvfp4_serve.preflight import prepare_engine_args
+
+    a = SimpleNamespace(model=None, device="cpu", kv_cache_dtype="nvfp4", attention_backend="auto",
+                        context_length=None)
+    prepare_engine_args(a)
+    assert Path(a.model, "config.json").is_file() and Path(a.model).name == "default"
