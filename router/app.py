@@ -20,12 +20,13 @@ import grpc
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from router import serving
 from router.admission import AdmissionGate
 from router.config import RouterConfig, model_limits
+from router.connections import ConnectionLimits, fd_capped_connections, guarded_protocol
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.middleware import ApiKeyMiddleware, RequestMetricsMiddleware
 from router.openai_protocol import ModelCard, ModelList, OpenAIError
@@ -111,6 +112,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         return error_response(OpenAIError(400, f"{'.'.join(loc)}: {err.get('msg')}" if loc else str(err.get("msg")),
                                           param=loc[0] if loc else None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # the client left before its body arrived: nobody to answer, nothing went wrong here
+        log.info("%s %s: client disconnected during the upload", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -210,5 +217,8 @@ def serve(config: RouterConfig) -> None:
     else:
         log.info("router binds to %s only (pass --host 0.0.0.0 to serve other hosts)", config.host)
     log.info("gRPC links to the workers: %s", config.tls.describe())
+    limits = ConnectionLimits(config.header_timeout_s, config.body_timeout_s,
+                              fd_capped_connections(config.max_connections), config.retry_after_s)
     uvicorn.run(create_app(config), host=config.host, port=config.port, loop=loop, log_level=config.log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, http=guarded_protocol(limits),
+                timeout_keep_alive=config.keep_alive_timeout_s)  # type: ignore[arg-type]

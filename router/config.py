@@ -44,6 +44,16 @@ class RouterConfig:
     metrics_open: bool = field(
         default=False, metadata=_opt("serve /metrics without the API key (it names the workers' gRPC addresses)"))
     max_body_bytes: int = field(default=16 << 20, metadata=_opt("largest request body; beyond -> 413"))
+    header_timeout_s: float = field(
+        default=10.0, metadata=_opt("a request's headers must arrive within this (from the connection or its "
+                                    "first byte); else 408 and the connection is closed"))
+    body_timeout_s: float = field(
+        default=60.0, metadata=_opt("a request's body must arrive within this after its headers; else 408"))
+    keep_alive_timeout_s: float = field(
+        default=5.0, metadata=_opt("an idle keep-alive connection is closed after this without a byte"))
+    max_connections: int = field(
+        default=4096, metadata=_opt("open HTTP connections (lowered to fit the file limit); beyond: the longest "
+                                    "idle one is closed, or 503 when all are busy"))
     max_concurrent_requests: int = field(default=256, metadata=_opt("requests generating at once"))
     max_queued_requests: int = field(default=1024, metadata=_opt("requests waiting for a slot; beyond -> 429"))
     queue_timeout_s: float = field(default=60.0, metadata=_opt("longest wait for a slot; beyond -> 503"))
@@ -94,7 +104,8 @@ class RouterConfig:
             raise ValueError("--model-dir is required (the router tokenizes with the model's tokenizer)")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
-        positive = ("max_body_bytes", "max_concurrent_requests", "max_n", "first_token_timeout_s",
+        positive = ("max_body_bytes", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s",
+                    "max_connections", "max_concurrent_requests", "max_n", "first_token_timeout_s",
                     "inter_token_timeout_s", "health_check_interval_s", "health_check_timeout_s",
                     "health_failure_threshold", "tree_max_tokens", "grpc_max_message_bytes", "queue_timeout_s")
         for name in positive:

@@ -50,10 +50,22 @@ class ApiKeyMiddleware:
         await JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
+OUTCOME_KEY = "nvfp4.outcome"  # scope key: a dict in which a response reports a status its start line cannot carry
+
+
+def report_status(scope: Scope, status: int) -> None:
+    """Count this request under ``status`` whatever status its response started with (a stream whose client
+    left mid-way: 499)."""
+    outcome = scope.get(OUTCOME_KEY)
+    if outcome is not None:
+        outcome["status"] = status
+
+
 class RequestMetricsMiddleware:
     """Counts requests by endpoint and status and observes their latency (to the last byte sent).
 
-    Paths that are not routes are counted as endpoint "other" (labels never carry raw URLs)."""
+    Paths that are not routes are counted as endpoint "other" (labels never carry raw URLs). A response may
+    override the counted status with ``report_status`` (a stream the client left: 499, not its 200)."""
 
     def __init__(self, app: ASGIApp, metrics: RouterMetrics, endpoints: Collection[str]) -> None:
         self.app = app
@@ -67,6 +79,8 @@ class RequestMetricsMiddleware:
         endpoint = scope["path"] if scope["path"] in self._endpoints else "other"
         status = 500  # if the app dies before it starts a response
         start = time.perf_counter()
+        outcome: dict[str, int] = {}
+        scope[OUTCOME_KEY] = outcome
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
@@ -77,5 +91,6 @@ class RequestMetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
+            status = outcome.get("status", status)
             self._metrics.requests.labels(endpoint, str(status)).inc()
             self._metrics.request_latency.labels(endpoint).observe(time.perf_counter() - start)

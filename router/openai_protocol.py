@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
 MAX_STOP_STRINGS = 16
+INT32_MAX = (1 << 31) - 1  # the proto's integer sampling fields are int32: larger values are a 400, not a 500
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
                 429: "rate_limit_error"}
@@ -55,7 +56,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
+    top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=1 << 63)
     n: int = Field(default=1, ge=1)

@@ -33,6 +33,7 @@ from router.generation import (
 )
 from router.metrics import RouterMetrics
 from router.openai_protocol import (
+    INT32_MAX,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
@@ -114,9 +115,10 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, context_len: int,
 
 
 def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    if vocab_size and any(t < 0 or t >= vocab_size for t in ids):
-        bad = next(t for t in ids if t < 0 or t >= vocab_size)
-        raise bad_request(f"token id {bad} is out of the vocabulary (0..{vocab_size - 1})", param)
+    top = vocab_size - 1 if vocab_size else INT32_MAX  # the proto's ids are int32 even when the vocabulary is unknown
+    if any(t < 0 or t > top for t in ids):
+        bad = next(t for t in ids if t < 0 or t > top)
+        raise bad_request(f"token id {bad} is out of the vocabulary (0..{top})", param)
 
 
 def _options(req: Any, max_tokens: int, vocab_size: int) -> SamplingOptions:

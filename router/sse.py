@@ -14,6 +14,8 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from router.middleware import report_status
+
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -48,7 +50,8 @@ class SSEResponse(StreamingResponse):
 
     Unlike a plain StreamingResponse it also watches for the disconnect while the iterator waits for the
     next event (a decode worker may be silent for a while), and it closes the iterator and runs
-    ``on_close`` on every exit path: finished, client gone, or cancelled before the first event.
+    ``on_close`` on every exit path: finished, client gone, or cancelled before the first event. A client that
+    leaves before the end is counted as 499 (its response had started as 200).
     """
 
     media_type = "text/event-stream"
@@ -61,27 +64,34 @@ class SSEResponse(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        client_gone = complete = False
         try:
             async with anyio.create_task_group() as tg:
 
                 async def stream() -> None:
+                    nonlocal complete
                     await send({"type": "http.response.start", "status": self.status_code,
                                 "headers": self.raw_headers})
                     async for chunk in self._events:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    complete = True  # the server's receive() answers http.disconnect once the response is done
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                     tg.cancel_scope.cancel()
 
                 async def watch_disconnect() -> None:
+                    nonlocal client_gone
                     while (await receive())["type"] != "http.disconnect":
                         pass
+                    client_gone = not complete
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream)
                 tg.start_soon(watch_disconnect)
         except OSError:
-            pass  # the client went away mid-send
+            client_gone = not complete  # the client went away mid-send
         finally:
+            if client_gone:
+                report_status(scope, 499)
             with anyio.CancelScope(shield=True):  # cleanup must run even when the server cancels us
                 aclose = getattr(self._events, "aclose", None)
                 if aclose is not None:

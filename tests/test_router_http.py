@@ -77,6 +77,7 @@ COMPLETION_CASES = [
     (b'{"model": "tiny", "prompt": "hi", "temperature": "hot"}', 400, "temperature", "valid number"),
     (b'{"model": "tiny", "prompt": "hi", "top_p": 0}', 400, "top_p", "greater than 0"),
     (b'{"model": "tiny", "prompt": "hi", "top_k": -5}', 400, "top_k", "greater than or equal to -1"),
+    (b'{"model": "tiny", "prompt": "hi", "top_k": 2147483648}', 400, "top_k", "less than or equal to 2147483647"),
     (b'{"model": "tiny", "prompt": "hi", "min_p": 1.5}', 400, "min_p", "less than or equal to 1"),
     (b'{"model": "tiny", "prompt": "hi", "n": 5}', 400, "n", "n must be <= 4"),
     (b'{"model": "tiny", "prompt": "hi", "n": 0}', 400, "n", "greater than or equal to 1"),
@@ -125,6 +126,8 @@ CHAT_CASES = [
      "max_tokens", "maximum context length is 64"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 80}]}, 400, "messages",
      "maximum context length is 64 tokens, but the prompt has"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": 1 << 40}, 400, "top_k",
+     "less than or equal to 2147483647"),
 ]
 
 
