@@ -111,7 +111,7 @@ def test_context_length_and_its_vllm_alias_parse_on_every_engine_command(command
 @pytest.mark.parametrize("argv", [["--version"], ["up", "--version"], ["prefill", "--version"],
                                   ["decode", "--version"], ["router", "--version"]])
 def test_version(argv):
-    r = subprocess.run([sys.executable, "-m", "nvfp4_serve.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "nvfp4_serve.cli", *argv], check=False, cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"nvfp4-serve {metadata.version('nvfp4-serve')}"

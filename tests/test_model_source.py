@@ -55,7 +55,7 @@ def _resolve_in(env: dict[str, str], spec: str) -> subprocess.CompletedProcess:
     code = ("import sys; from nvfp4_serve.model_source import resolve_model, ModelSourceError\n"
             "try: print(resolve_model(sys.argv[1]))\n"
             "except ModelSourceError as e: print(e, file=sys.stderr); sys.exit(3)")
-    return subprocess.run([sys.executable, "-c", code, spec], env=env, cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", code, spec], check=False, env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
 
 
@@ -99,7 +99,7 @@ def test_only_config_tokenizer_and_safetensors_files_are_downloaded(name, wanted
 
 def test_a_service_main_resolves_the_hub_id_before_it_loads(hub):
     """`nvfp4-serve prefill --model ORG/NAME` serves the cached snapshot (ready line), offline."""
-    hf_home, snapshot = hub
+    hf_home, _ = hub
     from nvfp4_serve.launcher import free_port
 
     proc = subprocess.Popen([sys.executable, "-m", "prefill_svc", "--model", REPO_ID, "--device", "cpu",
@@ -141,7 +141,7 @@ def deployment(hub):
 def _child_argvs(pid: int) -> dict[str, list[str]]:
     """argv of each child of ``pid`` by module (prefill_svc, decode_svc, router)."""
     out = {}
-    for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split():
+    for child in subprocess.run(["pgrep", "-P", str(pid)], check=False, capture_output=True, text=True).stdout.split():
         argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().rstrip("\0").split("\0")
         out[argv[argv.index("-m") + 1]] = argv
     return out

@@ -25,7 +25,7 @@ CPU_ONLY_TORCH = torch.version.cuda is None
 
 
 def _run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *argv], check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def _one_line_error(r: subprocess.CompletedProcess, prog: str) -> str:
