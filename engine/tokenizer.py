@@ -116,6 +116,7 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self._chat_template = chat_template
         self._compiled: dict[str, jinja2.Template] = {}
+        self._max_token_bytes: int | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -152,6 +153,20 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    @property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest vocabulary entry (added tokens included): a prompt of N bytes has at least
+        N / max_token_bytes tokens (byte-level entries count 2 bytes per byte here, so the bound is loose)."""
+        if self._max_token_bytes is None:
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._max_token_bytes = max((len(t.encode("utf-8", "replace")) for t in vocab), default=1) or 1
+        return self._max_token_bytes
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch releases the GIL while the Rust tokenizer runs (encode does not): a long prompt
+        # tokenized in a worker thread leaves the caller's event loop running.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with special tokens, BOS/EOS as tokenizer_config.json says.
 
@@ -159,10 +174,10 @@ class Tokenizer:
         encode them with ``add_special_tokens=False``.
         """
         if not add_special_tokens:
-            return self._tok.encode(text, add_special_tokens=False).ids
+            return self._encode(text, add_special_tokens=False)
         if self.add_bos_token is None and self.add_eos_token is None:
-            return self._tok.encode(text, add_special_tokens=True).ids
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+            return self._encode(text, add_special_tokens=True)
+        ids = self._encode(text, add_special_tokens=False)
         if self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         if self.add_eos_token and self.eos_token_id is not None:

@@ -1,7 +1,11 @@
 """The two generation endpoints: /v1/completions and /v1/chat/completions.
 
-    body (<= max_body_bytes) -> validate -> admission slot -> tokenize -> max_tokens vs context
-        -> n Generate flows per prompt (router.generation) -> JSON response | SSE chunks -> release slot
+    body (<= max_body_bytes) -> validate -> prompt bytes vs context -> admission slot -> tokenize (a thread)
+        -> max_tokens vs context -> n Generate flows per prompt (router.generation) -> JSON | SSE -> release slot
+
+A text prompt longer in bytes than the context can hold (context tokens x the longest vocabulary entry's
+bytes) is refused before it is tokenized; tokenizing runs in a thread and releases the GIL, so the event loop
+(/health, every other stream) keeps running while a long prompt is tokenized.
 
 A streamed response starts (HTTP 200) only once the first choice has been admitted by a decode worker, so
 errors before that (overload, bad input found by the worker, no healthy worker) keep their HTTP status;
@@ -114,6 +118,15 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, context_len: int,
     return requested
 
 
+def check_prompt_bytes(state: RouterState, num_bytes: int, param: str) -> None:
+    """400 when ``num_bytes`` of text cannot fit the context whatever it tokenizes to (no tokenizing needed)."""
+    context, per_token = state.context_len(), state.tokenizer.max_token_bytes
+    if num_bytes > context * per_token:
+        raise bad_request(f"This model's maximum context length is {context} tokens, but the prompt has {num_bytes} "
+                          f"bytes, more than {context} tokens of at most {per_token} bytes each can hold; shorten "
+                          f"the prompt", param, code="context_length_exceeded")
+
+
 def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     top = vocab_size - 1 if vocab_size else INT32_MAX  # the proto's ids are int32 even when the vocabulary is unknown
     if any(t < 0 or t > top for t in ids):
@@ -154,6 +167,9 @@ async def completions(state: RouterState, request: Request) -> Response:
     check_model(state.config, req.model)
     prompts = req.prompts()
     _check_n(state.config, req.n, len(prompts))
+    for p in prompts:
+        if isinstance(p, str):
+            check_prompt_bytes(state, len(p.encode("utf-8")), "prompt")
     slot = _Slot(state.gate)
     await state.gate.acquire()
     try:
@@ -185,6 +201,7 @@ async def chat_completions(state: RouterState, request: Request) -> Response:
     check_model(state.config, req.model)
     _check_n(state.config, req.n, 1)
     messages = [m.template_dict() for m in req.messages]
+    check_prompt_bytes(state, sum(len(m["content"].encode("utf-8")) for m in messages), "messages")
     slot = _Slot(state.gate)
     await state.gate.acquire()
     try:
