@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from nvfp4_serve.cli_help import HelpFormatter, add_version
 from nvfp4_serve.engine_args import add_engine_args, engine_args_to_argv
 from nvfp4_serve.kv_transfer import TRANSFER_MODES
+from nvfp4_serve.model_source import hub_id_of
 from nvfp4_serve.preflight import prepare_engine_args
 from nvfp4_serve.service_auth import API_KEY_ENV, SERVICE_TOKEN_ENV
 from nvfp4_serve.tls import add_tls_args, check_handshake, tls_argv, tls_from_args
@@ -136,7 +137,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-open", action="store_true",
                    help="serve the router's /metrics without the API key (it names the services' addresses)")
     p.add_argument("--served-model-name", default=None,
-                   help="model id in the API (default: the model directory's name)")
+                   help="model id in the API (default: the hub id of --model, else its directory's name)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds until every service is ready and the router healthy")
     p.add_argument("--log-level", default="info", help="log level of every service")
@@ -235,6 +236,7 @@ def up(argv: list[str] | None = None) -> int:
     if a.num_prefill == 0 and a.prefill_gpus is not None:
         raise SystemExit("--prefill-gpus places the prefill service, but --num-prefill 0 starts none: drop one")
     try:
+        a.served_model_name = a.served_model_name or hub_id_of(a.model)  # the API names a hub model by its id
         prepare_engine_args(a)  # --model resolved once (a hub id becomes its cached directory), then checked
         extra = {svc: _split_args(f"--{svc}-args", getattr(a, f"{svc}_args")) for svc in ("prefill", "decode", "router")}
         links = tls_from_args(a)

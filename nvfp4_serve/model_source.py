@@ -43,6 +43,14 @@ def resolve_model(spec: str | None) -> str:
     return _snapshot(spec)
 
 
+def hub_id_of(spec: str | None) -> str | None:
+    """``spec`` when ``resolve_model`` takes it from the hub (no such path here), else None. The API then names
+    the model by its hub id (``--served-model-name`` default), as vLLM and SGLang do, not by its snapshot hash."""
+    if not spec or Path(spec).expanduser().exists() or not _looks_like_repo_id(spec):
+        return None
+    return spec
+
+
 def _looks_like_repo_id(spec: str) -> bool:
     """``org/name`` or ``name`` as the hub spells ids; anything path-like (./x, /x, ~/x, a/b/c) is a path."""
     from huggingface_hub.errors import HFValidationError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from nvfp4_serve.cli_help import HelpFormatter, add_version
-from nvfp4_serve.model_source import resolve_model
+from nvfp4_serve.model_source import hub_id_of, resolve_model
 from router.app import serve
 from router.config import build_arg_parser, config_from_args
 
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.model_dir:  # a hub id becomes its cached directory (the services resolve theirs the same way)
+            args.served_model_name = args.served_model_name or hub_id_of(args.model_dir) or ""
             args.model_dir = resolve_model(args.model_dir)
         config = config_from_args(args)
     except ValueError as exc:

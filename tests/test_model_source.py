@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nvfp4_serve.model_source import MODEL_FILE_PATTERNS, ModelSourceError, resolve_model
+from nvfp4_serve.model_source import MODEL_FILE_PATTERNS, ModelSourceError, hub_id_of, resolve_model
 from tests.service_procs import Launched
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +85,13 @@ def test_directories_resolve_to_themselves_and_paths_that_are_no_directory_are_r
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelSourceError, match="is a file: pass the checkpoint's directory"):
         resolve_model(str(tmp_path / "config.json"))
+
+
+def test_only_hub_ids_name_the_served_model(tmp_path, tiny_model_dir):
+    assert hub_id_of("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B" and hub_id_of("gpt2") == "gpt2"
+    assert hub_id_of(tiny_model_dir) is None and hub_id_of(None) is None and hub_id_of("./x") is None
+    (tmp_path / "org").mkdir()
+    assert hub_id_of(str(tmp_path / "org")) is None
 
 
 @pytest.mark.parametrize("name,wanted", [
@@ -170,6 +177,7 @@ def test_up_passes_context_length_metrics_port_and_service_args(deployment):
 
 def test_the_hub_model_serves_and_the_context_length_is_enforced(deployment):
     model = httpx.get(f"{deployment.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    assert model == REPO_ID  # named by its hub id, not by the snapshot's revision directory
     ok = httpx.post(f"{deployment.url}/v1/completions", timeout=60, json={
         "model": model, "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0, "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
