@@ -1,4 +1,4 @@
-"""The agentic multi-turn benchmark (issue 7): trace format, generator, prompt ids, the router's
+"""The agentic multi-turn benchmark: trace format, generator, prompt ids, the router's
 ``return_token_ids``, and a replay sweep against a real `nvfp4-serve up` (tiny model, CPU, 2 decode workers,
 a small pool) with its report. No timing is asserted."""
 

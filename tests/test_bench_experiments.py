@@ -165,7 +165,7 @@ def test_cpu_run_of_every_experiment_writes_the_json_and_the_report(tiny_model_d
     assert [t["status"] for t in summary["targets"]][1] == "not met"  # 1.0x < 1.75x
 
     report = (out.parent / "README.md").read_text()
-    for text in ("## Done-when targets", "NVFP4/FP8 max concurrency at iso-capacity", "| 16/4 | 1.00x | >= 1.75x |",
+    for text in ("## Design targets", "NVFP4/FP8 max concurrency at iso-capacity", "| 16/4 | 1.00x | >= 1.75x |",
                  "## Iso-concurrency", "| 16 | fp8_e4m3 2, nvfp4 2 |", "## Iso-capacity", "3 (max_concurrency)",
                  "## Pareto sweep (input 16, output 4)", "**fp8_e4m3**", "**nvfp4**", "+26% to +30%",
                  "+37% to +78%", "TTFT overhead NVFP4 vs FP8", "1 of the checkpoint's 2 layers (`--num-layers 1`",

@@ -1,4 +1,4 @@
-"""Agentic multi-turn benchmark (issue 7): long coding-agent sessions replayed turn after turn.
+"""Agentic multi-turn benchmark: long coding-agent sessions replayed turn after turn.
 
     nvfp4-serve bench gen-trace --out trace.jsonl [--scale 0.01 | --fit-pool-tokens P --saturate-at C]
     nvfp4-serve bench --trace trace.jsonl --concurrency 1 2 4 8 --out agentic.json --launch [up args...]

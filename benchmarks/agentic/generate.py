@@ -13,7 +13,7 @@ The shape modelled (defaults; every number is an option):
 - a session runs 20..80 turns (uniform) and stops early before its context (prompt + answer) would pass
   131,072 tokens: a mean growth of ~1.9K tokens per turn takes most sessions past 100K tokens.
 
-These are assumptions chosen to give the growth pattern the issue describes (a long shared prefix, contexts
+These are assumptions chosen to give the growth pattern of coding-agent sessions (a long shared prefix, contexts
 growing turn after turn to 100K+, tool results of very varied size, short user turns), not a fit to a
 recorded dataset. ``--scale`` multiplies every token count (and the context cap) after the session structure
 is drawn, so a scaled trace has the same sessions, turns and kinds as the full one; ``--think-time-scale``

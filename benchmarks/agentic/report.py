@@ -197,7 +197,7 @@ def markdown(docs: Sequence[dict[str, Any]], sources: Sequence[str], figures: Se
         raise ValueError("the results hold no point")
     runs = [r for r, _ in lines.values()]
     dep = runs[0]["deployment"]
-    md = ["# Agentic multi-turn benchmark (issue 7)", ""]
+    md = ["# Agentic multi-turn benchmark", ""]
     if any(r["gpu"] == "cpu" for r in runs):
         md += [(f"> **CPU smoke run** (model `{dep['model']}`, {dep['num_layers']} layers, on the CPU) "
                 "with a scaled-down trace and small pools: it shows the mechanism (sessions, prefix reuse, "

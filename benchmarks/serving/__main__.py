@@ -13,7 +13,7 @@
 ``--launch`` must come last: every argument after it goes to ``nvfp4-serve up``, which the benchmark starts
 (on a free port unless ``--port`` is given), waits for, and stops with SIGINT at the end.
 
-Agentic multi-turn traces (``benchmarks.agentic``, issue 7):
+Agentic multi-turn traces (``benchmarks.agentic``):
     gen-trace --out trace.jsonl [--scale S | --fit-pool-tokens P --saturate-at C]
     --trace trace.jsonl --concurrency C1 C2 ... [--kv-dtypes fp8_e4m3 nvfp4] [--out R.json] --launch ...
     agentic-report R.json... --out docs/benchmarks/agentic.md

@@ -1,4 +1,4 @@
-"""``nvfp4-serve bench experiments``: the KV-dtype comparison (issue 5), one deployment per KV dtype.
+"""``nvfp4-serve bench experiments``: the KV-dtype comparison, one deployment per KV dtype.
 
 For each ``--kv-dtypes`` D, ONE ``nvfp4-serve up LAUNCH_ARGS --kv-cache-dtype D`` is started, every point of
 D runs against it, and it is stopped before the next dtype starts. Points, in this order:
@@ -68,7 +68,7 @@ class ExperimentPlan:
     output_len: int = 1024
     prompts_per_concurrency: int = 1
     max_concurrency: int | None = None
-    target_input_len: int = 32768  # where the done-when targets are read
+    target_input_len: int = 32768  # where the design targets are read
     bench: BenchConfig = field(default_factory=lambda: BenchConfig(1, 1, 1, 1, save_requests=False))
 
     def __post_init__(self) -> None:
@@ -141,7 +141,7 @@ def add_experiment_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--prompts-per-concurrency", type=int, default=d.prompts_per_concurrency,
                    help="M: a point at concurrency C sends M x C prompts")
     w.add_argument("--target-input-len", type=int, default=d.target_input_len,
-                   help="input length at which the report checks the done-when targets")
+                   help="input length at which the report checks the design targets")
     m = p.add_argument_group("measurement")
     m.add_argument("--seed", type=int, default=b.seed, help="seed of the random prompts")
     m.add_argument("--warmup", type=int, default=b.warmup, help="unmeasured requests before the first point")

@@ -4,7 +4,7 @@
 (``stats``; the full-batch mean beside it), NVFP4 over FP8 and over BF16, at iso-concurrency (the same C for
 every dtype) and at iso-capacity (each dtype at the largest C its pool holds, whose ratio is the max
 concurrency ratio); the TTFT overhead is NVFP4's mean TTFT over FP8's at iso-concurrency, minus 1. The
-done-when targets are checked at ``plan.target_input_len`` / ``plan.output_len``.
+design targets are checked at ``plan.target_input_len`` / ``plan.output_len``.
 
 Regenerate the report from a results file (no GPU needed):
 ``python -m benchmarks.serving.experiments_report docs/benchmarks/serving.json [--report README.md]``
@@ -24,8 +24,8 @@ from benchmarks.serving.report import fmt_number, write_json
 from nvfp4_serve.cli_help import HelpFormatter
 
 DTYPE_ORDER = ("bf16", "fp8_e4m3", "nvfp4")
-# The seed's reported gains of NVFP4 over FP8 (decode throughput), for comparison.
-SEED_GAINS = {"iso_concurrency": (1.26, 1.30), "iso_capacity": (1.37, 1.78)}
+# Gains of NVFP4 over FP8 decode throughput reported for this design elsewhere (the reference column), for comparison.
+REFERENCE_GAINS = {"iso_concurrency": (1.26, 1.30), "iso_capacity": (1.37, 1.78)}
 # (name, experiment, figure, goal, direction): "ge" needs measured >= goal, "le" measured <= goal.
 TARGETS = (
     ("NVFP4/FP8 peak-batch decode throughput at iso-concurrency", "iso_concurrency", "decode_nvfp4_fp8", 1.5, "ge"),
@@ -81,7 +81,7 @@ def _group_summary(points: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def summarize(doc: dict[str, Any]) -> dict[str, Any]:
-    """Ratios per (experiment, input length) and the done-when targets (JSON-able)."""
+    """Ratios per (experiment, input length) and the design targets (JSON-able)."""
     plan = doc["plan"]
     out: dict[str, Any] = {}
     for experiment in ("iso_concurrency", "iso_capacity"):
@@ -227,20 +227,20 @@ def render(doc: dict[str, Any], figures: Sequence[str] = (), figures_note: str =
     lines = [f"# Serving benchmark: KV cache {' vs '.join(plan['kv_dtypes'])}", "", intro, "",
              *_model_lines(doc), "", "Command:", "", "```", doc["command"], "```", ""]
     if any(t["value"] is not None for t in summary["targets"]):  # a run without the target's points omits them
-        lines += ["## Done-when targets", ""]
+        lines += ["## Design targets", ""]
         rows = [[t["name"], f"{t['input_len']:,}/{t['output_len']:,}",
                  _pct(t["value"]) if t["direction"] == "le" else _x(t["value"]),
                  (f"<= {t['goal']:g}%" if t["direction"] == "le" else f">= {t['goal']:g}x"), t["status"]]
                 for t in summary["targets"]]
         lines += _table(["target", "input/output", "measured", "goal", "status"], rows) + [""]
-    lines += ["## Comparison with the seed's reported gains (NVFP4 over FP8 decode throughput)", ""]
+    lines += ["## Comparison with the reference gains (NVFP4 over FP8 decode throughput)", ""]
     rows = []
     for experiment, label in (("iso_concurrency", "equal concurrency"), ("iso_capacity", "equal memory")):
-        lo, hi = SEED_GAINS[experiment]
+        lo, hi = REFERENCE_GAINS[experiment]
         here = ", ".join(f"{int(length):,}: {_gain(g['decode_nvfp4_fp8'])}"
                          for length, g in summary[experiment].items()) or "-"
         rows.append([label, f"+{(lo - 1) * 100:.0f}% to +{(hi - 1) * 100:.0f}%", here])
-    lines += _table(["comparison", "seed", "here (by input length)"], rows) + [""]
+    lines += _table(["comparison", "reference", "here (by input length)"], rows) + [""]
     for experiment in ("iso_concurrency", "iso_capacity", "sweep"):
         if not any(p["experiment"] == experiment for p in plan["points"]):
             continue
