@@ -24,9 +24,11 @@ import torch
 
 from engine.fence import Fence
 from engine.kv_pool import KVPool
+from nvfp4_serve.kv_transfer_ipc import page_runs
 from nvfp4_serve.kv_wire import PageRunView, encode_page_run
 
 PARTS = ("k", "k_sf", "v", "v_sf")
+_MAX_SLICE_RUNS = 16  # up to this many runs of consecutive pages are copied run by run
 
 
 def _parts(pool: KVPool, layer: int) -> list[torch.Tensor | None]:
@@ -57,15 +59,22 @@ class PageExporter:
                 fence: Fence | None) -> bytes:
         """The serialized PrefillMessage of ``page_ids`` of ``layer`` (sequence pages from ``first_page``).
         Blocks (call on a worker thread); reads only, after ``fence``."""
-        n = len(page_ids)
+        ids = [int(p) for p in page_ids]
+        n = len(ids)
+        tensors = _parts(self.pool, layer)
+        runs = page_runs(ids, list(range(n)))
+        if self.stream is None and len(runs) <= _MAX_SLICE_RUNS:  # host pool: slices straight into the message
+            parts = [[] if t is None else [memoryview(t[s0:s0 + m].view(torch.uint8).numpy()).cast("B")
+                                           for s0, _, m in runs] for t in tensors]
+            return encode_page_run(request_id, layer, first_page, n, parts)
         sizes = [n * b for b in self.page_bytes]
         with _on(self.stream):
             if fence is not None:
                 fence.order(self.stream)
-            idx = torch.tensor(list(page_ids), dtype=torch.int64, device=self.pool.device)
+            idx = torch.tensor(ids, dtype=torch.int64, device=self.pool.device)
             buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.pool.device)
             offset = 0
-            for t, size in zip(_parts(self.pool, layer), sizes, strict=True):
+            for t, size in zip(tensors, sizes, strict=True):
                 if t is not None:
                     torch.index_select(t.view(torch.uint8).view(t.shape[0], -1), 0, idx,
                                        out=buf[offset:offset + size].view(n, -1))
@@ -74,80 +83,107 @@ class PageExporter:
         view = memoryview(host.numpy())
         parts, offset = [], 0
         for size in sizes:
-            parts.append(view[offset:offset + size])
+            parts.append([view[offset:offset + size]])
             offset += size
         return encode_page_run(request_id, layer, first_page, n, parts)
 
 
 class PageImporter:
-    """One transfer's writes into the decode's pool (create one per pull)."""
+    """One transfer's writes into the decode's pool (create one per pull). Writes of consecutive pages are
+    plain slice copies (a fresh request's pages mostly are consecutive); scattered ones one scatter per part."""
 
     def __init__(self, pool: KVPool):
         self.pool = pool
         self.stream = _side_stream(pool.device)
         self.page_bytes = part_page_bytes(pool)
         self._lock = threading.Lock()  # one write at a time (writes of one transfer come from several threads)
-        self._last_key: tuple | None = None
-        self._last_idx: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._bad: torch.Tensor | None = None  # device flag: a written scale (or fp8/bf16 value) is NaN/inf
-        # Which parts hold floats whose NaN/inf would poison attention: nvfp4 E2M1 codes cannot be NaN, their
-        # E4M3 scales can (0x7F/0xFF); fp8 values are E4M3 themselves; bf16 values are checked as bf16.
-        dtype = pool.kv_dtype
-        self._checked = [dtype != "nvfp4", True, dtype != "nvfp4", True]
+        self._bad: torch.Tensor | None = None  # device flag: a written bf16 value (or copied scale) is NaN/inf
+        # Which parts hold floats whose NaN/inf would poison attention, and as what: nvfp4 E2M1 codes cannot be
+        # NaN, their E4M3 scales can (0x7F/0xFF); fp8 values are E4M3 themselves; bf16 values are bf16.
+        lkv = pool.layers[0]
+        self._kinds = [None if t is None or t.dtype == torch.uint8 else t.dtype for t in (lkv.k, lkv.k_sf, lkv.v,
+                                                                                           lkv.v_sf)]
 
     def check_sizes(self, run: PageRunView) -> None:
         """ValueError unless every part of ``run`` is exactly ``run.num_pages`` pages of this pool."""
-        for name, mv, page in zip(PARTS, (run.k, run.k_scales, run.v, run.v_scales), self.page_bytes, strict=True):
+        for name, mv, page in zip(PARTS, run.parts, self.page_bytes, strict=True):
             if mv.nbytes != run.num_pages * page:
                 raise ValueError(f"part {name} of layer {run.layer} has {mv.nbytes} bytes, {run.num_pages} "
                                  f"{self.pool.kv_dtype} pages need {run.num_pages * page}")
 
+    def check_values(self, run: PageRunView, num_tokens: int) -> None:
+        """ValueError when an E4M3 byte (scale, or fp8 value) of the first ``num_tokens`` token slots is NaN
+        (0x7F/0xFF): memchr over the received bytes, no copy. bf16 values are checked on the device."""
+        for name, kind, (start, _), page in zip(PARTS, self._kinds, run.spans, self.page_bytes, strict=True):
+            if kind != torch.float8_e4m3fn:
+                continue
+            stop = start + num_tokens * (page // self.pool.page_size)
+            if run.data.find(b"\x7f", start, stop) >= 0 or run.data.find(b"\xff", start, stop) >= 0:
+                raise ValueError(f"part {name} of layer {run.layer} holds an E4M3 NaN")
+
     def write(self, run: PageRunView, page_ids: Sequence[int], num_tokens: int) -> None:
-        """MUTATES the pool: ``run``'s bytes into pages ``page_ids`` of ``run.layer`` (sizes checked first), of
-        which the first ``num_tokens`` token slots hold the prompt (the values checked; the rest of a last,
-        partial page is never read). Blocks until the host bytes are copied (call on a worker thread); device
-        writes complete by ``finish``."""
+        """MUTATES the pool: ``run``'s bytes into pages ``page_ids`` of ``run.layer``, of which the first
+        ``num_tokens`` token slots hold the prompt (checked: sizes, then values; the rest of a last, partial page
+        is never read). Blocks until the host bytes are copied (call on a worker thread); device writes
+        complete by ``finish``."""
         self.check_sizes(run)
+        self.check_values(run, num_tokens)
         n = len(page_ids)
+        if n == 0:
+            return
+        runs = page_runs(list(range(n)), [int(p) for p in page_ids])
         with self._lock, _on(self.stream), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # frombuffer over read-only bytes: only read here
-            idx = torch.tensor(list(page_ids), dtype=torch.int64, device=self.pool.device)
-            parts = (run.k, run.k_scales, run.v, run.v_scales)
-            for t, mv, checked in zip(_parts(self.pool, run.layer), parts, self._checked, strict=True):
-                if t is None or n == 0:
+            idx = None if len(runs) <= _MAX_SLICE_RUNS else \
+                torch.tensor([int(p) for p in page_ids], dtype=torch.int64, device=self.pool.device)
+            for t, mv, kind in zip(_parts(self.pool, run.layer), run.parts, self._kinds, strict=True):
+                if t is None:
                     continue
-                raw = t.view(torch.uint8).view(t.shape[0], -1)
                 src = torch.frombuffer(mv, dtype=torch.uint8).view(n, -1).to(self.pool.device)
-                if checked:
-                    self._flag(src.view(n * t.shape[1], -1)[:num_tokens], t.dtype)
-                raw.index_copy_(0, idx, src)
+                if kind == torch.bfloat16:
+                    self._flag(src.view(n * t.shape[1], -1)[:num_tokens], kind)
+                _scatter(t, src, runs, idx)
 
     def copy_from(self, src_parts: Sequence[torch.Tensor | None], layer: int, src_ids: Sequence[int],
                   page_ids: Sequence[int], num_tokens: int) -> None:
         """MUTATES the pool: pages ``src_ids`` of another pool's layer tensors (cuda-ipc: the prefill's, opened
-        here) into pages ``page_ids`` of ``layer``, batched (a gather and a scatter per part); the values of the
-        first ``num_tokens`` token slots checked, as in ``write``."""
-        if len(page_ids) == 0:
+        here) into pages ``page_ids`` of ``layer``, batched (slice copies of consecutive runs, else a gather and
+        a scatter per part); the values of the first ``num_tokens`` token slots checked on the device."""
+        n = len(page_ids)
+        if n == 0:
             return
+        src_ids, dst_ids = [int(p) for p in src_ids], [int(p) for p in page_ids]
+        runs = page_runs(src_ids, dst_ids)
         with self._lock, _on(self.stream):
-            s_idx, d_idx = self._indices(src_ids, page_ids)
-            for t, s, checked in zip(_parts(self.pool, layer), src_parts, self._checked, strict=True):
+            dev = self.pool.device
+            s_idx = d_idx = None
+            if len(runs) > _MAX_SLICE_RUNS:
+                s_idx = torch.tensor(src_ids, dtype=torch.int64, device=dev)
+                d_idx = torch.tensor(dst_ids, dtype=torch.int64, device=dev)
+            for t, s, kind in zip(_parts(self.pool, layer), src_parts, self._kinds, strict=True):
                 if t is None:
                     continue
-                rows = s.view(torch.uint8).view(s.shape[0], -1).index_select(0, s_idx)
-                if checked:
-                    self._flag(rows.view(len(page_ids) * t.shape[1], -1)[:num_tokens], t.dtype)
-                t.view(torch.uint8).view(t.shape[0], -1).index_copy_(0, d_idx, rows)
+                s8 = s.view(torch.uint8).view(s.shape[0], -1)
+                d8 = t.view(torch.uint8).view(t.shape[0], -1)
+                if s_idx is None:
+                    seq = 0
+                    for s0, d0, m in runs:
+                        d8[d0:d0 + m].copy_(s8[s0:s0 + m])
+                        if kind is not None:
+                            self._flag_slots(d8[d0:d0 + m], t, seq, num_tokens, kind)
+                        seq += m
+                else:
+                    rows = s8.index_select(0, s_idx)
+                    if kind is not None:
+                        self._flag_slots(rows, t, 0, num_tokens, kind)
+                    d8.index_copy_(0, d_idx, rows)
 
-    def _indices(self, src_ids: Sequence[int], page_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device index tensors of a run; every layer of a chunk names the same pages: built once."""
-        key = (tuple(src_ids), tuple(page_ids))
-        if self._last_key != key:
-            dev = self.pool.device
-            self._last_key = key
-            self._last_idx = (torch.tensor(key[0], dtype=torch.int64, device=dev),
-                              torch.tensor(key[1], dtype=torch.int64, device=dev))
-        return self._last_idx
+    def _flag_slots(self, rows: torch.Tensor, t: torch.Tensor, first_page: int, num_tokens: int,
+                    kind: torch.dtype) -> None:
+        """Flag the prompt's slots among page ``rows`` (sequence pages from ``first_page``)."""
+        slots = max(0, min(rows.shape[0] * t.shape[1], num_tokens - first_page * t.shape[1]))
+        if slots:
+            self._flag(rows.view(rows.shape[0] * t.shape[1], -1)[:slots], kind)
 
     def _flag(self, raw: torch.Tensor, dtype: torch.dtype) -> None:
         """Accumulate (on the device, no sync) whether ``raw`` bytes of ``dtype`` hold a NaN or inf."""
@@ -165,7 +201,16 @@ class PageImporter:
     def finish(self) -> None:
         """Block until every write issued is complete; ValueError if any written scale or value was NaN/inf
         (the caller fails the transfer and frees the pages)."""
-        if self.stream is not None:
-            self.stream.synchronize()
+        self.settle()
         if self._bad is not None and bool(self._bad.item()):
             raise ValueError("the pages carry NaN or inf scales or values")
+
+
+def _scatter(t: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]], idx: torch.Tensor | None) -> None:
+    """Rows of ``src`` (one page each, in run order) into pages of pool tensor ``t``."""
+    raw = t.view(torch.uint8).view(t.shape[0], -1)
+    if idx is not None:
+        raw.index_copy_(0, idx, src)
+        return
+    for s0, d0, m in runs:
+        raw[d0:d0 + m].copy_(src[s0:s0 + m])

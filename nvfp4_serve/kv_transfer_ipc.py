@@ -141,7 +141,7 @@ def copy_pages(dst: KVPool, src: PoolView, layer: int, src_pages: Sequence[int],
     n = len(src_pages)
     if n == 0:
         return 0
-    runs = _runs([int(p) for p in src_pages], [int(p) for p in dst_pages])
+    runs = page_runs([int(p) for p in src_pages], [int(p) for p in dst_pages])
     idx_src = idx_dst = None
     if len(runs) > _MAX_SLICE_RUNS:
         idx_src = torch.tensor([int(p) for p in src_pages], dtype=torch.int64, device=dst.device)
@@ -166,7 +166,7 @@ def copy_pages(dst: KVPool, src: PoolView, layer: int, src_pages: Sequence[int],
     return copied
 
 
-def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """Maximal (src_start, dst_start, length) runs where both sides advance by one page."""
     runs: list[list[int]] = []
     for sp, dp in zip(src, dst, strict=True):

@@ -29,7 +29,8 @@ class WireError(ValueError):
 
 
 class PageRunView(NamedTuple):
-    """A decoded KVPageRun message: the parts are views of the received bytes (no copy)."""
+    """A decoded KVPageRun message: the parts are views of the received bytes (no copy); ``spans`` are their
+    (start, stop) offsets in ``data`` (k, k_scales, v, v_scales)."""
 
     request_id: str
     layer: int
@@ -39,6 +40,12 @@ class PageRunView(NamedTuple):
     k_scales: memoryview
     v: memoryview
     v_scales: memoryview
+    data: bytes = b""
+    spans: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def parts(self) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+        return self.k, self.k_scales, self.v, self.v_scales
 
     @property
     def num_bytes(self) -> int:
@@ -64,9 +71,10 @@ def _tag(field: int, wire: int) -> bytes:
 
 
 def encode_page_run(request_id: str, layer: int, first_page: int, num_pages: int,
-                    parts: Sequence[bytes | memoryview]) -> bytes:
+                    parts: Sequence[Sequence[bytes | memoryview]]) -> bytes:
     """The serialized ``PrefillMessage(request_id=..., pages=KVPageRun(layer, first_page, num_pages, k, k_scales,
-    v, v_scales))``; ``parts`` are the four payloads (any buffer; empty for absent scales). One copy of each."""
+    v, v_scales))``; ``parts`` are the four payloads, each a list of byte buffers that concatenate to it (empty
+    for absent scales). One copy of each byte."""
     if len(parts) != len(_PARTS):
         raise ValueError(f"a page run has {len(_PARTS)} parts (k, k_scales, v, v_scales), got {len(parts)}")
     head = bytearray()
@@ -75,11 +83,11 @@ def encode_page_run(request_id: str, layer: int, first_page: int, num_pages: int
             head += _tag(field, _WIRE_VARINT) + _varint(value)
     pieces: list[bytes | memoryview] = []
     run_len = len(head)
-    for field, part in zip(_PARTS, parts, strict=True):
-        n = memoryview(part).nbytes
+    for field, chunks in zip(_PARTS, parts, strict=True):
+        n = sum(memoryview(c).nbytes for c in chunks)
         if n:
             prefix = _tag(field, _WIRE_LEN) + _varint(n)
-            pieces += [prefix, part]
+            pieces += [prefix, *chunks]
             run_len += len(prefix) + n
     rid = request_id.encode()
     top = (_tag(1, _WIRE_LEN) + _varint(len(rid)) + rid if rid else b"") + _tag(_PAGES_FIELD, _WIRE_LEN) + _varint(run_len)
@@ -141,15 +149,15 @@ def decode_page_run(data: bytes) -> PageRunView | None:
     if run is None:
         return None
     ints = {1: 0, 2: 0, 3: 0}
-    empty = buf[0:0]
-    payload = dict.fromkeys(_PARTS, empty)
+    spans = dict.fromkeys(_PARTS, (0, 0))
     for field, wire, value in _fields(buf, run[0], run[1]):
         if field in ints and wire == _WIRE_VARINT:
             ints[field] = value if value < 1 << 31 else value - (1 << 64)  # int32 as protobuf reads it
-        elif field in payload and wire == _WIRE_LEN:
-            payload[field] = buf[value[0]:value[1]]
+        elif field in spans and wire == _WIRE_LEN:
+            spans[field] = value
     try:
         request_id = rid.decode()
     except UnicodeDecodeError:
         raise WireError("request_id is not UTF-8") from None
-    return PageRunView(request_id, ints[1], ints[2], ints[3], *(payload[f] for f in _PARTS))
+    return PageRunView(request_id, ints[1], ints[2], ints[3], *(buf[a:b] for a, b in spans.values()),
+                       data=data, spans=tuple(spans.values()))

@@ -21,7 +21,10 @@ class PrefillConfig:
     metrics_port: int | None = None
     tls: TLSConfig = field(default_factory=TLSConfig)
     kv_transfer: str = "auto"  # nvfp4_serve/kv_transfer.py: auto | grpc | cuda-ipc
-    kv_hold_timeout_s: float = 60.0  # cuda-ipc: source pages are freed this long after the header at the latest
+    kv_hold_timeout_s: float = 60.0  # cuda-ipc: source pages are freed this long after the last page message
+    # grpc path: bytes of page data per message (grpcio carries ~1 MiB messages fastest; capped by
+    # max_message_bytes). Every message holds at least one page of one layer.
+    kv_message_bytes: int = 1 << 20
     # Fault injection for tests only: sleep this long before the transfer header / before each KV page message.
     debug_header_delay_s: float = 0.0
     debug_transfer_delay_s: float = 0.0
@@ -30,6 +33,8 @@ class PrefillConfig:
         if self.max_message_bytes < 64 * 1024:
             raise ValueError(f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
         check_mode(self.kv_transfer)
+        if self.kv_message_bytes < 1:
+            raise ValueError(f"--kv-message-bytes must be >= 1, got {self.kv_message_bytes}")
         if not self.kv_hold_timeout_s > 0:
             raise ValueError(f"--kv-hold-timeout must be > 0 seconds, got {self.kv_hold_timeout_s}")
         for flag, value in (("--debug-header-delay-s", self.debug_header_delay_s),
@@ -46,8 +51,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "are on CUDA, else gRPC), grpc (always bytes over gRPC), cuda-ipc (as auto, and warn when "
                         "a transfer falls back to gRPC)")
     p.add_argument("--kv-hold-timeout", type=float, default=PrefillConfig.kv_hold_timeout_s,
-                   help="cuda-ipc: seconds after the transfer header at which the source pages are freed even if "
+                   help="cuda-ipc: seconds after the last page message at which the source pages are freed even if "
                         "the decode has not released them")
+    p.add_argument("--kv-message-bytes", type=int, default=PrefillConfig.kv_message_bytes,
+                   help="grpc path: page bytes per message (at least one page; capped by --max-message-bytes)")
     p.add_argument("--debug-header-delay-s", type=float, default=0.0,
                    help="testing only: sleep before the transfer header (to trip the decode's first-message deadline)")
     p.add_argument("--debug-transfer-delay-s", type=float, default=0.0,
@@ -64,4 +71,5 @@ def config_from_args(a: argparse.Namespace) -> PrefillConfig:
     return PrefillConfig(engine=engine, host=a.host, port=a.port,
                          max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port, tls=tls_from_args(a),
                          debug_header_delay_s=a.debug_header_delay_s, debug_transfer_delay_s=a.debug_transfer_delay_s,
-                         kv_transfer=a.kv_transfer, kv_hold_timeout_s=a.kv_hold_timeout)
+                         kv_transfer=a.kv_transfer, kv_hold_timeout_s=a.kv_hold_timeout,
+                         kv_message_bytes=a.kv_message_bytes)

@@ -40,7 +40,7 @@ _PAGE_ID_BYTES = 5  # most bytes of one packed int32 page id in a KVPageRefs mes
 class PrefillWorker:
     def __init__(self, loop: EngineLoop, max_message_bytes: int, metrics: ServiceMetrics,
                  debug_transfer_delay_s: float = 0.0, debug_header_delay_s: float = 0.0,
-                 kv_transfer: str = "auto", kv_hold_timeout_s: float = 60.0):
+                 kv_transfer: str = "auto", kv_hold_timeout_s: float = 60.0, kv_message_bytes: int = 1 << 20):
         self.loop = loop
         self.debug_delay = debug_transfer_delay_s
         self.debug_header_delay = debug_header_delay_s
@@ -51,10 +51,10 @@ class PrefillWorker:
         self.metrics = metrics
         self.page_size = self.layout.page_size
         page_bytes = self.engine.pool.page_bytes_per_layer
-        self.pages_per_message = (max_message_bytes - _HEADER_MARGIN) // page_bytes
-        if self.pages_per_message < 1:
+        if max_message_bytes - _HEADER_MARGIN < page_bytes:
             raise ValueError(f"one KV page of one layer is {page_bytes} bytes, over --max-message-bytes "
                              f"{max_message_bytes}: lower --page-size or raise the limit")
+        self.pages_per_message = max(1, min(max_message_bytes - _HEADER_MARGIN, kv_message_bytes) // page_bytes)
         self.refs_per_message = (max_message_bytes - _HEADER_MARGIN) // _PAGE_ID_BYTES
         self.exporter = PageExporter(self.engine.pool)
         self.transfer_metrics = TransferMetrics(metrics)

@@ -13,6 +13,7 @@ def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_
     out_json, out_md = tmp_path / "transfer.json", tmp_path / "transfer.md"
     rc = main(["--model", tiny_model_dir, "--device", "cpu", "--dtype", "float32", "--lengths", "40", "72",
                "--paths", "grpc", "--decode-tokens", "3", "--warmup-len", "8", "--page-size", "4",
+               "--anchor-bytes", str(8 << 20),
                "--log-dir", str(tmp_path / "logs"), "--out-json", str(out_json), "--out-md", str(out_md)])
     assert rc == 0
     doc = json.loads(out_json.read_text())
@@ -23,12 +24,16 @@ def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_
         assert r["ttft_s"] > 0 and r["prefill_compute_s"] > 0 and r["transfer_s"] > 0
         per_token = 2 * 2 * (8 + 1) if kv == "nvfp4" else 2 * 2 * 16  # 2 KV heads, head_dim 16: K + V bytes
         assert r["transfer_bytes"] == 2 * -(-n // 4) * 4 * per_token  # 2 layers x pages of 4 tokens
+        # the same prompt again: every page comes from the prefill's cache, the same bytes travel
+        assert r["ready_transfer_bytes"] == r["transfer_bytes"] and r["ready_path_used"] == "grpc"
+        assert r["ready_transfer_gbps"] > 0 and r["anchor_gbps"] > 0 and r["of_anchor"] > 0
     assert [(s["path"], s["prompt_len"]) for s in doc["summary"]] == [("grpc", 40), ("grpc", 72)]
     assert all(s["bytes_ratio"] == 0.5625 for s in doc["summary"])
     assert doc["summary"] == summarize(doc["rows"]) and doc["goal_ratio"] == 0.6
     md = out_md.read_text()
     assert "| kv dtype | prompt | path | TTFT s |" in md and "| grpc | 40 |" in md and "Command: `python -m" in md
     assert (tmp_path / "logs" / "decode-nvfp4-grpc.log").exists()
+    assert [r["channels"] for r in doc["anchors"]["raw_grpc"]] == [1, 4] and "| raw grpcio, 2 processes |" in md
 
 
 def test_the_share_ratio_meets_the_goal_only_at_or_below_0_6():

@@ -1,4 +1,4 @@
-"""KV transfer benchmark (issue 9): gRPC bytes vs CUDA IPC, nvfp4 vs fp8_e4m3, long prompts.
+"""KV transfer benchmark: gRPC bytes vs CUDA IPC, nvfp4 vs fp8_e4m3, long prompts, each path against its anchor.
 
     python -m benchmarks.transfer.bench_transfer [--prefill-gpu 0 --decode-gpu 0] [--lengths 32768 163840]
         [--model DIR [--num-layers N]] [--paths grpc cuda-ipc] [--kv-dtypes nvfp4 fp8_e4m3]
@@ -7,9 +7,13 @@ For each KV dtype it starts one prefill service and one decode service per path 
 ``--kv-transfer cuda-ipc``), all at once, on the given GPUs (one GPU works: two processes on one GPU still
 use CUDA IPC). Then, one request at a time on idle services, a unique random prompt per (dtype, length, path)
 goes through Decode.Generate, and it records: TTFT (client), prefill compute (the prefill's own time), the
-transfer (the decode's time from header to last page in, copies complete), its bytes and GB/s, the path the
-decode's metrics say was taken, and single-sequence decode tok/s. It prints a table and writes
-docs/benchmarks/transfer.json and .md with the nvfp4/fp8 transfer-share ratio per path and the 0.6x goal.
+transfer (the decode's time from header to last page in, copies complete; pages stream while the prefill
+computes), its bytes, the path the decode's metrics say was taken, and single-sequence decode tok/s. Then the
+same prompt once more: the prefill's prefix cache holds its pages, so they are all ready at once and the
+transfer runs at the path's own speed ("ready" columns). Anchors from the same run
+(``benchmarks/transfer/anchors.py``): raw grpcio between two processes (identity serializers, the same message
+size, 1 and 4 channels) for the gRPC path, and one device gather of the same pages for cuda-ipc. It prints
+tables and writes docs/benchmarks/transfer.json and .md.
 
 Without ``--model`` it writes (once, cached under --model-cache) a random-weight checkpoint with Qwen3-8B's
 attention and MLP shapes (32 query / 8 KV heads, head_dim 128, hidden 4096, MLP 12288), ``--layers`` layers
@@ -33,7 +37,8 @@ from typing import Any
 
 import grpc
 
-from benchmarks.transfer.report import GOAL_RATIO, ratio_table, summarize, table, write
+from benchmarks.transfer.anchors import attach_anchors, measure_anchors
+from benchmarks.transfer.report import GOAL_RATIO, anchor_table, ratio_table, summarize, table, write
 from benchmarks.transfer.services import Service, delta, flush_decode_cache, metrics, spawn, wait_ready
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -62,6 +67,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens generated per request")
+    p.add_argument("--message-bytes", type=int, default=1 << 20,
+                   help="the prefills' --kv-message-bytes, and the raw grpcio anchor's message size")
+    p.add_argument("--anchor-bytes", type=int, default=1 << 30, help="bytes each raw grpcio anchor run moves")
     p.add_argument("--warmup-len", type=int, default=1024,
                    help="prompt of the first warm-up request per decode (then one more at every measured length)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
@@ -99,24 +107,32 @@ def gpu_name(a: argparse.Namespace) -> str:
 
 
 def start_services(a: argparse.Namespace, model: Path, log_dir: Path) -> dict[str, dict[str, Service]]:
-    """{kv_dtype: {"prefill": svc, "<path>": decode svc}}, all started at once and ready."""
+    """{kv_dtype: {"prefill": svc, "<path>": decode svc}}: the prefills first, then decodes naming them."""
     pool_tokens = max(a.lengths) + a.warmup_len + a.decode_tokens + 64 * a.page_size
     started: dict[str, dict[str, Service]] = {}
     every: list[Service] = []
     try:
+        commons = {}
         for kv in a.kv_dtypes:
             common = ["--model", str(model), "--device", a.device, "--dtype", a.dtype, "--kv-cache-dtype", kv,
                       "--page-size", str(a.page_size), "--max-total-tokens", str(pool_tokens),
                       "--chunked-prefill-size", str(a.chunked_prefill_size)]
             if a.num_layers is not None:
                 common += ["--num-layers", str(a.num_layers)]
-            group = {"prefill": spawn(f"prefill-{kv}", "prefill_svc", [*common, "--kv-hold-timeout", "300"],
-                                      log_dir, a.prefill_gpu if a.device == "cuda" else None)}
+            commons[kv] = common
+            started[kv] = {"prefill": spawn(f"prefill-{kv}", "prefill_svc",
+                                            [*common, "--kv-hold-timeout", "300",
+                                             "--kv-message-bytes", str(a.message_bytes)],
+                                            log_dir, a.prefill_gpu if a.device == "cuda" else None)}
+            every.append(started[kv]["prefill"])
+        wait_ready(every, a.startup_timeout)
+        for kv in a.kv_dtypes:
             for path in a.paths:
-                group[path] = spawn(f"decode-{kv}-{path}", "decode_svc", [*common, "--kv-transfer", path],
-                                    log_dir, a.decode_gpu if a.device == "cuda" else None)
-            started[kv] = group
-            every += group.values()
+                started[kv][path] = spawn(f"decode-{kv}-{path}", "decode_svc",
+                                          [*commons[kv], "--kv-transfer", path, "--prefill-addresses",
+                                           started[kv]["prefill"].address],
+                                          log_dir, a.decode_gpu if a.device == "cuda" else None)
+                every.append(started[kv][path])
         wait_ready(every, a.startup_timeout)
     except BaseException:
         for s in every:
@@ -142,6 +158,7 @@ def run_one(prefill: Service, decode: Service, rid: str, ids: list[int], max_tok
     n_after = sum(n for _, n in stamps[1:])
     span = stamps[-1][0] - stamps[0][0]
     transfer_s = delta(da, db, "nvfp4_decode_kv_transfer_seconds_total")
+    copy_s = delta(da, db, "nvfp4_decode_kv_transfer_copy_seconds_total")
     nbytes = delta(da, db, "nvfp4_decode_kv_transfer_bytes_total")
     used = [p for p in PATHS if delta(da, db, f'nvfp4_decode_kv_transfer_path_total{{path="{p}"}}') > 0]
     return {
@@ -150,6 +167,7 @@ def run_one(prefill: Service, decode: Service, rid: str, ids: list[int], max_tok
         "transfer_s": transfer_s, "transfer_share": transfer_s / ttft if ttft > 0 else None,
         "transfer_bytes": int(nbytes), "transfer_mb": nbytes / 1e6,
         "transfer_gbps": nbytes / transfer_s / 1e9 if transfer_s > 0 else None,
+        "copy_s": copy_s, "copy_gbps": nbytes / copy_s / 1e9 if copy_s > 0 else None,
         "path_used": used[0] if len(used) == 1 else "/".join(used) or "none",
         "generated_tokens": sum(n for _, n in stamps),
         "decode_tok_s": n_after / span if span > 0 and n_after else None,
@@ -173,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{sum(len(g) for g in services.values())} services ready in {time.perf_counter() - t_start:.1f} s "
           f"(logs in {log_dir})", flush=True)
     rows: list[dict[str, Any]] = []
+    anchors = measure_anchors(a, model, log_dir)
     try:
         for kv, group in services.items():
             for path in a.paths:  # compiles kernels and opens the IPC share outside the measurements
@@ -185,7 +204,13 @@ def main(argv: list[str] | None = None) -> int:
                             a.decode_tokens)
             for n in a.lengths:
                 for path in a.paths:
-                    r = run_one(group["prefill"], group[path], f"{kv}-{n}-{path}", unique_prompt(n), a.decode_tokens)
+                    ids = unique_prompt(n)
+                    r = run_one(group["prefill"], group[path], f"{kv}-{n}-{path}", ids, a.decode_tokens)
+                    # the same prompt again: the prefill's cache holds its pages, so they are ready at once
+                    # and the transfer runs at the path's own speed (the decode's cache was flushed)
+                    ready = run_one(group["prefill"], group[path], f"{kv}-{n}-{path}-ready", ids, 2)
+                    r.update({f"ready_{k}": ready[k] for k in ("transfer_s", "transfer_gbps", "copy_gbps",
+                                                                "transfer_bytes", "path_used")})
                     rows.append({"kv_dtype": kv, "prompt_len": n, "path": path, **r})
                     print(table([rows[-1]]).splitlines()[-1], flush=True)
                     if r["path_used"] != path:
@@ -204,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
                   "num_kv_heads": cfg["num_key_value_heads"], "head_dim": cfg.get("head_dim"),
                   "page_size": a.page_size, "chunk_size": a.chunked_prefill_size, "decode_tokens": a.decode_tokens,
                   "prefill_gpu": a.prefill_gpu, "decode_gpu": a.decode_gpu, "device": a.device},
-        "rows": rows, "summary": summarize(rows)}
+        "rows": rows, "summary": summarize(rows), "anchors": anchors}
+    attach_anchors(rows, anchors)
     write(doc, Path(a.out_json), Path(a.out_md))
-    print("\n" + table(rows) + "\n\n" + ratio_table(doc["summary"]), flush=True)
+    print("\n" + table(rows) + "\n\n" + anchor_table(anchors) + "\n\n" + ratio_table(doc["summary"]), flush=True)
     print(f"\nwrote {a.out_json} and {a.out_md} ({doc['wall_s']:.0f} s)", flush=True)
     return 0
 
