@@ -2,7 +2,10 @@
 
 Each service is its own process (as in a multi-host deployment), started with free loopback
 ports; the launcher waits until the router's /health is green, prints the URL, and on Ctrl-C
-(SIGINT) or SIGTERM stops every child, or stops them all when any one of them dies.
+(SIGINT) or SIGTERM stops every child, or stops them all when any one of them dies; with
+``--restart on-failure`` it starts a failed child again on its port (with backoff) and the router
+takes it back once it is healthy. The children end with the launcher, even when it is killed
+(``nvfp4_serve/supervisor.py``).
 
 GPU memory when services share a GPU: the prefill services start first, each with a KV pool sized
 for the prompts it has in flight (``--prefill-max-total-tokens``, default twice the workspace);
@@ -20,17 +23,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 
 from nvfp4_serve.cli_help import HelpFormatter, add_version
 from nvfp4_serve.engine_args import add_engine_args, engine_args_to_argv
@@ -38,41 +38,15 @@ from nvfp4_serve.kv_transfer import TRANSFER_MODES
 from nvfp4_serve.model_source import hub_id_of
 from nvfp4_serve.preflight import prepare_engine_args
 from nvfp4_serve.service_auth import API_KEY_ENV, SERVICE_TOKEN_ENV
+from nvfp4_serve.supervisor import RESTART_POLICIES, Child, stop_all, supervise
+from nvfp4_serve.supervisor import spawn as _spawn
 from nvfp4_serve.tls import add_tls_args, check_handshake, tls_argv, tls_from_args
-
-_READY = re.compile(r"ready on (\S+):(\d+)")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-@dataclass
-class Child:
-    name: str
-    popen: subprocess.Popen
-    ready: threading.Event
-    address: str = ""
-
-
-def _spawn(name: str, argv: list[str], env: dict[str, str]) -> Child:
-    popen = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=env, start_new_session=True)
-    child = Child(name, popen, threading.Event())
-
-    def pump() -> None:
-        for line in popen.stdout:
-            sys.stdout.write(f"[{name}] {line}")
-            sys.stdout.flush()
-            m = _READY.search(line)
-            if m and not child.ready.is_set():
-                child.address = f"{m.group(1)}:{m.group(2)}"
-                child.ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    return child
 
 
 def gpu_envs(env: dict[str, str], prefill_gpus: str | None, decode_gpus: str | None,
@@ -138,6 +112,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="serve the router's /metrics without the API key (it names the services' addresses)")
     p.add_argument("--served-model-name", default=None,
                    help="model id in the API (default: the hub id of --model, else its directory's name)")
+    p.add_argument("--restart", default="no", choices=RESTART_POLICIES,
+                   help="no: a service that dies stops the deployment; on-failure: it is started again on its "
+                        "port, after 1 s doubling to 30 s when it keeps failing, and the router routes to it "
+                        "once it is healthy")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds until every service is ready and the router healthy")
     p.add_argument("--log-level", default="info", help="log level of every service")
@@ -214,19 +192,6 @@ def _metrics_argv(base: int | None, i: int) -> list[str]:
     return [] if base is None else ["--metrics-port", str(base + i)]
 
 
-def stop_all(children: list[Child], grace: float = 15.0) -> None:
-    for c in children:
-        if c.popen.poll() is None:
-            c.popen.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for c in children:
-        try:
-            c.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            c.popen.kill()
-            c.popen.wait()
-
-
 def up(argv: list[str] | None = None) -> int:
     a = build_arg_parser().parse_args(argv)
     if a.num_decode < 1:
@@ -297,13 +262,7 @@ def up(argv: list[str] | None = None) -> int:
         layers_text = "" if a.num_layers is None else f", --num-layers {a.num_layers}"
         print(f"nvfp4-serve ready: {url}/v1  (model {a.model}, kv {a.kv_cache_dtype}{layers_text}, "
               f"{a.num_decode} decode, {prefill_text}); Ctrl-C stops", flush=True)
-        while not stop.wait(0.5):
-            dead = [c for c in children if c.popen.poll() is not None]
-            if dead:
-                print(f"nvfp4-serve: {dead[0].name} exited with code {dead[0].popen.returncode}; stopping all",
-                      file=sys.stderr, flush=True)
-                return 1
-        return 0
+        return supervise(children, stop, a.restart)
     except (RuntimeError, TimeoutError) as e:
         print(f"nvfp4-serve: {e}", file=sys.stderr, flush=True)
         return 1
