@@ -143,11 +143,11 @@ def report(doc: dict[str, Any]) -> str:
     deps = {k: v for k, v in doc["deployments"].items() if v.get("status") == "ok"}
     lines = ["# Disaggregated prefill/decode vs colocated serving", "",
              f"Command: `{doc['command']}`", "",
-             f"GPU: {doc.get('gpu', '?')}. Workload: {w['num_prompts']} random prompts of {w['input_len']:,} tokens, "
+             (f"GPU: {doc.get('gpu', '?')}. Workload: {w['num_prompts']} random prompts of {w['input_len']:,} tokens, "
              f"{w['output_len']} output tokens each, {w['concurrency']} in flight; one deployment at a time on the "
-             "same machine, each `nvfp4-serve up` with the shared args plus its own (the table's first column).", "",
-             "| deployment | up args | TTFT mean / median / p99 ms | ITL p50 / p99 ms | input tok/s | output tok/s | "
-             "transfer MB | header->last page s | copy GB/s |", "|---|---|---|---|---|---|---|---|---|"]
+             "same machine, each `nvfp4-serve up` with the shared args plus its own (the table's first column)."), "",
+             ("| deployment | up args | TTFT mean / median / p99 ms | ITL p50 / p99 ms | input tok/s | output tok/s | "
+             "transfer MB | header->last page s | copy GB/s |"), "|---|---|---|---|---|---|---|---|---|"]
     for name, rec in deps.items():
         s, t = rec["summary"], rec["summary"]["transfer"]
         own = " ".join(DEPLOYMENTS[name])
@@ -170,15 +170,15 @@ def report(doc: dict[str, Any]) -> str:
     g4, g8 = deps.get("pd-grpc", {}).get("summary"), deps.get("pd-grpc-fp8", {}).get("summary")
     if g4 and g8:
         lines += ["", "## nvfp4 vs fp8_e4m3, both PD over gRPC", "",
-                  f"- transfer bytes: {g4['transfer']['bytes'] / max(g8['transfer']['bytes'], 1):.4f}x "
-                  "(per token and layer, 0.5625x is the format's ratio)",
+                  (f"- transfer bytes: {g4['transfer']['bytes'] / max(g8['transfer']['bytes'], 1):.4f}x "
+                  "(per token and layer, 0.5625x is the format's ratio)"),
                   f"- TTFT mean: {_ratio(g4['ttft_mean_ms'], g8['ttft_mean_ms'])}",
                   f"- output tok/s: {_ratio(g4['output_tok_s'], g8['output_tok_s'])}"]
-    lines += ["", "Transfer columns come from the decode's metrics over the measured requests: bytes received, the "
+    lines += ["", ("Transfer columns come from the decode's metrics over the measured requests: bytes received, the "
               "time from each transfer's header to its last page (pages stream while the prefill computes, so this "
               "includes the prompt's compute after its first chunk), and the time the pool writes took on the "
               "decode's copy threads (copy GB/s = bytes / that time). `python -m benchmarks.transfer.bench_transfer` "
-              "measures each path's transport rate against raw grpcio and a device gather.", ""]
+              "measures each path's transport rate against raw grpcio and a device gather."), ""]
     return "\n".join(lines)
 
 
