@@ -1,5 +1,5 @@
 #!/bin/bash
-# The H200 runs behind docs/benchmarks (issues 4, 5, 7, 9), in order, in the background so that they outlive
+# The H200 runs behind docs/benchmarks, in order, in the background so that they outlive
 # one device call (each call is limited to 10 minutes; the machine stays held while calls follow each other):
 #
 #   device call 1:  setsid nohup bash benchmarks/device/pipeline.sh >/dev/null 2>&1 </dev/null & \
@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 tests"}  # file order; issue9x2 needs 2 GPUs, itl_check is on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 transfer pd tests"}  # file order; issue9x2 needs 2 GPUs, itl_check is on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -61,6 +61,13 @@ stage ramp 200 python3 -m benchmarks.engine.bench_ttft_ramp --model /tmp/q8b --n
   --input-len 32768 --chunk-size 8192 --mem-fraction-static 0.22 --workspace-tokens 262144 \
   --out docs/benchmarks/engine_ttft_ramp.json
 stage issue9 400 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --log-dir $R/logs9
+# Disaggregated prefill/decode: every transfer path against its anchor (raw grpcio, device gather) on the
+# 8-layer Qwen3-8B shape at 32K, then the serving comparison colocated vs PD (cuda-ipc, gRPC; nvfp4, fp8).
+stage transfer 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
+  --num-layers 8 --lengths 32768 --log-dir $R/logs_tr
+stage pd 1500 python3 -m nvfp4_serve.cli bench pd --input-len 32768 --output-len 256 --concurrency 16 \
+  --num-prompts 32 --log-dir $R/logs_pd --launch --model /tmp/q8b --num-layers 8 --max-total-tokens 1048576 \
+  --workspace-tokens 262144 --chunked-prefill-size 8192
 # issue 9 on the two-GPU kind (nvidia-h200-x2): prefill on GPU 0, decode on GPU 1 (the NVLink hop), then the
 # serving path through the launcher's GPU placement.
 stage issue9x2 400 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 1 --log-dir $R/logs9x2
