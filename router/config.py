@@ -33,9 +33,11 @@ class RouterConfig:
     prefill_addresses: tuple[str, ...] = field(
         default=(), metadata=_opt("prefill services, host:port; none -> decode services run prompts locally",
                                   "--prefill"))
-    model_dir: str = field(default="", metadata=_opt("model directory (tokenizer, chat template, config.json)",
+    model_dir: str = field(default="", metadata=_opt("model directory (tokenizer, chat template, config.json) or "
+                                                     "Hugging Face hub id (its cached snapshot; required)",
                                                      "--model"))
-    served_model_name: str = field(default="", metadata=_opt("model id in the API (default: model dir name)"))
+    served_model_name: str = field(
+        default="", metadata=_opt("model id in the API (default: the hub id, else the model dir's name)"))
     host: str = field(default="127.0.0.1", metadata=_opt("bind address (localhost only by default)"))
     port: int = field(default=8000, metadata=_opt("HTTP port"))
     max_model_len: int = field(default=0, metadata=_opt("context limit in tokens; 0 -> config.json's"))
@@ -187,7 +189,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         else:
             conv = {"int": int, "float": float, "str": str}[kind]
             parser.add_argument(*names, dest=f.name, type=conv, default=default,
-                                help=help_text if f.name in _SECRETS else f"{help_text} (default: {default!r})")
+                                help=help_text if f.name in _SECRETS or default == "" or "default" in help_text
+                                else f"{help_text} (default: {default!r})")
     return parser
 
 
