@@ -156,11 +156,15 @@ async def check_integrity(addresses: list[str], settle_s: float = 10.0,
     token)."""
     import grpc
 
+    from nvfp4_serve.service_auth import resolve_service_token
+    from nvfp4_serve.tls import TLSConfig, open_channel
     from nvfp4_serve_proto import decode_pb2, decode_pb2_grpc
+
+    links = TLSConfig(service_token=resolve_service_token(None))  # the deployment's token, from the environment
 
     async def one(address: str) -> dict[str, Any]:
         try:
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with open_channel(address, links, []) as channel:
                 stub = decode_pb2_grpc.DecodeStub(channel)
                 r = await stub.CheckIntegrity(decode_pb2.CheckIntegrityRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:

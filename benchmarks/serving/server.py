@@ -126,11 +126,15 @@ async def decode_metrics(addresses: list[str], timeout_s: float = 10.0) -> dict[
     """address -> parsed metrics, or -> {"error": ...} when the decode service cannot be reached from here."""
     import grpc
 
+    from nvfp4_serve.service_auth import resolve_service_token
+    from nvfp4_serve.tls import TLSConfig, open_channel
     from nvfp4_serve_proto import common_pb2, decode_pb2_grpc
+
+    links = TLSConfig(service_token=resolve_service_token(None))  # the deployment's token, from the environment
 
     async def one(address: str) -> dict[str, Any]:
         try:
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with open_channel(address, links, []) as channel:
                 reply = await decode_pb2_grpc.DecodeStub(channel).GetMetrics(common_pb2.MetricsRequest(),
                                                                              timeout=timeout_s)
             return parse_prometheus(reply.prometheus_text)
