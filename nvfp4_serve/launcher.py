@@ -22,6 +22,7 @@ prompts over the prefill services by outstanding tokens.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -144,6 +145,7 @@ def _wait_ready(children: list[Child], deadline: float) -> None:
 
 
 def _wait_health(url: str, router: Child, deadline: float) -> None:
+    why = "no answer"
     while time.monotonic() < deadline:
         if router.popen.poll() is not None:
             raise RuntimeError(f"router exited with code {router.popen.returncode} during start-up")
@@ -151,10 +153,15 @@ def _wait_health(url: str, router: Child, deadline: float) -> None:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
                     return
-        except (urllib.error.URLError, OSError):
-            pass
+        except urllib.error.HTTPError as e:  # 503: which worker is down and why (e.g. a TLS handshake failure)
+            try:
+                why = json.loads(e.read())["error"]["message"]
+            except (ValueError, KeyError, TypeError, OSError):
+                why = f"HTTP {e.code}"
+        except (urllib.error.URLError, OSError) as e:
+            why = str(e)
         time.sleep(0.2)
-    raise TimeoutError("router /health did not turn green in time")
+    raise TimeoutError(f"router /health did not turn green in time: {why}")
 
 
 def _context_len(model_dir: str) -> int | None:
