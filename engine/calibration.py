@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         "(nvfp4: amax / 2688, fp8: amax / 448) for `--kv-scales FILE`.",
     )
     add_version(p)
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or Hugging Face hub id (default: the embedded model)")
     p.add_argument("--out", required=True, metavar="FILE", help="scales file to write (JSON)")
     p.add_argument(
         "--data",
@@ -270,11 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         help="model dtype (default: bfloat16 on CUDA, float32 on CPU)",
     )
     a = p.parse_args(argv)
-    if a.model is None:
-        from nvfp4_serve.default_model import default_model_dir
+    from nvfp4_serve.model_source import resolve_model
 
-        a.model = default_model_dir()
     try:
+        a.model = resolve_model(a.model)  # a hub id becomes its cached snapshot; None the embedded model
         text = Path(a.data).read_text(encoding="utf-8") if a.data else None
         scales = calibrate(
             a.model,

@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         "nvfp4-serve eval", description=__doc__, formatter_class=HelpFormatter
     )
     add_version(p)
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or Hugging Face hub id (default: the embedded model)")
     p.add_argument(
         "--kv-scales",
         default=None,
@@ -358,11 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="model weights and activations")
     a = p.parse_args(argv)
-    if a.model is None:
-        from nvfp4_serve.default_model import default_model_dir
+    from nvfp4_serve.model_source import resolve_model
 
-        a.model = default_model_dir()
     try:
+        a.model = resolve_model(a.model)  # a hub id becomes its cached snapshot; None the embedded model
         if a.kv_scales:
             from engine.loader import model_fingerprint
 
