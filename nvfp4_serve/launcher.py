@@ -34,7 +34,7 @@ import urllib.error
 import urllib.request
 
 from nvfp4_serve.cli_help import HelpFormatter, add_version
-from nvfp4_serve.engine_args import add_engine_args, engine_args_to_argv
+from nvfp4_serve.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
 from nvfp4_serve.kv_transfer import TRANSFER_MODES
 from nvfp4_serve.model_source import hub_id_of
 from nvfp4_serve.preflight import prepare_engine_args
@@ -210,6 +210,7 @@ def up(argv: list[str] | None = None) -> int:
     try:
         a.served_model_name = a.served_model_name or hub_id_of(a.model)  # the API names a hub model by its id
         prepare_engine_args(a)  # --model resolved once (a hub id becomes its cached directory), then checked
+        engine_config_from_args(a)  # every engine flag value checked here, not once per child
         extra = {svc: _split_args(f"--{svc}-args", getattr(a, f"{svc}_args")) for svc in ("prefill", "decode", "router")}
         links = tls_from_args(a)
         if links.enabled:  # every child dials the others on loopback: a certificate that fails there fails now

@@ -66,6 +66,13 @@ def test_check_device_keeps_cpu_and_auto_on_a_cpu_only_torch():
         check_device("tpu")
 
 
+def test_up_checks_every_engine_flag_before_it_starts_a_service(tiny_model_dir):
+    r = _run("-m", "nvfp4_serve.cli", "up", "--model", tiny_model_dir, "--page-size", "16", "--max-total-tokens", "8")
+    line = _one_line_error(r, "nvfp4-serve up:")
+    assert "--max-total-tokens (8) must hold at least one page (16)" in line
+    assert "[prefill]" not in r.stdout and "[decode" not in r.stdout  # refused before any child started
+
+
 # -- the model directory -----------------------------------------------------------------------------
 def test_a_directory_without_weights_names_what_is_missing(model_copy):
     (model_copy / "model.safetensors").unlink()
