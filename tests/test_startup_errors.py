@@ -96,6 +96,15 @@ def test_an_unsupported_architecture_lists_the_supported_ones(model_copy):
     assert "unsupported architecture 'GPT2LMHeadModel'" in line and "Qwen3ForCausalLM" in line
 
 
+def test_a_checkpoint_whose_tensors_do_not_match_its_config_is_one_line_from_the_engine(model_copy):
+    """Found only when the engine loads the weights (after the pre-flight checks): StartupError, exit 1."""
+    cfg = json.loads((model_copy / "config.json").read_text())
+    (model_copy / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + 1}))
+    r = _run("-m", "prefill_svc", "--model", str(model_copy), "--device", "cpu", "--port", "0")
+    line = _one_line_error(r, "nvfp4-serve prefill: error:")
+    assert r.returncode == 1 and f"cannot serve {model_copy}" in line and "missing tensors" in line
+
+
 def test_nvfp4_refuses_a_head_dim_not_divisible_by_16_and_names_the_dtypes_that_work(tmp_path):
     model = make_tiny_model(tmp_path / "hd24", head_dim=24)
     line = _one_line_error(_run("-m", "nvfp4_serve.cli", "up", "--model", str(model)), "nvfp4-serve up:")
