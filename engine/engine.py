@@ -96,10 +96,10 @@ class Engine:
                              time.perf_counter() - t0)
             except Exception:  # an optimisation only: without it kernels compile on first use, as before
                 log.warning("decode kernel warm-up failed; kernels compile on first use", exc_info=True)
-        self.runner = ModelRunner(self.model, self.paths, self.device, graphs)
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids or ())
+        self.runner = ModelRunner(self.model, self.paths, self.device, graphs, eos)
         self.scheduler = Scheduler(self.runner, self.allocator, self.cache, cc.page_size, config.scheduler,
-                                   self.max_context_len, ws_tokens, eos, self.device)
+                                   self.max_context_len, ws_tokens, eos, self.device, mc.vocab_size)
         cap = self.capacity()
         log.info("KV pool: %s, %d pages x %d tokens = %d tokens, %.2f GiB; workspace %d tokens (%.1f MiB); "
                  "backend %s on %s; decode CUDA graphs: %s", cap.kv_dtype, cap.num_pages, cap.page_size, cap.max_tokens,
@@ -162,7 +162,8 @@ class Engine:
         results: dict[str, list[StepOutput]] = {r.rid: [] for r in reqs}
         while self.scheduler.has_work:
             for out in self.scheduler.step():
-                results[out.rid].append(out)
+                if isinstance(out, StepOutput):
+                    results[out.rid].append(out)
         outs = []
         for r in reqs:
             ids = [t for o in results[r.rid] for t in o.new_token_ids]
@@ -171,7 +172,6 @@ class Engine:
         return outs
 
 
-def _per_layer(given: Sequence[float] | None, checkpoint: dict | None, key: str, n: int) -> list[float]:
 def served_context_len(requested: int | None, model_len: int, model_dir: str) -> int:
     """The engine's max context: ``--context-length`` when given (at most the model's), else the model's."""
     if requested is None:
@@ -182,6 +182,7 @@ def served_context_len(requested: int | None, model_len: int, model_dir: str) ->
     return requested
 
 
+def _per_layer(given: Sequence[float] | None, checkpoint: dict | None, key: str, n: int) -> list[float]:
     """Per-layer scales: explicit config > checkpoint k_scale/v_scale > 1.0."""
     vals = list(given) if given is not None else (list(checkpoint[key]) if checkpoint else [1.0] * n)
     if len(vals) != n:

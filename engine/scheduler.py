@@ -10,6 +10,7 @@ over the extending requests, FIFO) and then one decode step for every running re
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from engine.radix_cache import RadixCache
 from engine.request import PrefillProgress, Request, Status, StepOutput
 from engine.sampling import make_generator
 
+log = logging.getLogger(__name__)
+
 
 class RequestRejected(ValueError):
     """The request can never be served with this configuration (the message says why)."""
@@ -34,7 +37,7 @@ class Scheduler:
     def __init__(
         self, runner: ModelRunner, allocator: PageAllocator, cache: RadixCache, page_size: int,
         config: SchedulerConfig, max_context_len: int, workspace_tokens: int,
-        eos_token_ids: frozenset[int], device: torch.device,
+        eos_token_ids: frozenset[int], device: torch.device, vocab_size: int | None = None,
     ):
         self.runner = runner
         self.allocator = allocator
@@ -45,6 +48,7 @@ class Scheduler:
         self.workspace_tokens = workspace_tokens
         self.eos_token_ids = eos_token_ids
         self.device = device
+        self.vocab_size = vocab_size  # token ids a peer hands in (complete_pull) are checked against it
         self.waiting: deque[Request] = deque()
         self.extending: list[Request] = []
         self.pulling: dict[str, Request] = {}
@@ -119,6 +123,8 @@ class Scheduler:
             target = req.extend_target_len
             match = self.cache.match_prefix(req.tokens[:target])
             cached = match.num_tokens
+            if req.sampling.prompt_logprobs is not None and not req.output_ids:
+                cached = 0  # every prompt position's logits are needed
             if not req.output_ids and not req.remote_prefill:
                 # keep at least one prompt token to compute: its logits give the first output token
                 cached = min(cached, (target - 1) // self.page_size * self.page_size)
@@ -183,7 +189,10 @@ class Scheduler:
         if self.on_layer_done is not None:
             def hook(layer_id: int, _batch=batch) -> None:
                 self.on_layer_done(_batch, layer_id)
-        tokens = self.runner.extend(batch, lens, sample_mask, hook)
+        try:
+            tokens = self.runner.extend(batch, lens, sample_mask, hook)
+        except Exception:  # noqa: BLE001 - find the request(s) that fail, and fail only those
+            batch, lens, tokens = self._extend_isolating(batch, lens, sample_mask, outputs)
         fence = Fence(self.device) if any(r.prefill_only for r in batch) else None
         for req, n, tok in zip(batch, lens, tokens):
             req.kv_len += n
@@ -229,7 +238,10 @@ class Scheduler:
         batch = [r for r in self.running if r.status is Status.RUNNING]
         if not batch:
             return
-        tokens = self.runner.decode(batch, self.on_device_wait)
+        try:
+            tokens = self.runner.decode(batch, self.on_device_wait)
+        except Exception:  # noqa: BLE001 - find the request(s) that fail, and fail only those
+            batch, tokens = self._decode_isolating(batch, outputs)
         self.num_decode_tokens += len(batch)
         for req, tok in zip(batch, tokens):
             req.kv_len += 1
@@ -238,6 +250,50 @@ class Scheduler:
             outputs.append(self._output(req, [tok]))
             if req.finish_reason:
                 self._finish(req)
+
+    def _decode_isolating(self, batch: list[Request], outputs: list) -> tuple[list[Request], list[int]]:
+        """After a failed decode step: each request's step on its own; a request whose own step fails ends with
+        an error (its pages freed, none cached), the others get their token as if nothing happened. Only a
+        failure raised before the device work (bad ids, shapes) can be isolated; a device fault is fatal."""
+        ok, tokens = [], []
+        for req in batch:
+            try:
+                tokens += self.runner.decode([req])
+                ok.append(req)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                log.warning("request %s failed its decode step and is ended: %s: %s", req.rid, type(e).__name__, e)
+                self._fail(req, outputs, f"engine error in this request's decode step: {type(e).__name__}: {e}")
+        return ok, tokens
+
+    def _extend_isolating(self, batch: list[Request], lens: list[int], sample_mask: list[bool],
+                          outputs: list) -> tuple[list[Request], list[int], list[int | None]]:
+        """After a failed extend batch: each request's chunk on its own (it rewrites only its own pages); one whose
+        own chunk fails ends with an error, the others go on as if nothing happened."""
+        ok, ok_lens, tokens = [], [], []
+        for req, n, m in zip(batch, lens, sample_mask, strict=True):
+            try:
+                tokens += self.runner.extend([req], [n], [m])
+                ok.append(req)
+                ok_lens.append(n)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                log.warning("request %s failed its prefill chunk and is ended: %s: %s", req.rid, type(e).__name__, e)
+                self._fail(req, outputs, f"engine error in this request's prefill: {type(e).__name__}: {e}")
+        return ok, ok_lens, tokens
+
+    def _fail(self, req: Request, outputs: list, message: str) -> None:
+        """End ``req`` with an error: its pages go back to the pool without entering the prefix cache (their
+        content is not to be trusted), and its caller gets ``message``."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.EXTENDING:
+            self.extending.remove(req)
+        elif req.status is Status.PULLING:
+            del self.pulling[req.rid]
+        self.allocator.decref(req.page_ids)
+        req.page_ids, req.kv_len = [], 0
+        req.status, req.finish_reason = Status.FINISHED, "abort"
+        self.requests.pop(req.rid, None)
+        outputs.append(StepOutput(req.rid, [], "abort", req.prompt_len, req.num_cached_tokens, error=message))
 
     def _retraction_victim(self, exclude: Request) -> Request | None:
         candidates = [r for r in self.running if r is not exclude and r.status is Status.RUNNING]
@@ -276,7 +332,12 @@ class Scheduler:
         req.kv_len = 0
 
     def _output(self, req: Request, tokens: list[int]) -> StepOutput:
-        return StepOutput(req.rid, tokens, req.finish_reason, req.prompt_len, req.num_cached_tokens)
+        sp, lps = req.sampling, req.output_logprobs
+        logprobs = lps[-len(tokens):] if sp.logprobs is not None and len(lps) == len(req.output_ids) else None
+        first = len(req.output_ids) == len(tokens)
+        prompt_lps = req.prompt_logprobs if sp.prompt_logprobs is not None and first else None
+        return StepOutput(req.rid, tokens, req.finish_reason, req.prompt_len, req.num_cached_tokens,
+                          logprobs=logprobs, prompt_logprobs=prompt_lps)
 
     # -- external control (services) ----------------------------------------------------------------
     def abort(self, rid: str, reason: str = "abort") -> Request | None:
@@ -303,7 +364,13 @@ class Scheduler:
         return req
 
     def complete_pull(self, rid: str, first_token: int) -> StepOutput:
-        """The prompt's pages arrived: cache them and start decoding from ``first_token``."""
+        """The prompt's pages arrived: cache them and start decoding from ``first_token``. A token outside the
+        vocabulary (a broken peer) ends only this request, with an error."""
+        if self.vocab_size is not None and not 0 <= first_token < self.vocab_size:
+            failed: list[StepOutput] = []
+            self._fail(self.pulling[rid], failed, f"the prefill's first token {first_token} is outside the "
+                                                  f"vocabulary [0, {self.vocab_size})")
+            return failed[0]
         req = self.pulling.pop(rid)
         req.kv_len = req.prompt_len
         self.cache.insert(req.tokens[:req.kv_len], req.page_ids)

@@ -1,0 +1,112 @@
+"""Pages stream while the prompt runs, and a transfer cancelled at any stage frees every page on both sides.
+
+A prefill and a decode service run in this process (tests/pd_harness.py: real engines and gRPC servers);
+``ChunkGate`` holds the prefill engine right before a chosen chunk of the chunked prefill, so "before the
+last chunk is computed" is a fact the test controls, not a timing guess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from nvfp4_serve.kv_copy import PageImporter
+from nvfp4_serve_proto import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.pd_harness import ChunkGate, services
+
+PAGE, CHUNK = 4, 8  # a 40-token prompt runs as 5 chunks of 2 pages each
+
+
+def prompt(n: int, offset: int = 5) -> list[int]:
+    return [(offset + 7 * i) % 400 + 3 for i in range(n)]
+
+
+def reference(model_dir: str, ids: list[int], max_tokens: int) -> list[int]:
+    from engine.sampling import SamplingParams
+    from tests.pd_harness import engine
+
+    eng = engine(model_dir, page_size=PAGE, chunk_size=CHUNK)
+    return eng.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+
+
+def test_a_page_message_leaves_before_the_prompts_last_chunk_is_computed(tiny_model_dir):
+    async def scenario():
+        async with services(tiny_model_dir, page_size=PAGE, chunk_size=CHUNK) as s:
+            gate = ChunkGate(s.prefill.engine.runner, index=4)  # the last of the 5 chunks waits for us
+            req = prefill_pb2.PrefillRequest(request_id="o", token_ids=prompt(40),
+                                             sampling=common_pb2.SamplingParams(temperature=0, max_tokens=1))
+            async with grpc.aio.insecure_channel(s.prefill_address) as ch:
+                stream = prefill_pb2_grpc.PrefillStub(ch).Prefill(req).__aiter__()
+                early = []
+                while not any(m.HasField("pages") for m in early):  # no page before the end: times out here
+                    early.append(await asyncio.wait_for(stream.__anext__(), 30))
+                before_release = not gate.released.is_set() and gate.calls <= 4
+                gate.release()
+                rest = [m async for m in stream]
+            return early, rest, before_release
+
+    early, rest, before_release = asyncio.run(scenario())
+    assert before_release
+    assert early[0].WhichOneof("payload") == "header" and early[0].header.num_pages == 10
+    first = early[-1].pages
+    assert (first.layer, first.first_page, first.num_pages) == (0, 0, 2)  # chunk 0's two pages, layer 0 first
+    msgs = early + rest
+    assert msgs[-1].WhichOneof("payload") == "done"
+    covered = [(m.pages.layer, m.pages.first_page + i) for m in msgs if m.HasField("pages")
+               for i in range(m.pages.num_pages)]
+    assert sorted(covered) == [(layer, p) for layer in range(2) for p in range(10)]  # every page once
+
+
+class _WriteGate:
+    """Blocks the decode's ``n``-th page write (on its copy thread) until released."""
+
+    def __init__(self, monkeypatch, n: int):
+        self.reached, self.released, self.calls = threading.Event(), threading.Event(), 0
+        inner = PageImporter.write
+
+        def write(importer, *args, **kw):
+            self.calls += 1
+            if self.calls == n:
+                self.reached.set()
+                self.released.wait(60)
+            return inner(importer, *args, **kw)
+
+        monkeypatch.setattr(PageImporter, "write", write)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+STAGES = {
+    "queued at the prefill, before the header": ("chunk", 0),
+    "mid-stream, two chunks sent": ("chunk", 2),
+    "every page but the last chunk's sent": ("chunk", 4),
+    "while the decode writes a page run": ("write", 3),
+}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_transfer_cancelled_at_every_stage_frees_every_page_on_both_sides(tiny_model_dir, monkeypatch, stage):
+    kind, n = STAGES[stage]
+
+    async def scenario():
+        async with services(tiny_model_dir, page_size=PAGE, chunk_size=CHUNK) as s:
+            gate = ChunkGate(s.prefill.engine.runner, n) if kind == "chunk" else _WriteGate(monkeypatch, n)
+            async with grpc.aio.insecure_channel(s.decode_address) as ch:
+                call = decode_pb2_grpc.DecodeStub(ch).Generate(s.request("c", prompt(40), 4))
+                reading = asyncio.ensure_future(call.read())
+                assert await asyncio.to_thread(gate.reached.wait, 30), "the stage was never reached"
+                call.cancel()
+                await asyncio.gather(reading, return_exceptions=True)
+                gate.release()
+            load, rep = await s.idle()
+            later = await s.generate("after", prompt(24, offset=9), 4)
+            return load, rep, later
+
+    load, rep, later = asyncio.run(scenario())
+    assert load.pool_pages_in_use == 0
+    assert rep.ok and rep.num_in_use == 0 and rep.num_cached == 0  # nothing of the cancelled prompt cached
+    assert later == reference(tiny_model_dir, prompt(24, offset=9), 4)  # the services keep serving
