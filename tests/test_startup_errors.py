@@ -73,6 +73,12 @@ def test_up_checks_every_engine_flag_before_it_starts_a_service(tiny_model_dir):
     assert "[prefill]" not in r.stdout and "[decode" not in r.stdout  # refused before any child started
 
 
+def test_an_unbalanced_service_args_string_is_one_line(tiny_model_dir):
+    r = _run("-m", "nvfp4_serve.cli", "up", "--model", tiny_model_dir, "--decode-args", "--between-tokens-timeout '300")
+    line = _one_line_error(r, "nvfp4-serve up:")
+    assert "--decode-args" in line and "No closing quotation" in line and "one shell-quoted string" in line
+
+
 # -- the model directory -----------------------------------------------------------------------------
 def test_a_directory_without_weights_names_what_is_missing(model_copy):
     (model_copy / "model.safetensors").unlink()
