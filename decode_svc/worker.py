@@ -26,8 +26,9 @@ from collections.abc import AsyncIterator
 from decode_svc.config import DecodeConfig
 from decode_svc.kv_receiver import KVReceiver
 from engine.engine_loop import EngineLoop
+from engine.grammar import GrammarCompiler, GrammarError, GrammarUnavailable, Matcher
 from engine.request import PullStart, Request, StepOutput
-from nvfp4_serve.convert import check_token_ids, sampling_from_proto
+from nvfp4_serve.convert import check_token_ids, logprobs_to_proto, sampling_from_proto
 from nvfp4_serve.errors import InvalidRequest, TransferTimeout, UntrustedPeer, check_request_id, engine_error
 from nvfp4_serve.kv_transfer import check_address
 from nvfp4_serve.layout import layout_of
@@ -43,8 +44,9 @@ def _coalesce(ev: StepOutput | PullStart, events: asyncio.Queue) -> StepOutput |
     while isinstance(ev, StepOutput) and ev.finish_reason is None and not ev.error and not events.empty():
         nxt = events.get_nowait()
         assert isinstance(nxt, StepOutput), "a PullStart after a token"
+        logprobs = [*ev.logprobs, *nxt.logprobs] if ev.logprobs is not None and nxt.logprobs is not None else None
         ev = StepOutput(ev.rid, [*ev.new_token_ids, *nxt.new_token_ids], nxt.finish_reason, ev.num_prompt_tokens,
-                        ev.num_cached_tokens, nxt.error)
+                        ev.num_cached_tokens, nxt.error, logprobs, ev.prompt_logprobs)
     return ev
 
 
@@ -62,6 +64,8 @@ class DecodeWorker:
         self.debug_token_delay = config.debug_token_delay_s
         self._in_flight: set[str] = set()  # request ids between submit and the end of their stream
         self.max_sequence_len = min(self.engine.max_context_len, self.engine.capacity().max_tokens)
+        self.grammars = GrammarCompiler(self.engine.config.model_dir, self.engine.model_config.vocab_size,
+                                        self.engine.scheduler.eos_token_ids)
 
     def _build_request(self, request: decode_pb2.GenerateRequest) -> Request:
         rid = check_request_id(request.request_id)
@@ -69,7 +73,8 @@ class DecodeWorker:
             raise InvalidRequest(f"request_id {rid!r} is already in flight on this decode service")
         vocab = self.engine.model_config.vocab_size
         ids = check_token_ids(request.token_ids, vocab)
-        sampling = sampling_from_proto(request.sampling)
+        # max_tokens 0 (unset) is the rest of the context (common.proto)
+        sampling = sampling_from_proto(request.sampling, max(1, self.max_sequence_len - len(ids)))
         bad_stop = [t for t in sampling.stop_token_ids if t >= vocab]  # negative ones fail in SamplingParams
         if bad_stop:
             raise InvalidRequest(f"stop_token_ids has ids outside the vocabulary [0, {vocab}), e.g. {bad_stop[0]}")
@@ -89,10 +94,23 @@ class DecodeWorker:
                 allowed = ", ".join(self.config.prefill_addresses) or "none (--prefill-addresses)"
                 raise UntrustedPeer(f"prefill_address {address!r} is not a prefill service of this deployment; "
                                      f"this decode pulls only from: {allowed}")
-        return Request(rid, ids, sampling, remote_prefill=bool(address))
+        # logprobs and structured output need the first token's logits here: such prompts run on this service
+        local = sampling.logprobs is not None or sampling.prompt_logprobs is not None or \
+            bool(request.sampling.structured.kind)
+        return Request(rid, ids, sampling, remote_prefill=bool(address) and not local)
+
+    def _compile(self, structured) -> Matcher:
+        try:
+            return self.grammars.compile(structured.kind, structured.spec)
+        except GrammarError as e:
+            raise InvalidRequest(f"structured output: {e}") from None
+        except GrammarUnavailable as e:
+            raise InvalidRequest(f"structured output is not available on this server: {e}") from None
 
     async def generate(self, request: decode_pb2.GenerateRequest) -> AsyncIterator[decode_pb2.GenerateResponse]:
         req = self._build_request(request)
+        if request.sampling.structured.kind:
+            req.grammar = await asyncio.to_thread(self._compile, request.sampling.structured)
         rid, aio_loop = req.rid, asyncio.get_running_loop()
         events: asyncio.Queue[StepOutput | PullStart] = asyncio.Queue()
 
@@ -149,7 +167,8 @@ class DecodeWorker:
                 yield decode_pb2.GenerateResponse(
                     request_id=rid, token_ids=ev.new_token_ids, prompt_tokens=ev.num_prompt_tokens if first else 0,
                     cached_tokens=ev.num_cached_tokens if first else 0, finish_reason=ev.finish_reason or "",
-                    completion_tokens=num_generated)
+                    completion_tokens=num_generated, logprobs=logprobs_to_proto(ev.logprobs or ()),
+                    prompt_logprobs=logprobs_to_proto(ev.prompt_logprobs or ()))
                 first = False
                 deadline, state = self.timeouts.between_tokens_s, "the next token"
                 if finished:

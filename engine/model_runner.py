@@ -9,16 +9,17 @@ import numpy as np
 import torch
 
 from engine.attention_paths import AttentionPaths, ExtendSeq, LayerHook
+from engine.batch_sampler import BatchSampler
 from engine.decode_graphs import DecodeGraphRunner
 from engine.model import CausalLM
 from engine.request import Request
-from engine.sampling import sample
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, paths: AttentionPaths, device: torch.device,
-                 graphs: DecodeGraphRunner | None = None):
+                 graphs: DecodeGraphRunner | None = None, eos_token_ids: frozenset[int] = frozenset()):
         self.model = model
+        self.sampler = BatchSampler(eos_token_ids)  # controls, sampling, logprobs and grammars of a batch
         self.paths = paths
         self.device = device
         self.graphs = graphs  # fixed-buffer (CUDA graph) decode; None: every decode step runs eagerly
@@ -40,13 +41,17 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, self.paths.extend(seqs, on_layer_done))
+        if any(r.sampling.prompt_logprobs is not None for r in reqs):
+            self.sampler.record_prompt_logprobs(self.model.compute_logits, hidden, reqs, lens)
         want = [i for i, m in enumerate(sample_mask) if m]
         result: list[int | None] = [None] * len(reqs)
         if not want:
             return result
         ends = torch.tensor(lens, dtype=torch.long).cumsum(0) - 1
         rows = ends[want].to(self.device)
-        tokens = self._sample(self.model.compute_logits(hidden[rows]), [reqs[i] for i in want]).tolist()
+        sampled = [reqs[i] for i in want]
+        tokens = self._sample(self.model.compute_logits(hidden[rows]), sampled).tolist()
+        self.sampler.finish(sampled, tokens)
         for i, t in zip(want, tokens):
             result[i] = t
         return result
@@ -63,6 +68,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         out = tokens.tolist()  # the one host synchronisation of a decode step
         self.decode_wait_s += time.perf_counter() - t0
+        self.sampler.finish(reqs, out)
         return out
 
     @torch.inference_mode()
@@ -89,10 +95,9 @@ class ModelRunner:
                             torch.tensor(pos, dtype=torch.long).to(dev), attn)
         return self.model.compute_logits(hidden)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         """Next token ids [B] on the logits' device (no host synchronisation here)."""
-        return sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
+        return self.sampler.sample(logits, reqs)
 
 
 class PageTableRows:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from engine.fence import Fence
+from engine.logprobs import TokenLogprob
 from engine.sampling import SamplingParams
 
 
@@ -47,6 +49,10 @@ class Request:
     generator: torch.Generator | None = None
     num_retractions: int = 0
     error: str | None = None
+    grammar: Any = None  # engine.grammar.Matcher of a structured-output request
+    # with sampling.logprobs: one per output id; with sampling.prompt_logprobs: one per prompt id from the second
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -85,6 +91,8 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the request's first token, when asked for
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,11 @@
 """Per-request sampling parameters and batched token sampling.
 
+``apply_controls`` changes a batch's logits in one batched pass on their device, each row by its own
+request's controls (rows without any are untouched; a batch with none costs nothing), in this order:
+token masks (structured output), logit_bias, the min_tokens ban of EOS / stop ids, then the penalties
+(repetition over prompt + output ids as in vLLM/HF: a positive logit divided by it, a negative one
+multiplied; frequency and presence over the output ids, as OpenAI: ``l -= f * count + p * (count > 0)``).
+
 ``sample`` handles a batch whose rows have different parameters in one pass on the logits'
 device: greedy rows take the argmax; the others go temperature -> top-k -> top-p -> min-p and
 draw with the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``, which picks index i with
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs and OpenAI's top_logprobs bound
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -28,6 +36,13 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # (0, 2]; 1 disables it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens were generated
+    logprobs: int | None = None  # with each sampled token: its logprob and the top-N (0..20) alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token (the prompt runs uncached)
 
     def __post_init__(self) -> None:
         def number(name: str) -> float:
@@ -56,11 +71,34 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stop)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool (got {self.ignore_eos!r})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= number(name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (got {getattr(self, name)}); use 0 to disable it")
+        if not 0.0 < number("repetition_penalty") <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (got {self.repetition_penalty}); use 1 to "
+                             f"disable it")
+        bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        if any(t < 0 or not -100.0 <= b <= 100.0 or not math.isfinite(b) for t, b in bias):
+            raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100] (got {self.logit_bias!r})")
+        object.__setattr__(self, "logit_bias", bias)
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}] "
+                             f"(got {self.min_tokens!r})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None (got {value!r})")
 
     @property
     def greedy(self) -> bool:
         """Argmax decoding (temperature 0); no random draws are made for the row."""
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -119,3 +157,75 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     choice = (probs / race).argmax(dim=-1, keepdim=True)
     sampled = choice.squeeze(1) if sorted_ids is None else sorted_ids.gather(1, choice).squeeze(1)
     return torch.where(greedy, greedy_ids, sampled)
+
+
+@dataclass(frozen=True)
+class RowTokens:
+    """What ``apply_controls`` needs to know of one row's request beyond its params."""
+
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    banned_until_min: frozenset[int] = frozenset()  # EOS + stop ids, banned while len(output) < min_tokens
+
+
+def _padded(rows: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), pad, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
+    return out.to(device, non_blocking=True)
+
+
+def apply_controls(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[RowTokens],
+                   token_masks: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits [B, V]`` float32 with every row's controls applied (a new tensor; the input is untouched
+    unless no row has any control, in which case it is returned as is). ``token_masks``: bool [B, V], True
+    where a token is allowed (structured output), or None."""
+    if len(rows) != len(params) or logits.shape[0] != len(params):
+        raise ValueError(f"apply_controls needs one RowTokens and one params per row (got {logits.shape[0]} rows, "
+                         f"{len(params)} params, {len(rows)} RowTokens)")
+    vocab, device = logits.shape[1], logits.device
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    banned = [i for i, (p, r) in enumerate(zip(params, rows))
+              if p.min_tokens and len(r.output_ids) < p.min_tokens and r.banned_until_min]
+    penalised = [i for i, p in enumerate(params) if p.has_penalties]
+    if token_masks is None and not (biased or banned or penalised):
+        return logits
+    out = logits.float().clone()
+    if token_masks is not None:
+        out.masked_fill_(~token_masks, float("-inf"))
+    if biased or banned:  # one sparse scatter: (row, id, value) triples
+        r_idx, t_idx, vals = [], [], []
+        for i in biased:
+            for t, b in params[i].logit_bias:
+                if t < vocab:
+                    r_idx.append(i), t_idx.append(t), vals.append(b)
+        for i in banned:
+            for t in rows[i].banned_until_min:
+                if t < vocab:
+                    r_idx.append(i), t_idx.append(t), vals.append(float("-inf"))
+        if r_idx:
+            out.index_put_((torch.tensor(r_idx).to(device), torch.tensor(t_idx).to(device)),
+                           torch.tensor(vals, dtype=torch.float32).to(device), accumulate=True)
+    if penalised:
+        sub = out[penalised]
+        pen = [params[i] for i in penalised]
+        reps = [p.repetition_penalty for p in pen]
+        if any(r != 1.0 for r in reps):
+            seen_ids = _padded([[*rows[i].prompt_ids, *rows[i].output_ids] for i in penalised], vocab, device)
+            seen = torch.zeros(len(penalised), vocab + 1, dtype=torch.bool, device=device)
+            seen.scatter_(1, seen_ids, True)
+            seen = seen[:, :vocab]
+            rep = torch.tensor(reps, dtype=torch.float32).to(device).unsqueeze(1)
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        if any(p.presence_penalty or p.frequency_penalty for p in pen):
+            out_ids = _padded([rows[i].output_ids for i in penalised], vocab, device)
+            counts = torch.zeros(len(penalised), vocab + 1, dtype=torch.float32, device=device)
+            counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+            counts = counts[:, :vocab]
+            freq = torch.tensor([p.frequency_penalty for p in pen], dtype=torch.float32).to(device).unsqueeze(1)
+            pres = torch.tensor([p.presence_penalty for p in pen], dtype=torch.float32).to(device).unsqueeze(1)
+            sub = sub - freq * counts - pres * (counts > 0).float()
+        out[penalised] = sub
+    return out

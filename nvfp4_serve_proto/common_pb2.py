@@ -24,25 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1envfp4_serve_proto/common.proto\x12\rnvfp4serve.v1\"\xae\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xaa\x01\n\x08KVLayout\x12\x10\n\x08kv_dtype\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x10\n\x08k_scales\x18\x06 \x03(\x02\x12\x10\n\x08v_scales\x18\x07 \x03(\x02\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\"Z\n\x10TransferEndpoint\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x13\n\x0bkv_transfer\x18\x04 \x01(\t\"\xb3\x02\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x1a\n\x12outstanding_tokens\x18\x04 \x01(\x03\x12\x18\n\x10pool_pages_total\x18\x05 \x01(\x03\x12\x17\n\x0fpool_pages_free\x18\x06 \x01(\x03\x12\x19\n\x11pool_pages_cached\x18\x07 \x01(\x03\x12\x19\n\x11pool_pages_in_use\x18\x08 \x01(\x03\x12\x11\n\tpage_size\x18\t \x01(\x05\x12\x18\n\x10max_total_tokens\x18\n \x01(\x03\x12\'\n\x06layout\x18\x0b \x01(\x0b\x32\x17.nvfp4serve.v1.KVLayout\x12\x12\n\nmodel_path\x18\x0c \x01(\t\"\x10\n\x0eGetLoadRequest\"\x10\n\x0eMetricsRequest\"*\n\x0fMetricsResponse\x12\x17\n\x0fprometheus_text\x18\x01 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1envfp4_serve_proto/common.proto\x12\rnvfp4serve.v1\"\x92\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12@\n\nlogit_bias\x18\x0c \x03(\x0b\x32,.nvfp4serve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x02\x88\x01\x01\x12\x33\n\nstructured\x18\x10 \x01(\x0b\x32\x1f.nvfp4serve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xaa\x01\n\x08KVLayout\x12\x10\n\x08kv_dtype\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x10\n\x08k_scales\x18\x06 \x03(\x02\x12\x10\n\x08v_scales\x18\x07 \x03(\x02\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\"Z\n\x10TransferEndpoint\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x13\n\x0bkv_transfer\x18\x04 \x01(\t\"\xb3\x02\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x1a\n\x12outstanding_tokens\x18\x04 \x01(\x03\x12\x18\n\x10pool_pages_total\x18\x05 \x01(\x03\x12\x17\n\x0fpool_pages_free\x18\x06 \x01(\x03\x12\x19\n\x11pool_pages_cached\x18\x07 \x01(\x03\x12\x19\n\x11pool_pages_in_use\x18\x08 \x01(\x03\x12\x11\n\tpage_size\x18\t \x01(\x05\x12\x18\n\x10max_total_tokens\x18\n \x01(\x03\x12\'\n\x06layout\x18\x0b \x01(\x0b\x32\x17.nvfp4serve.v1.KVLayout\x12\x12\n\nmodel_path\x18\x0c \x01(\t\"\x10\n\x0eGetLoadRequest\"\x10\n\x0eMetricsRequest\"*\n\x0fMetricsResponse\x12\x17\n\x0fprometheus_text\x18\x01 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nvfp4_serve_proto.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=50
-  _globals['_SAMPLINGPARAMS']._serialized_end=224
-  _globals['_KVLAYOUT']._serialized_start=227
-  _globals['_KVLAYOUT']._serialized_end=397
-  _globals['_TRANSFERENDPOINT']._serialized_start=399
-  _globals['_TRANSFERENDPOINT']._serialized_end=489
-  _globals['_WORKERLOAD']._serialized_start=492
-  _globals['_WORKERLOAD']._serialized_end=799
-  _globals['_GETLOADREQUEST']._serialized_start=801
-  _globals['_GETLOADREQUEST']._serialized_end=817
-  _globals['_METRICSREQUEST']._serialized_start=819
-  _globals['_METRICSREQUEST']._serialized_end=835
-  _globals['_METRICSRESPONSE']._serialized_start=837
-  _globals['_METRICSRESPONSE']._serialized_end=879
+  _globals['_SAMPLINGPARAMS']._serialized_end=580
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=490
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=538
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=582
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=628
+  _globals['_TOKENLOGPROB']._serialized_start=630
+  _globals['_TOKENLOGPROB']._serialized_end=718
+  _globals['_KVLAYOUT']._serialized_start=721
+  _globals['_KVLAYOUT']._serialized_end=891
+  _globals['_TRANSFERENDPOINT']._serialized_start=893
+  _globals['_TRANSFERENDPOINT']._serialized_end=983
+  _globals['_WORKERLOAD']._serialized_start=986
+  _globals['_WORKERLOAD']._serialized_end=1293
+  _globals['_GETLOADREQUEST']._serialized_start=1295
+  _globals['_GETLOADREQUEST']._serialized_end=1311
+  _globals['_METRICSREQUEST']._serialized_start=1313
+  _globals['_METRICSREQUEST']._serialized_end=1329
+  _globals['_METRICSRESPONSE']._serialized_start=1331
+  _globals['_METRICSRESPONSE']._serialized_end=1373
 # @@protoc_insertion_point(module_scope)

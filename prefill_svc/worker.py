@@ -82,7 +82,8 @@ class PrefillWorker:
         chunk, the rest and the first token. The header goes out with the first pages (or the end)."""
         ids = self._validate(request)
         rid = request.request_id
-        req = Request(f"{rid}#{next(self._seq)}", ids, sampling_from_proto(request.sampling), prefill_only=True)
+        req = Request(f"{rid}#{next(self._seq)}", ids, sampling_from_proto(request.sampling, 1),
+                      prefill_only=True)
         aio_loop = asyncio.get_running_loop()
         events: asyncio.Queue[StepOutput | PrefillProgress] = asyncio.Queue()
 

@@ -34,21 +34,34 @@ from router.workers import Dispatch, WorkerPool
 NEVER_FITS_MARKERS = ("never fit", "can never", "larger than the pool", "exceeds the pool")
 
 
+class TokenLogprob(NamedTuple):
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+def logprobs_from_proto(msgs: Sequence[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(m.token_id, m.logprob, tuple(zip(m.top_ids, m.top_logprobs))) for m in msgs)
+
+
 class ChoiceStarted(NamedTuple):
     index: int
     cached_tokens: int  # prompt tokens the decode worker served from its prefix cache
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # echo + logprobs: prompt tokens from the second
 
 
 class ChoiceText(NamedTuple):
     index: int
     text: str  # may be "" when the ids do not complete a character yet
     token_ids: tuple[int, ...] = ()  # the generated ids this text came from (none for the final tail)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for logprobs
 
 
 class ChoiceFinished(NamedTuple):
     index: int
     finish_reason: str  # "stop" | "length"
     completion_tokens: int
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None: EOS/length)
 
 
 ChoiceEvent = ChoiceStarted | ChoiceText | ChoiceFinished
@@ -83,9 +96,19 @@ class _AttemptFailed(Exception):
 def sampling_proto(options: SamplingOptions, seed: int | None) -> common_pb2.SamplingParams:
     params = common_pb2.SamplingParams(
         temperature=options.temperature, top_p=options.top_p, top_k=options.top_k, min_p=options.min_p,
-        max_tokens=options.max_tokens, stop_token_ids=list(options.stop_token_ids), ignore_eos=options.ignore_eos)
+        max_tokens=options.max_tokens, stop_token_ids=list(options.stop_token_ids), ignore_eos=options.ignore_eos,
+        presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
+        repetition_penalty=options.repetition_penalty, logit_bias=dict(options.logit_bias),
+        min_tokens=options.min_tokens)
     if seed is not None:
         params.seed = seed
+    if options.logprobs is not None:
+        params.logprobs = options.logprobs
+    if options.prompt_logprobs is not None:
+        params.prompt_logprobs = options.prompt_logprobs
+    if options.constraint is not None:
+        params.structured.kind = options.constraint.kind
+        params.structured.spec = options.constraint.spec
     return params
 
 
@@ -131,7 +154,9 @@ async def generate_choice(ctx: GenerationContext, spec: ChoiceSpec, arrival: flo
         tried_decode.add(route.decode.address)
         if route.prefill is not None:
             tried_prefill.add(route.prefill.address)
-        request.prefill_address = route.prefill.address if route.prefill is not None else ""
+        # logprobs and structured output need the prompt's logits on the decode worker: it runs the prompt
+        local = spec.options.runs_locally
+        request.prefill_address = route.prefill.address if route.prefill is not None and not local else ""
         request.request_id = spec.request_id if attempt == 0 else f"{spec.request_id}-retry{attempt}"
         dispatch = ctx.pool.dispatch(route, prompt)
         call = route.decode.generate(request, cfg.request_timeout_s or None)
@@ -167,8 +192,11 @@ async def _read_attempt(ctx: GenerationContext, spec: ChoiceSpec, call: grpc.aio
                         state: _Attempt, arrival: float) -> AsyncIterator[ChoiceEvent]:
     """One Generate attempt's events. Raises _AttemptFailed."""
     cfg, metrics, address = ctx.config, ctx.metrics, state.address
-    detok = ctx.detokenizer_cls(ctx.tokenizer, prompt_ids=list(spec.prompt_ids), skip_special_tokens=True)
-    stopper = StopStringMatcher(spec.options.stop)
+    opts = spec.options
+    detok = ctx.detokenizer_cls(ctx.tokenizer, prompt_ids=list(spec.prompt_ids),
+                                skip_special_tokens=opts.skip_special_tokens)
+    stopper = StopStringMatcher(opts.stop)
+    stop_reason: int | str | None = None
     output: list[int] = []
     cached_tokens = -1  # from the first message
     last = arrival
@@ -189,10 +217,18 @@ async def _read_attempt(ctx: GenerationContext, spec: ChoiceSpec, call: grpc.aio
         if cached_tokens < 0:
             cached_tokens = msg.cached_tokens
             state.dispatch.prefill_done()
-            yield ChoiceStarted(spec.index, cached_tokens)
+            yield ChoiceStarted(spec.index, cached_tokens, logprobs_from_proto(msg.prompt_logprobs))
         if msg.finish_reason == "abort":
             raise _AttemptFailed(OpenAIError(503, f"decode worker {address} aborted the request"), "abort", True)
+        if opts.drop_output:  # echo with max_tokens 0: the one generated token is not part of the answer
+            if msg.finish_reason:
+                metrics.prompt_tokens.inc(len(spec.prompt_ids))
+                metrics.cached_prompt_tokens.inc(cached_tokens)
+                yield ChoiceFinished(spec.index, "length", 0)
+                return
+            continue
         stopped = False
+        lps = logprobs_from_proto(msg.logprobs)
         if msg.token_ids:
             if output:
                 gap = (now - last) / len(msg.token_ids)
@@ -205,28 +241,40 @@ async def _read_attempt(ctx: GenerationContext, spec: ChoiceSpec, call: grpc.aio
             for token in msg.token_ids:
                 output.append(token)
                 new_ids.append(token)
-                result = stopper.push(detok.push(token))
+                delta = detok.push(token)
+                if len(output) < opts.min_tokens:  # stop strings count only from min_tokens on (as vLLM)
+                    pieces.append(delta)
+                    continue
+                result = stopper.push(delta)
                 pieces.append(result.text)
                 if result.stopped:
-                    stopped = True
+                    stopped, stop_reason = True, stopper.matched
+                    if opts.include_stop_str_in_output and stopper.matched:
+                        pieces.append(stopper.matched)
                     break
             state.num_tokens = len(output)
             metrics.generated_tokens.inc(len(pieces))
             text = "".join(pieces)
-            yield ChoiceText(spec.index, text, tuple(new_ids))
+            yield ChoiceText(spec.index, text, tuple(new_ids), lps[:len(new_ids)] if lps else ())
         if not (stopped or msg.finish_reason):
             continue
         if not stopped:  # the detokenizer's partial-character tail, then the stop matcher's held-back text
             result = stopper.push(detok.flush())
             stopped = result.stopped
             tail = result.text if stopped else result.text + stopper.flush()
+            if stopped:
+                stop_reason = stopper.matched
+                if opts.include_stop_str_in_output and stopper.matched:
+                    tail += stopper.matched
             if tail:
                 yield ChoiceText(spec.index, tail)
         metrics.prompt_tokens.inc(len(spec.prompt_ids))
         metrics.cached_prompt_tokens.inc(cached_tokens)
         ctx.pool.policy.record(address, (*spec.prompt_ids, *output))  # the worker caches finished sequences
         reason = "stop" if stopped or msg.finish_reason != "length" else "length"
-        yield ChoiceFinished(spec.index, reason, len(output))
+        if not stopped and reason == "stop" and output and output[-1] in opts.stop_token_ids:
+            stop_reason = output[-1]
+        yield ChoiceFinished(spec.index, reason, len(output), stop_reason)
         return
 
 

@@ -2,12 +2,18 @@
 
 Requests are parsed strictly (``"10"`` is not a number, ``true`` is not a token id) and every failure becomes
 an ``OpenAIError`` with the status the OpenAI API would use and the offending parameter in ``param``.
-Parameters the engine cannot honour (logprobs, echo, penalties, logit_bias ...) are rejected with a 400 that
-says so rather than silently ignored; harmless unknown fields are ignored as the OpenAI API does.
+Every parameter of the OpenAI, vLLM and SGLang request shapes is implemented or, set to anything but its
+neutral value, refused with a 400 naming it (``REFUSED``); other unknown fields are ignored as OpenAI does.
+
+Structured output: ``response_format`` (json_object / json_schema), SGLang's ``regex`` / ``json_schema`` /
+``ebnf`` and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_grammar`` / ``guided_choice``, at most one
+per request; it becomes ``Constraint`` (kind, spec), compiled by the decode service (xgrammar).
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -15,6 +21,39 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # engine.sampling.MAX_LOGPROBS (the router never imports the engine's torch modules)
+# Known parameters this server does not implement: refused (400 naming them) when set to anything but the value
+# in the tuple; the text says what to do instead.
+REFUSED: dict[str, tuple[Any, str]] = {
+    "suffix": (None, "suffix (insertion) is not supported by this server"),
+    "use_beam_search": (False, "beam search is not supported by this server"),
+    "length_penalty": (1.0, "length_penalty (beam search) is not supported by this server"),
+    "bad_words": (None, "bad_words is not supported by this server (use logit_bias with -100)"),
+    "allowed_token_ids": (None, "allowed_token_ids is not supported by this server (use logit_bias or regex)"),
+    "truncate_prompt_tokens": (None, "truncate_prompt_tokens is not supported by this server"),
+    "prompt_logprobs": (None, "prompt_logprobs is not supported by this server (use echo with logprobs)"),
+    "return_tokens_as_token_ids": (False, "return_tokens_as_token_ids is not supported (use return_token_ids)"),
+    "spaces_between_special_tokens": (True, "spaces_between_special_tokens=false is not supported by this server"),
+    "guided_whitespace_pattern": (None, "guided_whitespace_pattern is not supported by this server"),
+    "guided_decoding_backend": (None, "guided_decoding_backend cannot be chosen: this server uses xgrammar"),
+    "structural_tag": (None, "structural_tag is not supported by this server"),
+    "priority": (0, "request priorities are not supported by this server"),
+    "functions": (None, "functions (the deprecated API) is not supported by this server (use tools)"),
+    "function_call": (None, "function_call (the deprecated API) is not supported by this server (use tools)"),
+    "audio": (None, "audio output is not supported by this server"),
+    "modalities": (None, "modalities other than text are not supported by this server"),
+    "prediction": (None, "predicted outputs are not supported by this server"),
+    "store": (False, "store is not supported by this server"),
+    "service_tier": (None, "service_tier is not supported by this server"),
+    "reasoning_effort": (None, "reasoning_effort is not supported by this server"),
+    "web_search_options": (None, "web search is not supported by this server"),
+    "continue_final_message": (False, "continue_final_message is not supported by this server"),
+    "chat_template": (None, "a per-request chat_template is not supported by this server"),
+    "chat_template_kwargs": (None, "chat_template_kwargs is not supported by this server"),
+    "documents": (None, "documents are not supported by this server"),
+    "mm_processor_kwargs": (None, "multimodal inputs are not supported by this server"),
+    "lora_request": (None, "LoRA adapters are not supported by this server"),
+}
 INT32_MAX = (1 << 31) - 1  # the proto's integer sampling fields are int32: larger values are a 400, not a 500
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -50,7 +89,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 class _Request(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -66,10 +105,36 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None  # SGLang
+    ebnf: str | None = None  # SGLang
+    json_schema: str | dict[str, Any] | None = None  # SGLang: the schema (text or object)
+    guided_json: str | dict[str, Any] | None = None  # vLLM
+    guided_regex: str | None = None  # vLLM
+    guided_grammar: str | None = None  # vLLM
+    guided_choice: list[str] | None = None  # vLLM: one of these strings exactly
+
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", mode="before")
+    @classmethod
+    def _int_is_a_number(cls, value: Any) -> Any:
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or int(key) > INT32_MAX:
+                raise ValueError(f"logit_bias keys must be token ids (got {key[:40]!r})")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100] (got {bias} for token {key})")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -82,20 +147,75 @@ class _Request(BaseModel):
         return value
 
     def unsupported(self) -> OpenAIError | None:
-        """The first parameter set to something the engine cannot do, as a 400."""
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                return bad_request(f"{name} is not supported by this server (leave it unset or {neutral})", name)
-        if self.logit_bias:
-            return bad_request("logit_bias is not supported by this server", "logit_bias")
+        """The first parameter set to something the server cannot do, as a 400."""
+        extra = self.model_extra or {}
+        for name, (neutral, why) in REFUSED.items():
+            if name in extra and extra[name] != neutral and not (neutral in (False, 0) and extra[name] is None):
+                return bad_request(f"{why} (got {name}={str(extra[name])[:60]})", name)
+        if self.stream_options is not None and not self.stream:
+            return bad_request("stream_options is only allowed with stream=true", "stream_options")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            return bad_request(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+                               "min_tokens")
+        try:
+            self.constraint()
+        except OpenAIError as err:
+            return err
         return None
+
+    def constraint(self) -> Constraint | None:
+        """The structured-output constraint of the request (None: unconstrained); 400 when two are given or
+        one is malformed."""
+        found: list[tuple[str, Constraint]] = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                found.append(("response_format", Constraint("json_object", "")))
+            elif kind == "json_schema":
+                js = fmt.get("json_schema")
+                schema = js.get("schema", js.get("schema_")) if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                                      "response_format")
+                found.append(("response_format", Constraint("json_schema", json.dumps(schema))))
+            elif kind != "text":
+                raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema' (got "
+                                  f"{str(kind)[:40]!r})", "response_format")
+        for name, kind in (("regex", "regex"), ("guided_regex", "regex"), ("ebnf", "ebnf"),
+                           ("guided_grammar", "ebnf"), ("json_schema", "json_schema"), ("guided_json", "json_schema")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, dict):
+                value = json.dumps(value)
+            if not value:
+                raise bad_request(f"{name} must not be empty", name)
+            found.append((name, Constraint(kind, value)))
+        if self.guided_choice is not None:
+            if not self.guided_choice or any(not c for c in self.guided_choice):
+                raise bad_request("guided_choice must be a non-empty list of non-empty strings", "guided_choice")
+            found.append(("guided_choice", Constraint("regex", "|".join(f"({re.escape(c)})"
+                                                                        for c in self.guided_choice))))
+        if len(found) > 1:
+            raise bad_request(f"at most one structured-output constraint per request (got {found[0][0]} and "
+                              f"{found[1][0]})", found[1][0])
+        return found[0][1] if found else None
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output as the proto's StructuredOutput carries it."""
+
+    kind: str  # "json_schema" | "json_object" | "regex" | "ebnf"
+    spec: str
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
 class CompletionRequest(_Request):
@@ -103,9 +223,10 @@ class CompletionRequest(_Request):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM: the tokenizer's BOS etc. on a text prompt
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo: score the prompt
     # vLLM extension: choices also carry the generated ``token_ids`` (streamed: each chunk's new ids) and the
     # ``prompt_token_ids`` (streamed: in the choice's first chunk).
     return_token_ids: bool = False
@@ -123,12 +244,9 @@ class CompletionRequest(_Request):
         return prompt
 
     def unsupported(self) -> OpenAIError | None:
-        if self.echo:
-            return bad_request("echo is not supported by this server", "echo")
-        if self.suffix:
-            return bad_request("suffix is not supported by this server", "suffix")
-        if self.logprobs is not None:
-            return bad_request("logprobs are not supported by this server", "logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            return bad_request("max_tokens: 0 is allowed only with echo=true (scoring the prompt); otherwise it "
+                               "must be >= 1", "max_tokens")
         if self.best_of is not None and self.best_of != self.n:
             return bad_request("best_of is not supported by this server (leave it unset or equal to n)", "best_of")
         return super().unsupported()
@@ -177,25 +295,25 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # tool calls come back as text: nothing to parallelise
     add_generation_prompt: bool = True
     return_token_ids: bool = False
+    echo: bool = False  # vLLM: the last message's content before the reply (refused)
 
     def unsupported(self) -> OpenAIError | None:
         if self.return_token_ids:
             return bad_request("return_token_ids is supported on /v1/completions only (send the prompt as "
                                "token ids there)", "return_token_ids")
-        if self.logprobs or self.top_logprobs is not None:
-            return bad_request("logprobs are not supported by this server", "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            return bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.echo:
+            return bad_request("echo is not supported on /v1/chat/completions by this server", "echo")
         if self.tool_choice not in (None, "none", "auto"):
             return bad_request("tool_choice other than 'none' or 'auto' is not supported by this server "
                                "(tool calls are returned as plain text)", "tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return bad_request("response_format other than text is not supported by this server",
-                               "response_format")
         return super().unsupported()
 
     @property
@@ -216,6 +334,22 @@ class SamplingOptions:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # top-N alternatives with each generated token
+    prompt_logprobs: int | None = None  # echo + logprobs: the prompt's
+    constraint: Constraint | None = None
+    drop_output: bool = False  # max_tokens 0 with echo: the one token the worker generates is not returned
+
+    @property
+    def runs_locally(self) -> bool:
+        """Whether the decode worker must run the prompt itself (it needs the prompt's logits)."""
+        return self.logprobs is not None or self.prompt_logprobs is not None or self.constraint is not None
 
 
 def parse_request(model_cls: type[_Request], body: bytes) -> Any:
@@ -259,11 +393,35 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape; the prompt's first token (echo) has no logprob (None)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or stop token id that ended it (None: EOS)
     token_ids: list[int] | None = None  # only with return_token_ids (absent from the JSON otherwise)
     prompt_token_ids: list[int] | None = None
 
@@ -294,8 +452,9 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -320,8 +479,9 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):

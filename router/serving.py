@@ -110,6 +110,8 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, context_len: int,
                           f"{prompt_len} tokens; shorten the prompt", param, code="context_length_exceeded")
     if requested is None:
         return min(room, default_cap) if default_cap else room
+    if requested == 0:  # echo-only scoring: one token is generated (and dropped), it must fit
+        return 0
     if requested > room:
         raise bad_request(f"This model's maximum context length is {context_len} tokens. However, you requested "
                           f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
@@ -134,13 +136,29 @@ def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise bad_request(f"token id {bad} is out of the vocabulary (0..{top})", param)
 
 
-def _options(req: Any, max_tokens: int, vocab_size: int) -> SamplingOptions:
+def _options(req: Any, max_tokens: int, vocab_size: int, logprobs: int | None = None,
+             prompt_logprobs: int | None = None) -> SamplingOptions:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     stop_ids = list(req.stop_token_ids or ())
     _check_token_ids(stop_ids, vocab_size, "stop_token_ids")
-    return SamplingOptions(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                           min_p=req.min_p, seed=req.seed, stop=stop, stop_token_ids=tuple(stop_ids),
-                           ignore_eos=req.ignore_eos)
+    bias = tuple(sorted((int(k), float(v)) for k, v in (req.logit_bias or {}).items()))
+    _check_token_ids([t for t, _ in bias], vocab_size, "logit_bias")
+    drop = max_tokens == 0  # echo with max_tokens 0: the worker generates one token nobody sees
+    return SamplingOptions(max_tokens=max(1, max_tokens), temperature=req.temperature, top_p=req.top_p,
+                           top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=stop, stop_token_ids=tuple(stop_ids),
+                           ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
+                           frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                           logit_bias=bias, min_tokens=min(req.min_tokens, max(1, max_tokens)),
+                           include_stop_str_in_output=req.include_stop_str_in_output,
+                           skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+                           prompt_logprobs=prompt_logprobs, constraint=req.constraint(), drop_output=drop)
+
+
+def _token_text(state: RouterState) -> Any:
+    def text(token_id: int) -> str:
+        return state.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return text
 
 
 class _Slot:
@@ -175,18 +193,24 @@ async def completions(state: RouterState, request: Request) -> Response:
     try:
         token_prompts = []
         for p in prompts:
-            ids = await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else list(p)
+            ids = await asyncio.to_thread(state.tokenizer.encode, p, req.add_special_tokens) if isinstance(p, str) \
+                else list(p)
             if not ids:
                 raise bad_request("prompt must contain at least one token", "prompt")
             _check_token_ids(ids, state.limits.vocab_size, "prompt")
             token_prompts.append(tuple(ids))
         context = state.context_len()
+        prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
         options = [_options(req, resolve_max_tokens(req.max_tokens, len(ids), context,
                                                      COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt"),
-                            state.limits.vocab_size) for ids in token_prompts]
+                            state.limits.vocab_size, req.logprobs, prompt_lps) for ids in token_prompts]
         job = Job("completion", f"cmpl-{uuid.uuid4().hex}", state.config.model_name, token_prompts, options,
                   req.n, req.stream, bool(req.stream_options and req.stream_options.include_usage),
-                  return_token_ids=req.return_token_ids)
+                  return_token_ids=req.return_token_ids, echo=req.echo,
+                  continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+                  logprobs=req.logprobs is not None, token_text=_token_text(state),
+                  prompt_texts=[p if isinstance(p, str) else state.tokenizer.decode(list(p), skip_special_tokens=False)
+                                for p in prompts] if req.echo else [])
         return await _run(state, request, job, arrival, slot)
     finally:
         if not slot.handed_over:
@@ -214,9 +238,12 @@ async def chat_completions(state: RouterState, request: Request) -> Response:
         if not ids:
             raise bad_request("the rendered chat prompt has no tokens", "messages")
         max_tokens = resolve_max_tokens(req.requested_max_tokens, len(ids), state.context_len(), None, "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
         job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", state.config.model_name, [tuple(ids)],
-                  [_options(req, max_tokens, state.limits.vocab_size)], req.n, req.stream,
-                  bool(req.stream_options and req.stream_options.include_usage))
+                  [_options(req, max_tokens, state.limits.vocab_size, logprobs)], req.n, req.stream,
+                  bool(req.stream_options and req.stream_options.include_usage),
+                  continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+                  logprobs=req.logprobs, token_text=_token_text(state))
         return await _run(state, request, job, arrival, slot)
     finally:
         if not slot.handed_over:

@@ -32,6 +32,7 @@ class StopStringMatcher:
         self._stops = tuple(dict.fromkeys(stops))
         self._held = ""
         self._stopped = False
+        self.matched: str | None = None  # the stop string that matched (the earliest; the longest at one place)
 
     @property
     def held_back(self) -> str:
@@ -44,8 +45,9 @@ class StopStringMatcher:
         if not self._stops:
             return StopResult(delta, False)
         text = self._held + delta
-        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        hits = [(i, -len(s), s) for s in self._stops if (i := text.find(s)) >= 0]
+        if hits:
+            cut, _, self.matched = min(hits)
             self._held = ""
             self._stopped = True
             return StopResult(text[:cut], True)

@@ -94,7 +94,7 @@ CASES = [
     Case("NaN temperature", GENERATE, lambda c: gen(temperature=float("nan")), INVALID, "finite number"),
     Case("top_p 1.5", GENERATE, lambda c: gen(top_p=1.5), INVALID, "top_p must be in (0, 1]"),
     Case("negative min_p", GENERATE, lambda c: gen(min_p=-0.5), INVALID, "min_p must be in [0, 1]"),
-    Case("negative max_tokens", GENERATE, lambda c: gen(max_tokens=-5), INVALID, "max_tokens must be an integer >= 1"),
+    Case("negative max_tokens", GENERATE, lambda c: gen(max_tokens=-5), INVALID, "max_tokens must be >= 0 (0: the rest of the context)"),
     Case("negative stop token", GENERATE, lambda c: gen(stop_token_ids=[-3]), INVALID, "non-negative"),
     Case("stop token out of vocabulary", GENERATE, lambda c: gen(stop_token_ids=[100_000]), INVALID,
          "stop_token_ids has ids outside the vocabulary"),

@@ -70,8 +70,8 @@ COMPLETION_CASES = [
     (b'{"model": "tiny"}', 400, "prompt", "Field required"),
     (b'{"model": "gpt-9", "prompt": "hi"}', 404, "model", "does not exist"),
     (b'{"model": "tiny", "prompt": "hi", "max_tokens": "10"}', 400, "max_tokens", "valid integer"),
-    (b'{"model": "tiny", "prompt": "hi", "max_tokens": -1}', 400, "max_tokens", "greater than or equal to 1"),
-    (b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens", "greater than or equal to 1"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": -1}', 400, "max_tokens", "greater than or equal to 0"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens", "only with echo"),
     (b'{"model": "tiny", "prompt": "hi", "max_tokens": 100000000000}', 400, "max_tokens", "maximum context length"),
     (b'{"model": "tiny", "prompt": "hi", "temperature": 2.5}', 400, "temperature", "less than or equal to 2"),
     (b'{"model": "tiny", "prompt": "hi", "temperature": "hot"}', 400, "temperature", "valid number"),
@@ -95,11 +95,36 @@ COMPLETION_CASES = [
      "maximum context length is 64 tokens, but the prompt has 100 tokens"),
     (json.dumps({"model": "tiny", "prompt": list(range(60)), "max_tokens": 10}).encode(), 400, "max_tokens",
      "you requested 70 tokens (60 in the prompt, 10 for the completion)"),
-    (b'{"model": "tiny", "prompt": "hi", "logprobs": 1}', 400, "logprobs", "not supported"),
-    (b'{"model": "tiny", "prompt": "hi", "echo": true}', 400, "echo", "not supported"),
+    (b'{"model": "tiny", "prompt": "hi", "logprobs": 21}', 400, "logprobs", "less than or equal to 20"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": 0, "logprobs": 1}', 400, "max_tokens", "only with echo"),
     (b'{"model": "tiny", "prompt": "hi", "best_of": 3}', 400, "best_of", "not supported"),
-    (b'{"model": "tiny", "prompt": "hi", "presence_penalty": 0.5}', 400, "presence_penalty", "not supported"),
-    (b'{"model": "tiny", "prompt": "hi", "logit_bias": {"5": 1.0}}', 400, "logit_bias", "not supported"),
+    (b'{"model": "tiny", "prompt": "hi", "presence_penalty": 2.5}', 400, "presence_penalty", "less than or equal to 2"),
+    (b'{"model": "tiny", "prompt": "hi", "frequency_penalty": -3}', 400, "frequency_penalty", "greater than or equal"),
+    (b'{"model": "tiny", "prompt": "hi", "repetition_penalty": 0}', 400, "repetition_penalty", "greater than 0"),
+    (b'{"model": "tiny", "prompt": "hi", "logit_bias": {"5": 101}}', 400, "logit_bias", "[-100, 100]"),
+    (b'{"model": "tiny", "prompt": "hi", "logit_bias": {"a": 1}}', 400, "logit_bias", "must be token ids"),
+    (b'{"model": "tiny", "prompt": "hi", "logit_bias": {"9999": 1}}', 400, "logit_bias", "out of the vocabulary"),
+    (b'{"model": "tiny", "prompt": "hi", "min_tokens": 5, "max_tokens": 2}', 400, "min_tokens", "must be <="),
+    (b'{"model": "tiny", "prompt": "hi", "min_tokens": -1}', 400, "min_tokens", "greater than or equal to 0"),
+    (b'{"model": "tiny", "prompt": "hi", "include_stop_str_in_output": 1}', 400, "include_stop_str_in_output",
+     "valid boolean"),
+    (b'{"model": "tiny", "prompt": "hi", "skip_special_tokens": "no"}', 400, "skip_special_tokens", "valid boolean"),
+    (b'{"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": true}}', 400, "stream_options",
+     "only allowed with stream"),
+    (b'{"model": "tiny", "prompt": "hi", "response_format": {"type": "yaml"}}', 400, "response_format", "type must"),
+    (b'{"model": "tiny", "prompt": "hi", "response_format": {"type": "json_schema"}}', 400, "response_format",
+     "schema"),
+    (b'{"model": "tiny", "prompt": "hi", "regex": "a", "guided_json": {}}', 400, "guided_json", "at most one"),
+    (b'{"model": "tiny", "prompt": "hi", "regex": ""}', 400, "regex", "must not be empty"),
+    (b'{"model": "tiny", "prompt": "hi", "guided_choice": []}', 400, "guided_choice", "non-empty"),
+    *[(json.dumps({"model": "tiny", "prompt": "hi", name: value}).encode(), 400, name, "not supported")
+      for name, value in (("suffix", "x"), ("use_beam_search", True), ("length_penalty", 0.5), ("bad_words", ["a"]),
+                          ("allowed_token_ids", [1]), ("truncate_prompt_tokens", 3), ("prompt_logprobs", 1),
+                          ("return_tokens_as_token_ids", True), ("spaces_between_special_tokens", False),
+                          ("guided_whitespace_pattern", " "), ("structural_tag", "{}"), ("priority", 2),
+                          ("lora_request", {}))],
+    (b'{"model": "tiny", "prompt": "hi", "guided_decoding_backend": "outlines"}', 400, "guided_decoding_backend",
+     "xgrammar"),
 ]
 
 
@@ -116,12 +141,20 @@ CHAT_CASES = [
     ({"model": "tiny", "messages": [{"content": "x"}]}, 400, "messages", "Field required"),
     ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
      "messages", "not supported"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs",
-     "not supported"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs",
+     "needs logprobs=true"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, 400,
+     "top_logprobs", "less than or equal to 20"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo", "not supported"),
+    *[({"model": "tiny", "messages": [{"role": "user", "content": "x"}], name: value}, 400, name, "not supported")
+      for name, value in (("functions", [{}]), ("function_call", "auto"), ("audio", {}), ("modalities", ["audio"]),
+                          ("prediction", {}), ("store", True), ("service_tier", "flex"), ("reasoning_effort", "low"),
+                          ("web_search_options", {}), ("continue_final_message", True), ("chat_template", "x"),
+                          ("chat_template_kwargs", {}), ("documents", []), ("mm_processor_kwargs", {}))],
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
      "tool_choice", "not supported"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     400, "response_format", "not supported"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     400, "response_format", "type must be"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 1000}, 400,
      "max_tokens", "maximum context length is 64"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 80}]}, 400, "messages",
@@ -182,8 +215,8 @@ def test_models_server_info_and_flush_cache(client):
     assert card.id == "tiny" and card.object == "model"
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="other", prompt="hi")
-    with pytest.raises(openai.BadRequestError, match="not supported"):
-        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="needs logprobs=true"):
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     info = client.get("/server_info").json()
     assert info["config"]["decode_addresses"] and info["config"]["api_key"] == ""
     assert info["context_len"] == 64 and info["vocab_size"] == 512

@@ -108,3 +108,86 @@ def test_params_normalise_and_type_check():
         SamplingParams(top_k=2.5)
     with pytest.raises(ValueError, match="B == len"):
         sample(torch.zeros(2, 5), [GREEDY], [None])
+
+
+# -- controls: penalties, logit_bias, min_tokens, masks (batched) against a per-row PyTorch reference ---------
+
+
+def _reference_controls(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int],
+                        banned: set[int], mask: torch.Tensor | None) -> torch.Tensor:
+    """One row, written for clarity: mask, bias, min_tokens ban, repetition, then frequency/presence."""
+    row = logits.clone()
+    if mask is not None:
+        row[~mask] = float("-inf")
+    for t, b in p.logit_bias:
+        row[t] += b
+    if len(output) < p.min_tokens:
+        for t in banned:
+            row[t] = float("-inf")
+    for t in set(prompt) | set(output):
+        row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    for t in set(output):
+        row[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return row
+
+
+def test_apply_controls_equals_the_per_row_reference_in_one_mixed_batch():
+    from engine.sampling import RowTokens, apply_controls
+
+    vocab = 64
+    logits = _logits(5, vocab, seed=11)
+    params = [SamplingParams(),  # untouched row
+              SamplingParams(repetition_penalty=1.7),
+              SamplingParams(presence_penalty=0.8, frequency_penalty=-0.3),
+              SamplingParams(logit_bias=((3, 10.0), (9, -100.0)), min_tokens=4, max_tokens=8),
+              SamplingParams(repetition_penalty=0.6, frequency_penalty=1.5, logit_bias=((1, 2.0),))]
+    prompts = [[1, 2], [4, 5, 4, 60], [7], [2, 3], [1, 8, 8]]
+    outputs = [[3], [5, 6, 6], [7, 7, 7, 10], [11, 12], [8, 40, 40]]
+    banned = [set(), set(), set(), {0, 13}, set()]
+    masks = torch.ones(5, vocab, dtype=torch.bool)
+    masks[2, 30:] = False
+    rows = [RowTokens(p, o, frozenset(b)) for p, o, b in zip(prompts, outputs, banned)]
+    got = apply_controls(logits, params, rows, masks)
+    for i in range(5):
+        want = _reference_controls(logits[i], params[i], prompts[i], outputs[i], banned[i], masks[i])
+        torch.testing.assert_close(got[i], want, rtol=0, atol=1e-6)
+    # no control anywhere: the logits come back as they are (no copy)
+    plain = [RowTokens([1], [2]) for _ in range(5)]
+    assert apply_controls(logits, [SamplingParams()] * 5, plain) is logits
+
+
+def test_penalties_change_what_greedy_picks():
+    from engine.sampling import RowTokens, apply_controls
+
+    logits = torch.tensor([[5.0, 4.9, 0.0]])
+    p = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    out = apply_controls(logits, [p], [RowTokens([], [0])])
+    assert int(sample(out, [p], [None])) == 1  # token 0 was generated once: 5 - 1 < 4.9
+    assert int(sample(logits, [p], [None])) == 0
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+    ({"frequency_penalty": -3.0}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 2]"),
+    ({"logit_bias": ((5, 101.0),)}, "logit_bias"),
+    ({"min_tokens": 17}, "min_tokens must be an integer in [0, max_tokens=16]"),
+    ({"logprobs": 21}, "logprobs must be an integer in [0, 20]"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+])
+def test_control_parameters_are_validated(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("(", r"\(")):
+        SamplingParams(**kwargs)
+
+
+def test_logprobs_are_the_raw_log_softmax_with_top_alternatives():
+    from engine.logprobs import gather_logprobs
+
+    logits = _logits(3, 40, seed=4)
+    ids = torch.tensor([5, 0, 39])
+    got = gather_logprobs(logits, ids, [2, 0, 3]).to_host(ids.tolist())
+    ref = logits.log_softmax(-1)
+    for i, lp in enumerate(got):
+        assert lp.token_id == ids[i] and abs(lp.logprob - float(ref[i, ids[i]])) < 1e-6
+        order = ref[i].argsort(descending=True).tolist()
+        assert [t for t, _ in lp.top] == order[:[2, 0, 3][i]]
