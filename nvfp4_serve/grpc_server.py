@@ -132,10 +132,28 @@ async def add_health_and_reflection(server: grpc.aio.Server,
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     for name in ("", *service_names):
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server)
+    names = (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME,
+             REFLECTION_V1)
+    reflection.enable_server_reflection(names, server)
+    _add_reflection_v1(server, names)
     return servicer
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _add_reflection_v1(server: grpc.aio.Server, names: Sequence[str]) -> None:
+    """grpc.reflection.v1 beside v1alpha (grpcio-reflection serves only v1alpha; newer grpcurl and Postman ask
+    v1 first). The two protocols' messages are field for field the same, so v1alpha's servicer answers v1
+    calls through a handler registered under the v1 name."""
+    from grpc_reflection.v1alpha import _async, reflection_pb2
+
+    impl = _async.ReflectionServicer(names)
+    handler = grpc.stream_stream_rpc_method_handler(
+        impl.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1,
+                                                                           {"ServerReflectionInfo": handler}),))
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -177,11 +177,18 @@ def test_health_checking_and_reflection_are_served(procs, tiny_model_dir):
             stream = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
                 iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
             names = [s.name async for r in stream for s in r.list_services_response.service]
-            return h.status, names
+            # reflection v1 (what newer grpcurl asks first): the same messages under grpc.reflection.v1
+            v1 = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                  request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                  response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+            call = v1(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="nvfp4serve.v1.Decode")]))
+            v1_files = [len(f) async for r in call for f in r.file_descriptor_response.file_descriptor_proto]
+            return h.status, names, v1_files
 
-    status, names = run(scenario())
+    status, names, v1_files = run(scenario())
     assert status == health_pb2.HealthCheckResponse.SERVING
     assert "nvfp4serve.v1.Decode" in names and "grpc.health.v1.Health" in names
+    assert "grpc.reflection.v1.ServerReflection" in names and v1_files and all(v1_files)
 
 
 def test_prefill_is_pulled_only_for_pages_past_the_cached_prefix(procs, tiny_model_dir):
