@@ -112,13 +112,22 @@ class Engine:
         mc, cc = self.model_config, self.config.cache
         ws_tokens = cc.workspace_tokens or self.max_context_len
         ws_row = 2 * mc.num_key_value_heads * mc.head_dim * (2 if cc.kv_dtype == "bf16" else 1)
+        per_token = mc.num_hidden_layers * bytes_per_token_per_layer(cc.kv_dtype, mc.num_key_value_heads,
+                                                                     mc.head_dim)
         if cc.max_total_tokens is not None:
             tokens = cc.max_total_tokens
+            if self.device.type == "cuda":  # an explicit size must fit what is free (another service may share it)
+                free, _ = torch.cuda.mem_get_info(self.device)
+                need = tokens * per_token + min(ws_tokens, tokens) * ws_row
+                if need > free:
+                    raise StartupError(
+                        f"--max-total-tokens {tokens} needs {need / 2**30:.1f} GiB for the KV pool and workspace, "
+                        f"{free / 2**30:.1f} GiB are free on this GPU after the weights (other processes count): lower "
+                        "--max-total-tokens (or, for a prefill under `nvfp4-serve up`, --prefill-max-total-tokens) "
+                        "or --workspace-tokens")
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1.0 - cc.mem_fraction_static) - ws_tokens * ws_row
-            per_token = mc.num_hidden_layers * bytes_per_token_per_layer(
-                cc.kv_dtype, mc.num_key_value_heads, mc.head_dim)
             if budget < per_token * cc.page_size:
                 gib = 2**30
                 raise StartupError(
