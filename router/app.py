@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP gateway: ``create_app(config) -> FastAPI`` and ``serve(config)``.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
-GET /server_info, POST /flush_cache. Every error is OpenAI-shaped JSON
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, GET /health,
+GET /metrics, GET /server_info, POST /flush_cache, POST /tokenize, POST /detokenize, GET /version,
+GET /get_model_info. Every error is OpenAI-shaped JSON
 ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status (FastAPI's 422 becomes 400).
 This module never imports torch (tests check it).
 """
@@ -37,7 +38,7 @@ from router.workers import Worker, WorkerPool
 log = logging.getLogger(__name__)
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/server_info",
-          "/flush_cache")
+          "/flush_cache", "/tokenize", "/detokenize", "/version", "/get_model_info")
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
@@ -148,6 +149,32 @@ def _add_routes(app: FastAPI, state: RouterState) -> None:
     async def models() -> JSONResponse:
         card = ModelCard(id=config.model_name, root=config.model_dir, max_model_len=state.context_len())
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        serving.check_model(config, model_id)
+        card = ModelCard(id=config.model_name, root=config.model_dir, max_model_len=state.context_len())
+        return JSONResponse(card.model_dump(mode="json"))
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        from nvfp4_serve.cli_help import version as package_version
+
+        return JSONResponse({"version": package_version()})
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> JSONResponse:  # SGLang's
+        return JSONResponse({"model_path": config.model_dir, "tokenizer_path": config.model_dir,
+                             "is_generation": True, "served_model_name": config.model_name,
+                             "max_model_len": state.context_len()})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:  # vLLM's shape
+        return JSONResponse(await serving.tokenize(state, request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await serving.detokenize(state, request))
 
     @app.get("/health")
     async def health() -> JSONResponse:

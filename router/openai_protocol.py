@@ -352,7 +352,7 @@ class SamplingOptions:
         return self.logprobs is not None or self.prompt_logprobs is not None or self.constraint is not None
 
 
-def parse_request(model_cls: type[_Request], body: bytes) -> Any:
+def parse_request(model_cls: type[BaseModel], body: bytes) -> Any:
     """Validate a JSON body into ``model_cls``; every failure is a 400 naming the parameter."""
     try:
         req = model_cls.model_validate_json(body)
@@ -367,7 +367,7 @@ def parse_request(model_cls: type[_Request], body: bytes) -> Any:
         msg = err["msg"].removeprefix("Value error, ")
         where = ".".join(loc)
         raise bad_request(f"{where}: {msg}" if where else msg, param) from None
-    problem = req.unsupported()
+    problem = req.unsupported() if isinstance(req, _Request) else None
     if problem is not None:
         raise problem
     return req

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -152,6 +153,40 @@ def _options(req: Any, max_tokens: int, vocab_size: int, logprobs: int | None = 
                            include_stop_str_in_output=req.include_stop_str_in_output,
                            skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
                            prompt_logprobs=prompt_logprobs, constraint=req.constraint(), drop_output=drop)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+async def tokenize(state: RouterState, request: Request) -> dict[str, Any]:
+    """POST /tokenize (vLLM): {"model", "prompt"} -> {"tokens", "count", "max_model_len"}."""
+    req: TokenizeRequest = parse_request(TokenizeRequest, await read_body(request, state.config.max_body_bytes))
+    if req.model is not None:
+        check_model(state.config, req.model)
+    check_prompt_bytes(state, len(req.prompt.encode("utf-8")), "prompt")
+    ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt, req.add_special_tokens)
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.context_len()}
+
+
+async def detokenize(state: RouterState, request: Request) -> dict[str, Any]:
+    """POST /detokenize (vLLM): {"model", "tokens"} -> {"prompt"}."""
+    req: DetokenizeRequest = parse_request(DetokenizeRequest, await read_body(request, state.config.max_body_bytes))
+    if req.model is not None:
+        check_model(state.config, req.model)
+    _check_token_ids(req.tokens, state.limits.vocab_size, "tokens")
+    return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
 
 def _token_text(state: RouterState) -> Any:

@@ -281,3 +281,22 @@ def test_router_never_imports_torch(model_dir):
     result = subprocess.run([sys.executable, "-c", code, model_dir], check=False, cwd=REPO, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_tokenize_detokenize_model_retrieve_version_and_model_info(client):
+    resp = client.post("/tokenize", json={"model": "tiny", "prompt": "def f(x):"})
+    body = resp.json()
+    assert resp.status_code == 200 and body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] == 64
+    back = client.post("/detokenize", json={"model": "tiny", "tokens": body["tokens"]}).json()
+    assert back == {"prompt": "def f(x):"}
+    _assert_openai_error(client.post("/detokenize", json={"tokens": [99999]}), 400, "tokens", "out of the vocabulary")
+    _assert_openai_error(client.post("/tokenize", json={"model": "other", "prompt": "x"}), 404, "model")
+    _assert_openai_error(client.post("/tokenize", json={"prompt": 3}), 400, "prompt")
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    card = oai.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-9")
+    assert client.get("/version").json()["version"]
+    info = client.get("/get_model_info").json()
+    assert info["is_generation"] is True and info["served_model_name"] == "tiny"
