@@ -41,26 +41,22 @@ def _serialize_message(msg: prefill_pb2.PrefillMessage | bytes) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
+_UNARY = {  # method -> (request, response) message classes
+    "GetLoad": (common_pb2.GetLoadRequest, common_pb2.WorkerLoad),
+    "GetMetrics": (common_pb2.MetricsRequest, common_pb2.MetricsResponse),
+    "GetKVShare": (prefill_pb2.KVShareRequest, prefill_pb2.KVShare),
+    "ReleaseTransfer": (prefill_pb2.ReleaseTransferRequest, prefill_pb2.ReleaseTransferResponse),
+}
+
+
 def add_to_server(servicer: PrefillServicer, server: grpc.aio.Server) -> None:
-    handlers = {
-        "Prefill": grpc.unary_stream_rpc_method_handler(
-            servicer.Prefill, request_deserializer=prefill_pb2.PrefillRequest.FromString,
-            response_serializer=_serialize_message),
-        "GetLoad": grpc.unary_unary_rpc_method_handler(
-            servicer.GetLoad, request_deserializer=common_pb2.GetLoadRequest.FromString,
-            response_serializer=common_pb2.WorkerLoad.SerializeToString),
-        "GetMetrics": grpc.unary_unary_rpc_method_handler(
-            servicer.GetMetrics, request_deserializer=common_pb2.MetricsRequest.FromString,
-            response_serializer=common_pb2.MetricsResponse.SerializeToString),
-        "GetKVShare": grpc.unary_unary_rpc_method_handler(
-            servicer.GetKVShare, request_deserializer=prefill_pb2.KVShareRequest.FromString,
-            response_serializer=prefill_pb2.KVShare.SerializeToString),
-        "ReleaseTransfer": grpc.unary_unary_rpc_method_handler(
-            servicer.ReleaseTransfer, request_deserializer=prefill_pb2.ReleaseTransferRequest.FromString,
-            response_serializer=prefill_pb2.ReleaseTransferResponse.SerializeToString),
-    }
-    assert set(handlers) == set(prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].methods_by_name), \
-        "the Prefill service's methods changed: register every one here"
-    name = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-    server.add_registered_method_handlers(name, handlers)
+    handlers = {name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name), request_deserializer=req.FromString,
+                                                          response_serializer=resp.SerializeToString)
+                for name, (req, resp) in _UNARY.items()}
+    handlers["Prefill"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Prefill, request_deserializer=prefill_pb2.PrefillRequest.FromString,
+        response_serializer=_serialize_message)
+    service = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]
+    assert set(handlers) == set(service.methods_by_name), "the Prefill service's methods changed: register each here"
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
