@@ -10,6 +10,7 @@ tokenizer, an architecture or head_dim the kernels do not support, a ``--context
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from engine.model_config import ModelConfig
@@ -34,7 +35,7 @@ def check_device(device: str) -> str:
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if not device.startswith("cuda"):
+    if not re.fullmatch(r"cuda(:\d+)?", device):
         raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
     if torch.version.cuda is None:
         raise ValueError(f"--device {device}: this PyTorch ({torch.__version__}) is a CPU-only build; install the "

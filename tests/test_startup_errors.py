@@ -62,8 +62,9 @@ def test_device_cuda_on_a_cpu_only_torch_is_one_line_naming_the_fix(argv, prog, 
 @pytest.mark.skipif(not CPU_ONLY_TORCH, reason="needs the CPU-only PyTorch build (this one has CUDA)")
 def test_check_device_keeps_cpu_and_auto_on_a_cpu_only_torch():
     assert check_device("cpu") == "cpu" and check_device("auto") == "cpu"
-    with pytest.raises(ValueError, match="auto, cpu, cuda or cuda:N"):
-        check_device("tpu")
+    for bad in ("tpu", "cuda:x", "cuda1"):
+        with pytest.raises(ValueError, match="auto, cpu, cuda or cuda:N"):
+            check_device(bad)
 
 
 def test_up_checks_every_engine_flag_before_it_starts_a_service(tiny_model_dir):
