@@ -30,8 +30,15 @@ class CacheConfig:
     v_scales: tuple[float, ...] | None = None
     ws_k_scales: tuple[float, ...] | None = None
     ws_v_scales: tuple[float, ...] | None = None
+    # The host tier (--host-cache-size, engine/host_cache_size.py): evicted pages wait in host memory (pinned on
+    # CUDA) until a request's prefix needs them again. At most one of the two is set; both 0: no host tier.
+    host_cache_bytes: int = 0
+    host_cache_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.host_cache_bytes < 0 or self.host_cache_tokens < 0 or (self.host_cache_bytes and self.host_cache_tokens):
+            raise ValueError("--host-cache-size takes bytes or tokens, not both, and not below 0 "
+                             f"(got {self.host_cache_bytes} bytes, {self.host_cache_tokens} tokens)")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if self.page_size < 1:

@@ -20,6 +20,7 @@ import torch
 from engine.attention_paths import AttentionPaths
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphRunner, max_width_pages
+from engine.host_pool import make_host_pool
 from engine.integrity import IntegrityReport
 from engine.kv_pool import KVPool, PoolCapacity
 from engine.loader import load_model
@@ -80,7 +81,8 @@ class Engine:
                            device=self.device, k_scales=self.k_scales, v_scales=self.v_scales,
                            ws_k_scales=ws_k, ws_v_scales=ws_v, scratch_pages=1)
         self.allocator = PageAllocator(num_pages)
-        self.cache = RadixCache(cc.page_size, self.allocator)
+        self.host_pool = make_host_pool(self.pool, cc)  # None unless --host-cache-size
+        self.cache = RadixCache(cc.page_size, self.allocator, self.host_pool)
         self.backend = get_backend(config.attention_backend, self.device)
         self.paths = AttentionPaths(self.pool, self.backend, ws_tokens, mc.num_attention_heads,
                                     mc.head_dim ** -0.5, self.device)

@@ -8,6 +8,10 @@ Every page is in exactly one of three states (the ownership model of ``engine.pa
 
 and ``free + cached + in use == total``. Run in tests and whenever the scheduler is idle; a
 violation means a leak (refcount too high) or a double free (refcount too low) somewhere.
+
+With a host tier (``cache.host``) its pages are accounted for the same way, on their own tier: every
+host page is either free (in the host pool's free set) or held by exactly one radix node, never both,
+and ``host free + host cached == host total``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ class IntegrityReport(NamedTuple):
     num_free: int
     num_cached: int  # held only by the radix cache
     num_in_use: int  # held by at least one request (possibly also cached)
+    num_host_total: int = 0  # host tier pages (0: no host tier)
+    num_host_free: int = 0
+    num_host_cached: int = 0  # held by a radix node (on the host only, or on both tiers)
 
 
 def check_integrity(
@@ -98,10 +105,42 @@ def check_integrity(
             f"{num_free + num_cached + num_in_use}, not the {total} pages of the pool"
         )
 
+    host_counts = _check_host_tier(cache, problems) if cache is not None and cache.host is not None else (0, 0, 0)
+
     if problems:
         more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
         raise IntegrityError(
             f"KV page integrity violated ({len(problems)} problems):\n  "
             + "\n  ".join(problems[:_MAX_LISTED]) + more
         )
-    return IntegrityReport(total, num_free, num_cached, num_in_use)
+    return IntegrityReport(total, num_free, num_cached, num_in_use, *host_counts)
+
+
+def _check_host_tier(cache: RadixCache, problems: list[str]) -> tuple[int, int, int]:
+    """Host pages: each free or held by one node, exactly once; returns (total, free, cached)."""
+    host = cache.host
+    assert host is not None
+    total = host.num_pages
+    held: dict[int, int] = {}
+    for h in cache.host_pages():
+        held[h] = held.get(h, 0) + 1
+    bad = sorted(h for h in held if not 0 <= h < total)
+    if bad:
+        problems.append(f"radix cache holds host pages {bad[:16]}, outside the host tier (0..{total - 1})")
+    twice = sorted(h for h, c in held.items() if c > 1)
+    if twice:
+        problems.append(f"host pages held by more than one node: {twice[:16]}")
+    free = host.free_pages()
+    if host.num_free != len(free):
+        problems.append(f"host tier counts {host.num_free} free pages but {len(free)} distinct ids are free "
+                        "(a host page was freed twice)")
+    both = sorted(free & set(held))
+    if both:
+        problems.append(f"host pages both free and held by a node: {both[:16]}")
+    lost = sorted(set(range(total)) - free - set(held))
+    if lost:
+        problems.append(f"host pages neither free nor held by a node (leaked): {lost[:16]}")
+    num_cached = len(set(held) - free)
+    if len(free) + num_cached != total:
+        problems.append(f"host free {len(free)} + host cached {num_cached} != the {total} pages of the host tier")
+    return total, len(free), num_cached

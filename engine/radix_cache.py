@@ -16,16 +16,39 @@ A cached page is evictable iff its refcount is exactly 1 (only the cache holds i
 page after it in its node and in all of its descendants is evictable. Eviction drops pages from
 the tail of least-recently-used leaves first (LRU time is a counter bumped on every match and
 insert, never wall time) and removes a node once its last page is gone.
+
+With a host tier (``engine.host_pool.HostPool``) every node lives on the device (``pages``), on the
+host (``host_pages``) or both, always whole nodes:
+
+    root ── [A | dev p0 p1 | host -]  ── [B | dev p2 | host h3]  ── [C | dev - | host h0 h1]
+             device only                  both                        host only
+
+Invariants: a node on the device has its parent on the device (device nodes are a top subtree, so a
+match walks device pages first and host pages after); a node is on at least one tier; the cache owns
+each host page of a node (one owner per host page, checked by ``engine.integrity``). Eviction from the
+device then works per LRU device leaf (a node with no child on the device): it splits off the evictable
+tail of the node, copies that tail to the host in one batch per ``evict`` call (pages already on the host
+are not copied again) and frees the device pages; only when the host cannot take them (full of nodes a
+load holds) is the node dropped. The host evicts LRU too: a node's host copy whose node is also on the
+device, or a host-only leaf. ``load_from_host`` brings the host part of a prefix back into fresh device
+pages (one batch) before a request matches it; a host page is read only by that copy, never while a store
+into it is pending (``HostPool`` orders them on one stream).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.page_allocator import PageAllocator
+
+if TYPE_CHECKING:
+    from engine.host_pool import HostPool
+
+log = logging.getLogger(__name__)
 
 
 class PrefixMatch(NamedTuple):
@@ -36,11 +59,12 @@ class PrefixMatch(NamedTuple):
 
 
 class _Node:
-    __slots__ = ("children", "key", "last_access", "pages", "parent", "seq")
+    __slots__ = ("children", "host_pages", "key", "last_access", "pages", "parent", "seq")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None, seq: int) -> None:
         self.key = key
-        self.pages = pages
+        self.pages = pages  # device page ids ([] when the node is on the host only)
+        self.host_pages: list[int] = []  # host page ids ([] when the node is not on the host)
         # Children are keyed by the token ids of their first page.
         self.children: dict[tuple[int, ...], _Node] = {}
         self.parent = parent
@@ -51,11 +75,15 @@ class _Node:
 class RadixCache:
     """Prefix cache of full KV pages keyed by token ids; holds one allocator reference per cached page."""
 
-    def __init__(self, page_size: int, allocator: PageAllocator) -> None:
+    def __init__(self, page_size: int, allocator: PageAllocator, host: HostPool | None = None) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1 (got {page_size}); set --page-size to a positive number")
+        if host is not None and host.page_size != page_size:
+            raise ValueError(f"host tier pages hold {host.page_size} tokens, the cache's {page_size}")
         self.page_size = page_size
         self.allocator = allocator
+        self.host = host  # None: no host tier (evicted pages are dropped)
+        self._locked: set[int] = set()  # seq of host nodes a load_from_host is reading: never host-evicted
         self._seq = itertools.count()
         self._clock = 0
         self._root = _Node((), [], None, next(self._seq))
@@ -79,6 +107,24 @@ class RadixCache:
         """Pages ``evict`` could free right now (``flush()`` would free exactly this many)."""
         return self._evictable(self._root)[0]
 
+    def host_pages(self) -> list[int]:
+        """Every host page the tree holds, one entry per node page (a repeat would be a bug)."""
+        return [h for node in self._nodes() for h in node.host_pages]
+
+    def residency(self, tokens: Sequence[int]) -> list[str]:
+        """Where each cached whole page of ``tokens``'s longest cached prefix lives: "device", "host" or "both".
+        Reads only (LRU times unchanged)."""
+        S, out, node, pos = self.page_size, [], self._root, 0
+        while (child := node.children.get(self._page_key(tokens, pos))) is not None:
+            n = self._num_matching_pages(child, tokens, pos)
+            tier = "both" if child.pages and child.host_pages else "device" if child.pages else "host"
+            out += [tier] * n
+            pos += n * S
+            if n < _num_pages(child, S):
+                break
+            node = child
+        return out
+
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
         """Longest cached prefix of ``tokens`` made of whole pages.
 
@@ -93,7 +139,7 @@ class RadixCache:
         while True:
             node.last_access = self._clock
             child = node.children.get(self._page_key(tokens, pos))
-            if child is None:
+            if child is None or not child.pages:  # a host-only node: load_from_host brings it back first
                 break
             n = self._num_matching_pages(child, tokens, pos)
             pages.extend(child.pages[:n])
@@ -128,8 +174,10 @@ class RadixCache:
             if child is None:
                 break
             n = self._num_matching_pages(child, tokens, pos, limit=num_pages - pos // S)
-            if n < len(child.pages):
+            if n < _num_pages(child, S):
                 child = self._split(child, n)
+            if not child.pages and not self._adopt(child, page_ids[pos // S:pos // S + n]):
+                return pos  # nothing below a node that stays off the device may go on it
             node = child
             pos += n * S
         node.last_access = self._clock
@@ -154,8 +202,11 @@ class RadixCache:
 
         Least recently used leaves go first; within a leaf the last page goes first. A leaf whose
         last page is referenced by a request is skipped. Each evicted page is decref'd from 1 to 0
-        and so becomes free.
+        and so becomes free. With a host tier the evicted pages are copied to the host first (one
+        batch) and their nodes stay in the tree, on the host.
         """
+        if self.host is not None:
+            return self._evict_tiered(num_pages, store=True)
         leaves = [(n.last_access, n.seq, n) for n in self._nodes() if not n.children and n is not self._root]
         heapq.heapify(leaves)
         freed: list[int] = []
@@ -183,10 +234,193 @@ class RadixCache:
         return freed
 
     def flush(self) -> int:
-        """MUTATES: evict every evictable page; return how many were evicted."""
-        num_freed = len(self.evict(len(self._cached)))
+        """MUTATES: evict every evictable page (and empty the host tier); return how many device pages were
+        evicted."""
+        if self.host is None:
+            num_freed = len(self.evict(len(self._cached)))
+        else:
+            num_freed = len(self._evict_tiered(len(self._cached), store=False))
+            for node in self._nodes():
+                if node.host_pages and node.seq not in self._locked:
+                    self._drop_host_copy(node)
         self.num_flushed_pages += num_freed
         return num_freed
+
+    def load_from_host(self, tokens: Sequence[int]) -> int:
+        """MUTATES: bring the host-only part of ``tokens``'s longest cached prefix back onto the device.
+
+        The nodes after the device part of the match get fresh device pages (the cache's reference, as if
+        inserted) filled from their host pages in one batched copy; they stay on the host too. Device room is
+        made by ``evict`` (to the host), never from the prefix being loaded. Returns the tokens loaded (0 when
+        there is no host tier, nothing on the host, or no device room). A copy that fails frees the new device
+        pages and drops the host nodes it read (their bytes are not trusted): everything stays accounted for.
+        """
+        if self.host is None:
+            return 0
+        S = self.page_size
+        self._clock += 1
+        node, pos, path_pages = self._root, 0, []
+        while True:  # the device part of the match
+            node.last_access = self._clock
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                return 0
+            n = self._num_matching_pages(child, tokens, pos)
+            if not child.pages:
+                break
+            path_pages += child.pages[:n]
+            pos += n * S
+            if n < len(child.pages):
+                return 0
+            node = child
+        chain: list[_Node] = []  # host-only nodes of the match (their descendants are host-only too)
+        while child is not None and not child.pages and (n := self._num_matching_pages(child, tokens, pos)):
+            if n < _num_pages(child, S):
+                child = self._split(child, n)
+            child.last_access = self._clock
+            chain.append(child)
+            pos += n * S
+            child = child.children.get(self._page_key(tokens, pos))
+        if not chain:
+            return 0
+        self.allocator.incref(path_pages)  # the device part must survive the room made below
+        self._locked.update(c.seq for c in chain)
+        try:
+            want = sum(len(c.host_pages) for c in chain)
+            if want > self.allocator.num_free:
+                self.evict(want - self.allocator.num_free)
+            room, kept = self.allocator.num_free, []
+            for c in chain:
+                if room < len(c.host_pages):
+                    if room:
+                        kept.append(self._split(c, room))
+                    break
+                kept.append(c)
+                room -= len(c.host_pages)
+            if not kept:
+                return 0
+            host_flat = [h for c in kept for h in c.host_pages]
+            dev = self.allocator.allocate(len(host_flat))
+            try:
+                self.host.load(host_flat, dev)
+            except Exception as e:  # noqa: BLE001 - the request recomputes; nothing may leak
+                log.warning("host tier: loading %d pages failed, dropping them: %s: %s", len(dev), type(e).__name__, e)
+                self.allocator.decref(dev)
+                self._remove_subtree(kept[0])
+                return 0
+            i = 0
+            for c in kept:
+                c.pages = dev[i:i + len(c.host_pages)]
+                i += len(c.pages)
+            self._cached.update(dev)
+            self.host.hit_tokens += len(dev) * S
+            return len(dev) * S
+        finally:
+            self._locked.clear()  # only this call locks (splits above may have locked new heads)
+            self.allocator.decref(path_pages)
+
+    # -- tiered eviction (host tier on) ----------------------------------------------------------
+    def _evict_tiered(self, num_pages: int, store: bool) -> list[int]:
+        """``evict`` with a host tier: LRU device leaves lose their evictable tail, which goes to the host
+        (``store``) unless it is there already; returns the freed device pages in eviction order."""
+        S = self.page_size
+        leaves = [(n.last_access, n.seq, n) for n in self._nodes() if n.pages and not _device_children(n)]
+        heapq.heapify(leaves)
+        freed: list[int] = []
+        to_dev: list[int] = []
+        to_host: list[int] = []
+        while leaves and len(freed) < num_pages:
+            _, _, node = heapq.heappop(leaves)
+            k = 0
+            while k < len(node.pages) and len(freed) + k < num_pages and \
+                    self.allocator.refcount(node.pages[-1 - k]) == 1:
+                k += 1
+            if k == 0:
+                continue
+            if k < len(node.pages):
+                self._split(node, len(node.pages) - k)  # node keeps the evictable tail
+            pages, parent = node.pages, node.parent
+            assert parent is not None
+            if store and not node.host_pages:
+                hp = self._host_room(len(pages))
+                if hp is not None:
+                    node.host_pages = hp
+                    to_dev += pages
+                    to_host += hp
+            node.pages = []
+            if not node.host_pages:  # nowhere to keep it: drop it with its host-only subtree
+                self._remove_subtree(node)
+            freed.extend(reversed(pages))
+            if parent is not self._root and parent.pages and not _device_children(parent):
+                heapq.heappush(leaves, (parent.last_access, parent.seq, parent))
+        if to_dev:
+            assert self.host is not None
+            self.host.store(to_dev, to_host)  # issued before any freed page can be reallocated and rewritten
+        self._cached.difference_update(freed)
+        self.allocator.decref(freed)
+        self.num_evictions += len(freed)
+        self.num_evicted_tokens += len(freed) * S
+        return freed
+
+    def _host_room(self, n: int) -> list[int] | None:
+        """MUTATES: ``n`` host pages for a store, evicting LRU host copies to make room; None if impossible."""
+        host = self.host
+        assert host is not None
+        if n > host.num_pages:
+            return None
+        if host.num_free < n:
+            cands = [(x.last_access, x.seq, x) for x in self._nodes() if self._host_evictable(x)]
+            heapq.heapify(cands)
+            while cands and host.num_free < n:
+                _, _, x = heapq.heappop(cands)
+                if not self._host_evictable(x):
+                    continue
+                parent = x.parent
+                self._drop_host_copy(x)
+                if parent is not None and self._host_evictable(parent):
+                    heapq.heappush(cands, (parent.last_access, parent.seq, parent))
+            if host.num_free < n:
+                return None
+        return host.allocate(n)
+
+    def _host_evictable(self, x: _Node) -> bool:
+        """A host copy may go when no load reads it and the node stays reachable: it is on the device
+        too, or it is a host-only leaf."""
+        return bool(x.host_pages) and x.seq not in self._locked and (bool(x.pages) or not x.children)
+
+    def _drop_host_copy(self, x: _Node) -> None:
+        if x.pages:
+            assert self.host is not None
+            self.host.free(x.host_pages)
+            x.host_pages = []
+        else:
+            self._remove_subtree(x)
+
+    def _remove_subtree(self, top: _Node) -> None:
+        """Unlink ``top`` and free the host pages of its subtree; its nodes hold no device page (callers see
+        to that: below a node that is off the device nothing is on it)."""
+        for x in self._nodes(top):
+            assert not x.pages or x is top
+            if x.host_pages:
+                assert self.host is not None
+                self.host.free(x.host_pages)
+                x.host_pages = []
+        parent = top.parent
+        assert parent is not None
+        if parent.children.get(top.key[:self.page_size]) is top:
+            del parent.children[top.key[:self.page_size]]
+
+    def _adopt(self, node: _Node, page_ids: Sequence[int]) -> bool:
+        """MUTATES: put a host-only node back on the device with a request's own pages for its tokens (the
+        request computed them); False (nothing changed) when those pages are cached elsewhere."""
+        pages = [int(p) for p in page_ids]
+        if len(pages) != _num_pages(node, self.page_size) or len(set(pages)) != len(pages) or \
+                any(p in self._cached for p in pages):
+            return False
+        self.allocator.incref(pages)
+        node.pages = pages
+        self._cached.update(pages)
+        return True
 
     # -- structural self-check (used by engine.integrity) ---------------------------------------
     def tree_problems(self) -> list[str]:
@@ -197,8 +431,14 @@ class RadixCache:
         for node in self._nodes():
             if node is self._root:
                 continue
-            if not node.pages or len(node.key) != len(node.pages) * self.page_size:
+            if not node.pages and not node.host_pages:
+                problems.append(f"node {node.seq}: {len(node.key)} tokens for 0 pages on either tier")
+            if node.pages and len(node.key) != len(node.pages) * self.page_size:
                 problems.append(f"node {node.seq}: {len(node.key)} tokens for {len(node.pages)} pages")
+            if node.host_pages and len(node.key) != len(node.host_pages) * self.page_size:
+                problems.append(f"node {node.seq}: {len(node.key)} tokens for {len(node.host_pages)} host pages")
+            if node.pages and node.parent is not None and node.parent is not self._root and not node.parent.pages:
+                problems.append(f"node {node.seq}: on the device under a parent that is not")
             parent = node.parent
             if parent is None or parent.children.get(node.key[:self.page_size]) is not node:
                 problems.append(f"node {node.seq}: not reachable from its parent under its first page")
@@ -221,7 +461,7 @@ class RadixCache:
     def _num_matching_pages(self, node: _Node, tokens: Sequence[int], pos: int, limit: int | None = None) -> int:
         """Whole pages of ``node`` equal to ``tokens[pos:]`` (capped at ``limit`` pages)."""
         S = self.page_size
-        n_max = min(len(node.pages), (len(tokens) - pos) // S)
+        n_max = min(_num_pages(node, S), (len(tokens) - pos) // S)
         if limit is not None:
             n_max = min(n_max, limit)
         n = 0
@@ -233,12 +473,16 @@ class RadixCache:
         """Split ``node`` after its first ``n`` pages; return the new parent holding those pages."""
         S = self.page_size
         parent = node.parent
-        assert parent is not None and 0 < n < len(node.pages)
+        assert parent is not None and 0 < n < _num_pages(node, S)
         head = _Node(node.key[:n * S], node.pages[:n], parent, next(self._seq))
+        head.host_pages = node.host_pages[:n]
         head.last_access = node.last_access
         parent.children[head.key[:S]] = head
+        if node.seq in self._locked:
+            self._locked.add(head.seq)
         node.key = node.key[n * S:]
         node.pages = node.pages[n:]
+        node.host_pages = node.host_pages[n:]
         node.parent = head
         head.children[node.key[:S]] = node
         return head
@@ -271,3 +515,12 @@ class RadixCache:
             out.append(node)
             stack.extend(node.children.values())
         return out
+
+
+def _num_pages(node: _Node, page_size: int) -> int:
+    """Pages of a node's tokens (on whichever tier holds them)."""
+    return len(node.key) // page_size
+
+
+def _device_children(node: _Node) -> bool:
+    return any(c.pages for c in node.children.values())

@@ -19,6 +19,7 @@ import torch
 
 from engine.config import SchedulerConfig
 from engine.fence import Fence
+from engine.host_pool import HostTierStats
 from engine.integrity import IntegrityReport, check_integrity
 from engine.model_runner import ModelRunner
 from engine.page_allocator import PageAllocator
@@ -121,6 +122,7 @@ class Scheduler:
         while self.waiting and self.num_active < self.config.max_running_requests:
             req = self.waiting[0]
             target = req.extend_target_len
+            self._load_from_host(req, target)
             match = self.cache.match_prefix(req.tokens[:target])
             cached = match.num_tokens
             if req.sampling.prompt_logprobs is not None and not req.output_ids:
@@ -158,6 +160,18 @@ class Scheduler:
             else:
                 req.status = Status.EXTENDING
                 self.extending.append(req)
+
+    def _load_from_host(self, req: Request, target: int) -> None:
+        """With a host tier: the host part of the prefix this admission can use comes back onto the device (one
+        batched copy, ordered before the request's extend reads it) so that the match below finds it; it then
+        serves as cached tokens instead of being prefilled or pulled again."""
+        if self.cache.host is None or (req.sampling.prompt_logprobs is not None and not req.output_ids):
+            return
+        self.cache.load_from_host(req.tokens[:(target - 1) // self.page_size * self.page_size])
+
+    def host_tier_stats(self) -> HostTierStats | None:
+        """The host tier's counters (None without one): what metrics and GetLoad report."""
+        return self.cache.host.stats() if self.cache.host is not None else None
 
     def _make_room(self, num_pages: int) -> bool:
         """Evict unreferenced cached pages until ``num_pages`` are free; True when they are."""

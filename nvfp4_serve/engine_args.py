@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.host_cache_size import HostCacheSize, host_cache_size_arg
 from kernels.backends.registry import available_backends
 from kernels.kv_layout import KV_DTYPES
 
@@ -44,6 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         f"{c.cpu_default_tokens} on CPU")
     g.add_argument("--mem-fraction-static", type=float, default=c.mem_fraction_static,
                    help="fraction of GPU memory for weights + KV pool (GPU only)")
+    g.add_argument("--host-cache-size", type=host_cache_size_arg, default=HostCacheSize(), metavar="SIZE",
+                   help="host tier for evicted KV pages (pinned memory on CUDA), in bytes (8GiB, 500MB) or tokens "
+                        "(200000tokens); a request whose prefix was evicted loads it back instead of prefilling it "
+                        "again; 0: off")
     g.add_argument("--workspace-tokens", type=int, default=None,
                    help="rows of the shared extend workspace (default: the context length, capped by the pool)")
     g.add_argument("--chunked-prefill-size", "--chunk-size", dest="chunk_size", type=int, default=s.chunk_size,
@@ -86,6 +91,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     scales = kv_scales_for(a.kv_scales, model_dir, a.kv_cache_dtype, a.num_layers) if a.kv_scales else {}
     cache = CacheConfig(kv_dtype=a.kv_cache_dtype, page_size=a.page_size, max_total_tokens=a.max_total_tokens,
                         mem_fraction_static=a.mem_fraction_static, workspace_tokens=a.workspace_tokens,
+                        host_cache_bytes=a.host_cache_size.num_bytes, host_cache_tokens=a.host_cache_size.num_tokens,
                         **scales)
     sched = SchedulerConfig(max_running_requests=a.max_running_requests, chunk_size=a.chunk_size,
                             max_waiting_requests=a.max_waiting_requests,
@@ -108,9 +114,9 @@ def engine_args_to_argv(a: argparse.Namespace) -> list[str]:
                       ("--max-waiting-requests", "max_waiting_requests"),
                       ("--local-extend-min-cached-ratio", "local_extend_min_cached_ratio"), ("--seed", "seed"),
                       ("--num-layers", "num_layers"), ("--cuda-graph-max-bs", "cuda_graph_max_bs"),
-                      ("--context-length", "context_length")]:
+                      ("--context-length", "context_length"), ("--host-cache-size", "host_cache_size")]:
         v = getattr(a, key)
-        if v is not None:
+        if v is not None and not (key == "host_cache_size" and not v.enabled):
             # children may run elsewhere in the tree: pass the scales file as an absolute path
             out += [flag, str(Path(v).resolve()) if key == "kv_scales" else str(v)]
     if a.disable_cuda_graph:

@@ -229,11 +229,11 @@ def up(argv: list[str] | None = None) -> int:
     try:
         deadline = time.monotonic() + a.startup_timeout
         prefill_envs, decode_envs = gpu_envs(env, a.prefill_gpus, a.decode_gpus, a.num_decode, a.num_prefill)
-        prefill_argv = list(common)
+        prefill_argv = _drop_flag(common, "--host-cache-size")  # the host tier is the decodes' (their cache)
         pool = prefill_pool_tokens(a.prefill_max_total_tokens, a.workspace_tokens,
                                    a.context_length or _context_len(a.model), a.chunk_size)
         if pool is not None:
-            prefill_argv = [*_drop_flag(common, "--max-total-tokens"), "--max-total-tokens", str(pool)]
+            prefill_argv = [*_drop_flag(prefill_argv, "--max-total-tokens"), "--max-total-tokens", str(pool)]
         names = ["prefill"] if a.num_prefill == 1 else [f"prefill-{i}" for i in range(a.num_prefill)]
         prefills = [_spawn(name, ["-m", "prefill_svc", "--port", str(free_port()), *prefill_argv,
                                   *_metrics_argv(a.prefill_metrics_port, i), *extra["prefill"]], prefill_envs[i])

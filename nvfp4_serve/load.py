@@ -16,6 +16,7 @@ from concurrent.futures import Future
 import grpc
 
 from engine.engine_loop import EngineLoop
+from engine.host_pool import HostTierStats
 from nvfp4_serve.metrics import ServiceMetrics
 from nvfp4_serve_proto import common_pb2
 
@@ -35,6 +36,8 @@ class LoadReporter:
     def _snapshot(self) -> common_pb2.WorkerLoad:  # on the loop thread
         s = self.loop.scheduler
         self.metrics.update_pool(s)
+        host = s.host_tier_stats()
+        self.metrics.update_host_tier(host)
         outstanding = sum(r.prompt_len - r.kv_len + max(r.sampling.max_tokens - len(r.output_ids), 0)
                           for r in s.requests.values())
         cached = s.cache.num_evictable_pages()
@@ -43,7 +46,7 @@ class LoadReporter:
             pool_pages_total=s.allocator.num_pages, pool_pages_free=s.allocator.num_free,
             pool_pages_cached=cached, pool_pages_in_use=s.allocator.num_pages - s.allocator.num_free - cached,
             page_size=s.page_size, max_total_tokens=s.allocator.num_pages * s.page_size, layout=self.layout,
-            model_path=self.loop.engine.config.model_dir)
+            model_path=self.loop.engine.config.model_dir, host_cache=_host_cache(host))
         return self._last
 
     async def load(self) -> common_pb2.WorkerLoad:
@@ -67,3 +70,12 @@ class LoadReporter:
             return await self.load()
         except EngineStalled as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+
+def _host_cache(st: HostTierStats | None) -> common_pb2.HostCacheStats | None:
+    if st is None:
+        return None
+    return common_pb2.HostCacheStats(
+        num_pages=st.num_pages, num_used_pages=st.num_used_pages, max_tokens=st.max_tokens,
+        total_bytes=st.total_bytes, hit_tokens=st.hit_tokens, num_loads=st.num_loads, num_stores=st.num_stores,
+        load_bytes=st.load_bytes, store_bytes=st.store_bytes, load_gbps=st.load_gbps, store_gbps=st.store_gbps)

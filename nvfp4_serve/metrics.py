@@ -35,6 +35,19 @@ class ServiceMetrics:
         self.transfer_bytes = Counter(f"{p}_kv_transfer_bytes", "KV page bytes sent or received", registry=r)
         self.transfer_seconds = Counter(f"{p}_kv_transfer_seconds", "time spent in KV transfers", registry=r)
         self.transfer_gbps = Gauge(f"{p}_kv_transfer_last_gbps", "GB/s of the last KV transfer", registry=r)
+        # The host tier (--host-cache-size); all 0 without one. Counters since start, mirrored from the engine.
+        self.host_pages_total = Gauge(f"{p}_host_pages_total", "host tier pages", registry=r)
+        self.host_pages_used = Gauge(f"{p}_host_pages_used", "host tier pages holding evicted KV", registry=r)
+        self.host_max_tokens = Gauge(f"{p}_host_max_tokens", "tokens the host tier holds (its KV dtype)", registry=r)
+        self.host_hit_tokens = Gauge(f"{p}_host_hit_tokens", "prompt tokens loaded back from the host tier",
+                                     registry=r)
+        self.host_loads = Gauge(f"{p}_host_loads", "host -> device load batches", registry=r)
+        self.host_stores = Gauge(f"{p}_host_stores", "device -> host store batches (evictions)", registry=r)
+        self.host_load_bytes = Gauge(f"{p}_host_load_bytes", "bytes loaded from the host tier", registry=r)
+        self.host_store_bytes = Gauge(f"{p}_host_store_bytes", "bytes stored into the host tier", registry=r)
+        self.host_load_gbps = Gauge(f"{p}_host_load_gbps", "host -> device GB/s (all loads since start)", registry=r)
+        self.host_store_gbps = Gauge(f"{p}_host_store_gbps", "device -> host GB/s (all stores since start)",
+                                     registry=r)
         self.failed_transfers = Counter(f"{p}_failed_transfers", "KV transfers that failed", ["reason"], registry=r)
 
     def observe_transfer(self, num_bytes: int, seconds: float) -> None:
@@ -55,6 +68,21 @@ class ServiceMetrics:
         self.retractions.set(scheduler.num_retractions)
         self.queue_length.set(len(scheduler.waiting))
         self.running.set(scheduler.num_active)
+
+    def update_host_tier(self, st) -> None:
+        """Refresh the host tier gauges from ``Scheduler.host_tier_stats()`` (None: no host tier)."""
+        if st is None:
+            return
+        self.host_pages_total.set(st.num_pages)
+        self.host_pages_used.set(st.num_used_pages)
+        self.host_max_tokens.set(st.max_tokens)
+        self.host_hit_tokens.set(st.hit_tokens)
+        self.host_loads.set(st.num_loads)
+        self.host_stores.set(st.num_stores)
+        self.host_load_bytes.set(st.load_bytes)
+        self.host_store_bytes.set(st.store_bytes)
+        self.host_load_gbps.set(st.load_gbps)
+        self.host_store_gbps.set(st.store_gbps)
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

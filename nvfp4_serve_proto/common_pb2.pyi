@@ -102,7 +102,7 @@ class TransferEndpoint(_message.Message):
     def __init__(self, hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., device: _Optional[str] = ..., kv_transfer: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "outstanding_tokens", "pool_pages_total", "pool_pages_free", "pool_pages_cached", "pool_pages_in_use", "page_size", "max_total_tokens", "layout", "model_path")
+    __slots__ = ("role", "num_running", "num_waiting", "outstanding_tokens", "pool_pages_total", "pool_pages_free", "pool_pages_cached", "pool_pages_in_use", "page_size", "max_total_tokens", "layout", "model_path", "host_cache")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class WorkerLoad(_message.Message):
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHE_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -127,7 +128,34 @@ class WorkerLoad(_message.Message):
     max_total_tokens: int
     layout: KVLayout
     model_path: str
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., pool_pages_total: _Optional[int] = ..., pool_pages_free: _Optional[int] = ..., pool_pages_cached: _Optional[int] = ..., pool_pages_in_use: _Optional[int] = ..., page_size: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_path: _Optional[str] = ...) -> None: ...
+    host_cache: HostCacheStats
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., pool_pages_total: _Optional[int] = ..., pool_pages_free: _Optional[int] = ..., pool_pages_cached: _Optional[int] = ..., pool_pages_in_use: _Optional[int] = ..., page_size: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_path: _Optional[str] = ..., host_cache: _Optional[_Union[HostCacheStats, _Mapping]] = ...) -> None: ...
+
+class HostCacheStats(_message.Message):
+    __slots__ = ("num_pages", "num_used_pages", "max_tokens", "total_bytes", "hit_tokens", "num_loads", "num_stores", "load_bytes", "store_bytes", "load_gbps", "store_gbps")
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_GBPS_FIELD_NUMBER: _ClassVar[int]
+    STORE_GBPS_FIELD_NUMBER: _ClassVar[int]
+    num_pages: int
+    num_used_pages: int
+    max_tokens: int
+    total_bytes: int
+    hit_tokens: int
+    num_loads: int
+    num_stores: int
+    load_bytes: int
+    store_bytes: int
+    load_gbps: float
+    store_gbps: float
+    def __init__(self, num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., max_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_loads: _Optional[int] = ..., num_stores: _Optional[int] = ..., load_bytes: _Optional[int] = ..., store_bytes: _Optional[int] = ..., load_gbps: _Optional[float] = ..., store_gbps: _Optional[float] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
