@@ -45,6 +45,8 @@ class ServiceMetrics:
         self.host_stores = Gauge(f"{p}_host_stores", "device -> host store batches (evictions)", registry=r)
         self.host_load_bytes = Gauge(f"{p}_host_load_bytes", "bytes loaded from the host tier", registry=r)
         self.host_store_bytes = Gauge(f"{p}_host_store_bytes", "bytes stored into the host tier", registry=r)
+        self.host_load_seconds = Gauge(f"{p}_host_load_seconds", "time host -> device copies took", registry=r)
+        self.host_store_seconds = Gauge(f"{p}_host_store_seconds", "time device -> host copies took", registry=r)
         self.host_load_gbps = Gauge(f"{p}_host_load_gbps", "host -> device GB/s (all loads since start)", registry=r)
         self.host_store_gbps = Gauge(f"{p}_host_store_gbps", "device -> host GB/s (all stores since start)",
                                      registry=r)
@@ -81,6 +83,8 @@ class ServiceMetrics:
         self.host_stores.set(st.num_stores)
         self.host_load_bytes.set(st.load_bytes)
         self.host_store_bytes.set(st.store_bytes)
+        self.host_load_seconds.set(st.load_seconds)
+        self.host_store_seconds.set(st.store_seconds)
         self.host_load_gbps.set(st.load_gbps)
         self.host_store_gbps.set(st.store_gbps)
 

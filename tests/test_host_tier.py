@@ -362,3 +362,55 @@ def test_a_decode_service_with_a_host_tier_serves_an_evicted_prefix_from_it(tiny
     assert hc.num_pages == 16_000 and hc.max_tokens == 64_000 and hc.hit_tokens >= 8 and hc.num_loads >= 1
     assert hc.num_stores >= 1 and hc.store_bytes > 0 and hc.load_bytes > 0
     assert "nvfp4_decode_host_hit_tokens " in text and report.ok and report.num_in_use == 0
+
+
+# -- the agentic benchmark's host tier axis -----------------------------------------------------------------
+def test_the_agentic_sweep_launches_each_dtype_with_and_without_a_pool_sized_host_tier():
+    from benchmarks.agentic.sweep import build_parser, deployments
+
+    a = build_parser().parse_args(["--trace", "t.jsonl", "--concurrency", "1", "--kv-dtypes", "fp8_e4m3", "nvfp4",
+                                   "--equal-pool-bytes", "9000", "--host-cache-sizes", "0", "pool"])
+    plan = deployments(a, ["--num-prefill", "0"])
+    assert [label for label, _ in plan] == ["fp8_e4m3.host-0", "fp8_e4m3.host-9000tokens",
+                                            "nvfp4.host-0", "nvfp4.host-16000tokens"]
+    assert plan[3][1] == ["--num-prefill", "0", "--kv-cache-dtype", "nvfp4", "--max-total-tokens", "16000",
+                          "--host-cache-size", "16000tokens"]  # the GPU pool's bytes: 16/9 x FP8's tokens
+    b = build_parser().parse_args(["--trace", "t.jsonl", "--concurrency", "1", "--host-cache-sizes", "pool"])
+    with pytest.raises(ValueError, match="pool needs --equal-pool-bytes"):
+        deployments(b, ["--num-prefill", "0"])
+    c = build_parser().parse_args(["--trace", "t.jsonl", "--concurrency", "1", "--host-cache-sizes", "8 parsecs"])
+    with pytest.raises(ValueError, match="give bytes"):
+        deployments(c, [])
+
+
+def test_the_agentic_report_tables_hit_rate_and_throughput_with_and_without_the_host_tier():
+    from benchmarks.agentic import trace as tf
+    from benchmarks.agentic.report import markdown
+
+    def point(c: int, tok_s: float, hit: float, host_hits: int = 0) -> dict:
+        return {"concurrency": c, "num_sessions": 2 * c, "completed": 4, "failed": 0, "turns_not_sent": 0,
+                "output_tok_s": tok_s, "tok_s_per_user": 10.0, "ttft_ms": {"median": 5.0, "p99": 9.0},
+                "cache_hit_rate": hit, "cache_hit_rate_later_turns": hit, "reprefill_tokens": 0,
+                "evicted_pages": 1, "evicted_tokens": 4, "retractions": 0, "integrity_ok": True,
+                "host_hit_tokens": host_hits, "host_load_gbps": 45.0 if host_hits else None,
+                "host_store_gbps": 50.0 if host_hits else None,
+                "server": {"pool": {"peak_pages_used": 1, "pages_total": 8}}}
+
+    dep = {"model": "m", "model_path": "", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "page_size": 4,
+           "num_decode_workers": 1, "num_prefill_workers": 0, "pool_pages_total": 8}
+    stats = tf.Trace((tf.SessionTrace("a", (tf.Turn("a", 0, "user", 2, new_tokens=3),)),)).stats()
+
+    def run(dtype, host, pts):
+        return {"kv_dtype": dtype, "gpu": "H200", "deployment": dep, "host_cache_size": host,
+                "host_cache_tokens": 32 if host != "0" else 0, "points": pts}
+
+    runs = [run("nvfp4", "0", [point(40, 460.0, 0.9)]), run("nvfp4", "32tokens", [point(40, 690.0, 0.98, 5000)]),
+            run("fp8_e4m3", "0", [point(40, 200.0, 0.66)]),
+            run("fp8_e4m3", "32tokens", [point(40, 400.0, 0.97, 9000)])]
+    text = markdown([{"trace": {"path": "t.jsonl", "stats": stats}, "command": "c", "runs": runs}], ["r.json"], None)
+    host = text[text.index("## Host tier"):]
+    assert "| fp8_e4m3 | none | 40 | 66.0% | 200.0 | - | - | - |" in host
+    assert "| fp8_e4m3 | 32tokens (32 tokens) | 40 | 97.0% | 400.0 | 2.00 | 9,000 | 45.0 / 50.0 |" in host
+    assert "| nvfp4 | 32tokens (32 tokens) | 40 | 98.0% | 690.0 | 1.50 | 5,000 | 45.0 / 50.0 |" in host
+    assert "With the tier at C=40: NVFP4 690.0 vs FP8 400.0 output tok/s (1.73x)." in host
+    assert "## nvfp4 + host 32tokens" in text and "## fp8_e4m3\n" in text  # the no-tier series keep their names

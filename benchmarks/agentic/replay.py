@@ -239,6 +239,10 @@ def point_json(cfg: PointConfig, replay: Replay, page_size: int, flushed: dict[s
         "max_context_len": max((r.result.prompt_tokens + r.result.completion_tokens for r in ok), default=0),
         "page_size": page_size,
         **{k: round(server.get(k, 0.0)) for k in ("evicted_pages", "evicted_tokens", "retractions")},
+        # the host tier (--host-cache-size; all 0 without one): prompt tokens loaded back, copies, GB/s
+        **{k: round(server.get(k, 0.0)) for k in ("host_hit_tokens", "host_loads", "host_stores",
+                                                    "host_load_bytes", "host_store_bytes")},
+        "host_load_gbps": _gbps(server, "load"), "host_store_gbps": _gbps(server, "store"),
         "integrity_ok": integrity_ok(integrity),
     })
     point["failed_point"] = not point["integrity_ok"] or point["completed"] == 0
@@ -246,3 +250,9 @@ def point_json(cfg: PointConfig, replay: Replay, page_size: int, flushed: dict[s
     if cfg.save_turns:
         point["turns"] = [r.to_json() for r in records]
     return point
+
+
+def _gbps(server: dict[str, float], kind: str) -> float | None:
+    """GB/s of the point's host tier copies (bytes / copy time, from the decode counters); None without any."""
+    seconds = server.get(f"host_{kind}_seconds", 0.0)
+    return server.get(f"host_{kind}_bytes", 0.0) / seconds / 1e9 if seconds > 0 else None

@@ -41,11 +41,57 @@ def series(docs: Sequence[dict[str, Any]]) -> dict[str, tuple[dict[str, Any], li
     runs.sort(key=lambda r: (_DTYPE_ORDER.get(r["kv_dtype"], 9), r["kv_dtype"]))
     out: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
     for r in runs:
-        label = r["kv_dtype"] or "?"
+        label = (r["kv_dtype"] or "?") + (f" + host {r['host_cache_size']}" if _has_host_tier(r) else "")
         k = 2
+        base = label
         while label in out:
-            label, k = f"{r['kv_dtype']} #{k}", k + 1
+            label, k = f"{base} #{k}", k + 1
         out[label] = (r, sorted(r["points"], key=lambda p: p["concurrency"]))
+    return out
+
+
+def _has_host_tier(run: dict[str, Any]) -> bool:
+    from engine.host_cache_size import parse_host_cache_size  # no torch
+
+    size = run.get("host_cache_size")
+    return bool(size) and parse_host_cache_size(size).enabled
+
+
+_HOST_HEAD = ("KV dtype", "host tier", "C", "cache hit t>0", "output tok/s", "x same dtype without tier",
+              "host hits (tokens)", "host load / store GB/s")
+
+
+def _host_tier_section(lines: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]) -> list[str]:
+    """Hit rate and throughput per dtype with and without the host tier (only when some run had one)."""
+    if not any(_has_host_tier(r) for r, _ in lines.values()):
+        return []
+    without = {r["kv_dtype"]: {p["concurrency"]: p for p in pts} for r, pts in lines.values()
+               if not _has_host_tier(r)}
+    rows, tiered = [], {}
+    for _, (run, pts) in sorted(lines.items(), key=lambda kv: (_DTYPE_ORDER.get(kv[1][0]["kv_dtype"], 9),
+                                                                _has_host_tier(kv[1][0]))):
+        on = _has_host_tier(run)
+        host = f"{run['host_cache_size']} ({_f(run.get('host_cache_tokens') or 0)} tokens)" if on else "none"
+        if on:
+            tiered.setdefault(run["kv_dtype"], {p["concurrency"]: p for p in pts})
+        for p in pts:
+            base = without.get(run["kv_dtype"], {}).get(p["concurrency"])
+            ratio = (p["output_tok_s"] / base["output_tok_s"] if on and base and base["output_tok_s"] else None)
+            gbps = f"{_f(p.get('host_load_gbps'))} / {_f(p.get('host_store_gbps'))}" if on else "-"
+            rows.append([run["kv_dtype"], host, str(p["concurrency"]),
+                         _f(p["cache_hit_rate_later_turns"], pct=True), _f(p["output_tok_s"]), _f(ratio, 2) if on else "-",
+                         _f(p.get("host_hit_tokens", 0)) if on else "-", gbps])
+    out = ["", "## Host tier", "",
+           ("Each KV dtype with and without the host tier (`--host-cache-size`: evicted pages wait in pinned host "
+           "memory, block scales included, and come back instead of being prefilled again); *host hits* = "
+           "prompt tokens loaded back from it during the point; GB/s = bytes / copy time of the point's host "
+           "<-> device copies."), "", *_table(_HOST_HEAD, rows)]
+    fp8, nv = tiered.get("fp8_e4m3"), tiered.get("nvfp4")
+    if fp8 and nv and (shared := sorted(set(fp8) & set(nv))):
+        c = shared[-1]
+        ratio = nv[c]["output_tok_s"] / fp8[c]["output_tok_s"] if fp8[c]["output_tok_s"] else None
+        out += ["", (f"With the tier at C={c}: NVFP4 {_f(nv[c]['output_tok_s'])} vs FP8 "
+                     f"{_f(fp8[c]['output_tok_s'])} output tok/s ({_f(ratio, 2)}x).")]
     return out
 
 
@@ -208,6 +254,7 @@ def markdown(docs: Sequence[dict[str, Any]], sources: Sequence[str], figures: Se
     md += _findings(lines)
     for label, (run, pts) in lines.items():
         md += ["", f"## {label}", "", *_table(_RUN_HEAD, _run_rows(pts))]
+    md += _host_tier_section(lines)
     md += ["", "## Figures", ""]
     if figures is None:
         md.append('Figures need matplotlib: `pip install -e ".[bench]"`, then re-run the report.')

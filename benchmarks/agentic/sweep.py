@@ -2,6 +2,7 @@
 
     --base-url URL | --launch [nvfp4-serve up args...]     (--launch must come last)
     [--kv-dtypes fp8_e4m3 nvfp4 [--equal-pool-bytes FP8_TOKENS]]   one launched deployment per KV dtype
+    [--host-cache-sizes 0 pool ...]           and per host tier size (`pool`: the GPU pool's bytes)
     [--sessions-per-concurrency M | --sessions-per-point N] [--think-time-scale X] [--max-point-duration-s S]
     [--out results.json] [--report docs/benchmarks/agentic.md]
 
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --launch: one deployment per KV dtype, in this order")
     d.add_argument("--equal-pool-bytes", type=int, default=None, metavar="FP8_TOKENS",
                    help="with --launch: every pool gets the bytes of FP8_TOKENS fp8 tokens (CPU runs)")
+    d.add_argument("--host-cache-sizes", nargs="+", default=None, metavar="SIZE",
+                   help="with --launch: one deployment per KV dtype and host tier size (`--host-cache-size` of "
+                        "`up`: 0 for none, bytes like 8GiB, tokens like 64Ktokens, or `pool` for the bytes of "
+                        "the GPU pool, which needs --equal-pool-bytes or --max-total-tokens)")
     d.add_argument("--launch-timeout", type=float, default=900.0, help="seconds a deployment may take to start")
     d.add_argument("--launch-log", default=None, help="launcher log (default: OUT.<dtype>.launch.log)")
     d.add_argument("--model", default="", help="model id to request (default: the router's)")
@@ -115,14 +120,18 @@ def pool_tokens_for(kv_dtype: str, fp8_tokens: int) -> int:
 
 def deployments(a: argparse.Namespace, launch_args: list[str] | None) -> list[tuple[str, list[str] | None]]:
     """(label, launch args or None) of each deployment to run."""
+    hosts = getattr(a, "host_cache_sizes", None)
     if launch_args is None:
-        if a.kv_dtypes or a.equal_pool_bytes is not None:
-            raise ValueError("--kv-dtypes and --equal-pool-bytes need --launch (they choose what to start)")
+        if a.kv_dtypes or a.equal_pool_bytes is not None or hosts:
+            raise ValueError("--kv-dtypes, --equal-pool-bytes and --host-cache-sizes need --launch (they choose "
+                             "what to start)")
         return [("", None)]
+    if hosts and flag_value(launch_args, "--host-cache-size") is not None:
+        raise ValueError("give --host-cache-size through --host-cache-sizes, not in the launch args")
     if not a.kv_dtypes:
         if a.equal_pool_bytes is not None:
             raise ValueError("--equal-pool-bytes needs --kv-dtypes")
-        return [("", launch_args)]
+        return [(label, [*launch_args, *extra]) for label, extra in _host_axis(a, launch_args, None, "")]
     chosen = ["--kv-cache-dtype"] + (["--max-total-tokens"] if a.equal_pool_bytes is not None else [])
     for flag in chosen:
         if flag_value(launch_args, flag) is not None:
@@ -132,7 +141,32 @@ def deployments(a: argparse.Namespace, launch_args: list[str] | None) -> list[tu
         extra = ["--kv-cache-dtype", dtype]
         if a.equal_pool_bytes is not None:
             extra += ["--max-total-tokens", str(pool_tokens_for(dtype, a.equal_pool_bytes))]
-        out.append((dtype, [*launch_args, *extra]))
+        out += [(label, [*launch_args, *extra, *host]) for label, host in _host_axis(a, launch_args, dtype, dtype)]
+    return out
+
+
+def _host_axis(a: argparse.Namespace, launch_args: list[str], dtype: str | None,
+               label: str) -> list[tuple[str, list[str]]]:
+    """(label, extra launch args) per --host-cache-sizes value ([(label, [])] without the axis); ``pool`` is the
+    GPU pool's bytes, as a token count of its dtype (known before the launch only from the pool flags)."""
+    from engine.host_cache_size import parse_host_cache_size  # no torch: the benchmark client stays light
+
+    hosts = getattr(a, "host_cache_sizes", None)
+    if not hosts:
+        return [(label, [])]
+    out = []
+    for value in dict.fromkeys(hosts):
+        if value == "pool":
+            if a.equal_pool_bytes is not None and dtype is not None:
+                value = f"{pool_tokens_for(dtype, a.equal_pool_bytes)}tokens"
+            elif flag_value(launch_args, "--max-total-tokens") is not None:
+                value = f"{flag_value(launch_args, '--max-total-tokens')}tokens"
+            else:
+                raise ValueError("--host-cache-sizes pool needs --equal-pool-bytes (with --kv-dtypes) or "
+                                 "--max-total-tokens in the launch args: the pool's size must be known before "
+                                 "the launch")
+        parse_host_cache_size(value)  # a bad size is refused before anything starts
+        out.append((f"{label}.host-{value}" if label else f"host-{value}", ["--host-cache-size", value]))
     return out
 
 
@@ -177,8 +211,11 @@ async def run_deployment(a: argparse.Namespace, target: Target, trace: Trace, co
     builder = PromptBuilder(trace, base.candidates, base.target.tokenizer_dir)
     if a.warmup_turns > 0:
         await _warmup(base, trace, builder, a.warmup_turns, page_size, a.request_timeout_s)
+    host_size = flag_value(launch_args or [], "--host-cache-size")
+    host_tokens = sum(int((w.get("load") or {}).get("host_cache", {}).get("max_tokens", 0))
+                      for w in base.info.get("decode", []))
     run: dict[str, Any] = {
-        "kv_dtype": dep["kv_dtype"], "base_url": base.target.base_url, "launched": launch_args is not None,
+        "kv_dtype": dep["kv_dtype"], "host_cache_size": host_size, "host_cache_tokens": host_tokens, "base_url": base.target.base_url, "launched": launch_args is not None,
         "launch_args": launch_args, "gpu": gpu_name(base.info, base.target.base_url, launch_args),
         "num_gpus": a.num_gpus, "deployment": dep, "server_info": base.info, "points": []}
     doc["runs"].append(run)
@@ -190,7 +227,8 @@ async def run_deployment(a: argparse.Namespace, target: Target, trace: Trace, co
         print(f"kv {run['kv_dtype']} C={cfg.concurrency}: {point['completed']} turns ok, {point['failed']} "
               f"failed, {point['turns_not_sent']} not sent; {point['output_tok_s']:.1f} output tok/s; "
               f"cache hit {hit}; evicted {point['evicted_pages']} pages; re-prefilled "
-              f"{point['reprefill_tokens']} tokens; integrity {integrity}", flush=True)
+              f"{point['reprefill_tokens']} tokens; host tier hits {point['host_hit_tokens']} tokens; "
+              f"integrity {integrity}", flush=True)
         if a.out:
             write_json(doc, a.out)
     return run

@@ -22,7 +22,8 @@ import httpx
 
 _GPU_KEYS = ("gpu_name", "device_name", "gpu")
 # "since start" gauges: their differences are meaningful
-_GAUGES_KEPT = ("evicted_pages", "evicted_tokens", "flushed_pages", "retractions")
+_GAUGES_KEPT = ("evicted_pages", "evicted_tokens", "flushed_pages", "retractions", "host_hit_tokens", "host_loads",
+                "host_stores", "host_load_bytes", "host_store_bytes", "host_load_seconds", "host_store_seconds")
 
 
 async def fetch_server_info(client: httpx.AsyncClient) -> dict[str, Any]:
