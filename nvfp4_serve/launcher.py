@@ -139,7 +139,9 @@ def _wait_ready(children: list[Child], deadline: float) -> None:
     for c in children:
         while not c.ready.wait(0.2):
             if c.popen.poll() is not None:
-                raise RuntimeError(f"{c.name} exited with code {c.popen.returncode} during start-up")
+                c.output_done.wait(5)  # its output read to the end: its error line is known
+                why = f": {c.last_error}" if c.last_error else ""
+                raise RuntimeError(f"{c.name} exited with code {c.popen.returncode} during start-up{why}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{c.name} not ready in time")
 

@@ -41,6 +41,8 @@ class Child:
     started: float = field(default_factory=time.monotonic)
     num_restarts: int = 0
     backoff_s: float = FIRST_BACKOFF_S
+    last_error: str = ""  # its last "<prog>: error: ..." line (a refused start-up), repeated when it exits
+    output_done: threading.Event = field(default_factory=threading.Event)  # its output was read to the end
 
     def next_backoff(self, now: float) -> float:
         """Seconds to wait before restarting this (dead) child; doubles with each quick failure."""
@@ -81,13 +83,18 @@ def spawn(name: str, argv: list[str], env: dict[str, str], *, num_restarts: int 
                   backoff_s=backoff_s)
 
     def pump() -> None:
-        for line in popen.stdout:
-            sys.stdout.write(f"[{name}] {line}")
-            sys.stdout.flush()
-            m = _READY.search(line)
-            if m and not child.ready.is_set():
-                child.address = f"{m.group(1)}:{m.group(2)}"
-                child.ready.set()
+        try:
+            for line in popen.stdout:
+                sys.stdout.write(f"[{name}] {line}")
+                sys.stdout.flush()
+                if ": error: " in line:
+                    child.last_error = line.strip()
+                m = _READY.search(line)
+                if m and not child.ready.is_set():
+                    child.address = f"{m.group(1)}:{m.group(2)}"
+                    child.ready.set()
+        finally:
+            child.output_done.set()
 
     threading.Thread(target=pump, daemon=True).start()
     return child

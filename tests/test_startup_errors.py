@@ -112,6 +112,15 @@ def test_a_checkpoint_whose_tensors_do_not_match_its_config_is_one_line_from_the
     assert r.returncode == 1 and f"cannot serve {model_copy}" in line and "missing tensors" in line
 
 
+def test_up_repeats_the_error_line_of_the_service_that_refused_to_start(model_copy):
+    """Under `up` the failing service's one line ends the launcher's output too (e.g. too little GPU memory)."""
+    cfg = json.loads((model_copy / "config.json").read_text())
+    (model_copy / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + 1}))
+    r = _run("-m", "nvfp4_serve.cli", "up", "--model", str(model_copy), "--device", "cpu")
+    line = _one_line_error(r, "nvfp4-serve: prefill exited with code 1 during start-up: ")
+    assert f"nvfp4-serve prefill: error: cannot serve {model_copy}" in line and "missing tensors" in line
+
+
 def test_nvfp4_refuses_a_head_dim_not_divisible_by_16_and_names_the_dtypes_that_work(tmp_path):
     model = make_tiny_model(tmp_path / "hd24", head_dim=24)
     line = _one_line_error(_run("-m", "nvfp4_serve.cli", "up", "--model", str(model)), "nvfp4-serve up:")
