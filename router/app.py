@@ -33,6 +33,7 @@ from router.middleware import ApiKeyMiddleware, RequestMetricsMiddleware
 from router.openai_protocol import ModelCard, ModelList, OpenAIError
 from router.policy import CacheAwarePolicy, PolicyConfig
 from router.serving import RouterState
+from router.worker_metrics import render_deployment
 from router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,8 @@ def _add_routes(app: FastAPI, state: RouterState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        body = await render_deployment(state.metrics, pool.workers, config.health_check_timeout_s)
+        return Response(body, media_type=CONTENT_TYPE)
 
     @app.get("/server_info")
     async def server_info() -> JSONResponse:

@@ -67,7 +67,7 @@ class RouterConfig:
     request_timeout_s: float = field(default=0.0, metadata=_opt("gRPC deadline of a whole Generate; 0 -> none"))
     max_retries: int = field(default=2, metadata=_opt("retries on another worker before the first token"))
     health_check_interval_s: float = field(default=2.0, metadata=_opt("seconds between worker polls"))
-    health_check_timeout_s: float = field(default=2.0, metadata=_opt("deadline of one GetLoad/Health call"))
+    health_check_timeout_s: float = field(default=2.0, metadata=_opt("deadline of one GetLoad/Health call, and of each worker's GetMetrics in /metrics"))
     health_failure_threshold: int = field(
         default=2, metadata=_opt("failed polls (timeouts) before a worker is skipped; refused -> at once"))
     cache_threshold: float = field(

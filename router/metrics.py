@@ -37,6 +37,9 @@ class RouterMetrics:
                                     ["role", "address"], registry=r)
         self.worker_in_flight = Gauge(p + "worker_in_flight_requests", "router requests open on a worker",
                                       ["role", "address"], registry=r)
+        self.worker_metrics_failures = Counter(
+            p + "worker_metrics_failures", "GetMetrics calls of /metrics that failed or timed out (worker skipped)",
+            ["role", "address"], registry=r)
         self.failures = Counter(p + "failures", "failed generations by kind", ["kind"], registry=r)
         self.retries = Counter(p + "retries", "generations retried on another worker, by kind", ["kind"],
                                registry=r)

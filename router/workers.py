@@ -106,6 +106,11 @@ class Worker:
             raise TypeError(f"{self.address} is a {self.role} worker: it has no Generate")
         return self._stub.Generate(request, timeout=timeout, wait_for_ready=False)
 
+    async def get_metrics(self, timeout: float) -> str:
+        """The worker's Prometheus text (its GetMetrics RPC, over the router's channel: the token travels)."""
+        res = await self._stub.GetMetrics(common_pb2.MetricsRequest(), timeout=timeout, wait_for_ready=False)
+        return res.prometheus_text
+
     async def flush_cache(self, timeout: float) -> decode_pb2.FlushCacheResponse:
         if self.role != "decode":
             raise TypeError(f"{self.address} is a {self.role} worker: it has no FlushCache")
