@@ -38,6 +38,42 @@ def _one_line_error(r: subprocess.CompletedProcess, prog: str) -> str:
     return lines[0]
 
 
+def up_error(*argv: str, monkeypatch) -> str:
+    """The message `nvfp4-serve up ARGV` exits with in-process (no service may be started first)."""
+    from nvfp4_serve import launcher
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a service was started before the flags were checked")
+
+    monkeypatch.setattr(launcher, "_spawn", no_spawn)
+    with pytest.raises(SystemExit) as exit_:
+        launcher.up(list(argv))
+    message = str(exit_.value.code)
+    assert message.startswith("nvfp4-serve up: ") and "\n" not in message, message
+    return message
+
+
+def service_error(service: str, *argv: str, capsys, code: int = 2) -> str:
+    """The one stderr line `nvfp4-serve SERVICE ARGV` exits with, run in-process through its real main."""
+    import importlib
+
+    main = importlib.import_module(f"{service}_svc.__main__").main
+    assert main(list(argv)) == code
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"nvfp4-serve {service}: error: "), err
+    return err.strip()
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_event_loop_policy():
+    """run_service installs uvloop's policy process-wide; the in-process runs here put the default one back."""
+    import asyncio
+
+    policy = asyncio.get_event_loop_policy()
+    yield
+    asyncio.set_event_loop_policy(policy)
+
+
 @pytest.fixture()
 def model_copy(tmp_path, tiny_model_dir):
     dst = tmp_path / "model"
@@ -50,7 +86,6 @@ def model_copy(tmp_path, tiny_model_dir):
 @pytest.mark.parametrize("argv,prog,code", [
     (["-m", "nvfp4_serve.cli", "up", "--device", "cuda"], "nvfp4-serve up:", 1),
     (["-m", "prefill_svc", "--device", "cuda"], "nvfp4-serve prefill: error:", 2),
-    (["-m", "decode_svc", "--device", "cuda:1"], "nvfp4-serve decode: error:", 2),
 ])
 def test_device_cuda_on_a_cpu_only_torch_is_one_line_naming_the_fix(argv, prog, code):
     r = _run(*argv)
@@ -60,6 +95,12 @@ def test_device_cuda_on_a_cpu_only_torch_is_one_line_naming_the_fix(argv, prog, 
 
 
 @pytest.mark.skipif(not CPU_ONLY_TORCH, reason="needs the CPU-only PyTorch build (this one has CUDA)")
+@pytest.mark.skipif(not CPU_ONLY_TORCH, reason="needs the CPU-only PyTorch build (this one has CUDA)")
+def test_decode_device_cuda_n_on_a_cpu_only_torch(capsys):
+    line = service_error("decode", "--device", "cuda:1", capsys=capsys)
+    assert "--device cuda:1: this PyTorch" in line and "CPU-only build" in line
+
+
 def test_check_device_keeps_cpu_and_auto_on_a_cpu_only_torch():
     assert check_device("cpu") == "cpu" and check_device("auto") == "cpu"
     for bad in ("tpu", "cuda:x", "cuda1"):
@@ -67,16 +108,13 @@ def test_check_device_keeps_cpu_and_auto_on_a_cpu_only_torch():
             check_device(bad)
 
 
-def test_up_checks_every_engine_flag_before_it_starts_a_service(tiny_model_dir):
-    r = _run("-m", "nvfp4_serve.cli", "up", "--model", tiny_model_dir, "--page-size", "16", "--max-total-tokens", "8")
-    line = _one_line_error(r, "nvfp4-serve up:")
+def test_up_checks_every_engine_flag_before_it_starts_a_service(tiny_model_dir, monkeypatch):
+    line = up_error("--model", tiny_model_dir, "--page-size", "16", "--max-total-tokens", "8", monkeypatch=monkeypatch)
     assert "--max-total-tokens (8) must hold at least one page (16)" in line
-    assert "[prefill]" not in r.stdout and "[decode" not in r.stdout  # refused before any child started
 
 
-def test_an_unbalanced_service_args_string_is_one_line(tiny_model_dir):
-    r = _run("-m", "nvfp4_serve.cli", "up", "--model", tiny_model_dir, "--decode-args", "--between-tokens-timeout '300")
-    line = _one_line_error(r, "nvfp4-serve up:")
+def test_an_unbalanced_service_args_string_is_one_line(tiny_model_dir, monkeypatch):
+    line = up_error("--model", tiny_model_dir, "--decode-args", "--between-tokens-timeout '300", monkeypatch=monkeypatch)
     assert "--decode-args" in line and "No closing quotation" in line and "one shell-quoted string" in line
 
 
@@ -87,29 +125,26 @@ def test_a_directory_without_weights_names_what_is_missing(model_copy):
     assert f"--model {model_copy}" in line and "no safetensors weights" in line
 
 
-def test_a_directory_without_tokenizer_or_config_names_what_is_missing(model_copy):
+def test_a_directory_without_tokenizer_or_config_names_what_is_missing(model_copy, capsys):
     (model_copy / "tokenizer.json").unlink()
-    line = _one_line_error(_run("-m", "prefill_svc", "--model", str(model_copy)), "nvfp4-serve prefill: error:")
-    assert "no tokenizer.json" in line
+    assert "no tokenizer.json" in service_error("prefill", "--model", str(model_copy), capsys=capsys)
     (model_copy / "config.json").unlink()
-    line = _one_line_error(_run("-m", "decode_svc", "--model", str(model_copy)), "nvfp4-serve decode: error:")
-    assert "no config.json" in line
+    assert "no config.json" in service_error("decode", "--model", str(model_copy), capsys=capsys)
 
 
-def test_an_unsupported_architecture_lists_the_supported_ones(model_copy):
+def test_an_unsupported_architecture_lists_the_supported_ones(model_copy, monkeypatch):
     cfg = json.loads((model_copy / "config.json").read_text())
     (model_copy / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
-    line = _one_line_error(_run("-m", "nvfp4_serve.cli", "up", "--model", str(model_copy)), "nvfp4-serve up:")
+    line = up_error("--model", str(model_copy), monkeypatch=monkeypatch)
     assert "unsupported architecture 'GPT2LMHeadModel'" in line and "Qwen3ForCausalLM" in line
 
 
-def test_a_checkpoint_whose_tensors_do_not_match_its_config_is_one_line_from_the_engine(model_copy):
+def test_a_checkpoint_whose_tensors_do_not_match_its_config_is_one_line_from_the_engine(model_copy, capsys):
     """Found only when the engine loads the weights (after the pre-flight checks): StartupError, exit 1."""
     cfg = json.loads((model_copy / "config.json").read_text())
     (model_copy / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + 1}))
-    r = _run("-m", "prefill_svc", "--model", str(model_copy), "--device", "cpu", "--port", "0")
-    line = _one_line_error(r, "nvfp4-serve prefill: error:")
-    assert r.returncode == 1 and f"cannot serve {model_copy}" in line and "missing tensors" in line
+    line = service_error("prefill", "--model", str(model_copy), "--device", "cpu", "--port", "0", capsys=capsys, code=1)
+    assert f"cannot serve {model_copy}" in line and "missing tensors" in line
 
 
 def test_up_repeats_the_error_line_of_the_service_that_refused_to_start(model_copy):
@@ -121,9 +156,9 @@ def test_up_repeats_the_error_line_of_the_service_that_refused_to_start(model_co
     assert f"nvfp4-serve prefill: error: cannot serve {model_copy}" in line and "missing tensors" in line
 
 
-def test_nvfp4_refuses_a_head_dim_not_divisible_by_16_and_names_the_dtypes_that_work(tmp_path):
+def test_nvfp4_refuses_a_head_dim_not_divisible_by_16_and_names_the_dtypes_that_work(tmp_path, monkeypatch):
     model = make_tiny_model(tmp_path / "hd24", head_dim=24)
-    line = _one_line_error(_run("-m", "nvfp4_serve.cli", "up", "--model", str(model)), "nvfp4-serve up:")
+    line = up_error("--model", str(model), monkeypatch=monkeypatch)
     assert "head_dim divisible by 16" in line and "has 24" in line and "--kv-cache-dtype fp8_e4m3" in line
     check_model(str(model), "fp8_e4m3", "cpu", "auto", None)  # the suggested dtype passes
 
