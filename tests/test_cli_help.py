@@ -108,10 +108,18 @@ def test_context_length_and_its_vllm_alias_parse_on_every_engine_command(command
     assert parser.parse_args([]).context_length is None
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["up", "--version"], ["prefill", "--version"],
-                                  ["decode", "--version"], ["router", "--version"]])
-def test_version(argv):
-    r = subprocess.run([sys.executable, "-m", "nvfp4_serve.cli", *argv], check=False, cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+def test_version_from_the_installed_command():
+    r = subprocess.run([sys.executable, "-m", "nvfp4_serve.cli", "--version"], check=False, cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"nvfp4-serve {metadata.version('nvfp4-serve')}"
+
+
+@pytest.mark.parametrize("command", ["up", "prefill", "decode", "router", "calibrate", "eval"])
+def test_every_command_has_version(command, capsys):
+    from nvfp4_serve.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"nvfp4-serve {metadata.version('nvfp4-serve')}"
