@@ -67,6 +67,8 @@ def test_each_profile_is_the_whole_topology_with_restart_healthchecks_and_start_
         assert "build" in svc and svc["build"]["context"] == ".." and "image" in svc, name
         assert (ROOT / svc["build"]["dockerfile"]).is_file()
         assert "test" in svc["healthcheck"], name
+        # passed through from the shell when set: the API key (also the gRPC links' token), hub access
+        assert {"NVFP4_SERVE_API_KEY", "NVFP4_SERVE_SERVICE_TOKEN", "HF_TOKEN", "HF_HUB_OFFLINE"} <= set(svc["environment"])
     prefill, decode, router = (services[f"{role}-{profile}"] for role in ROLES)
     # decode starts once the prefill is healthy (its pool is allocated), the router once the decode is
     assert decode["depends_on"] == {f"prefill-{profile}": {"condition": "service_healthy"}}
