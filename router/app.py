@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, GET /health,
 GET /metrics, GET /server_info, POST /flush_cache, POST /tokenize, POST /detokenize, GET /version,
-GET /get_model_info. Every error is OpenAI-shaped JSON
+GET /get_model_info, SGLang's POST /generate and GET /health_generate. Every error is OpenAI-shaped JSON
 ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status (FastAPI's 422 becomes 400).
 This module never imports torch (tests check it).
 """
@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from router import serving
+from router import serving, sglang_native
 from router.admission import AdmissionGate
 from router.config import RouterConfig, model_limits
 from router.connections import ConnectionLimits, fd_capped_connections, guarded_protocol
@@ -39,7 +39,7 @@ from router.workers import Worker, WorkerPool
 log = logging.getLogger(__name__)
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/server_info",
-          "/flush_cache", "/tokenize", "/detokenize", "/version", "/get_model_info")
+          "/flush_cache", "/tokenize", "/detokenize", "/version", "/get_model_info", "/generate", "/health_generate")
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
@@ -168,6 +168,14 @@ def _add_routes(app: FastAPI, state: RouterState) -> None:
         return JSONResponse({"model_path": config.model_dir, "tokenizer_path": config.model_dir,
                              "is_generation": True, "served_model_name": config.model_name,
                              "max_model_len": state.context_len()})
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:  # SGLang native
+        return await sglang_native.generate(state, request)
+
+    @app.get("/health_generate")
+    async def health_generate() -> JSONResponse:
+        return await sglang_native.health_generate(state)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:  # vLLM's shape
