@@ -226,7 +226,7 @@ def test_streamed_chunks_carry_each_chunks_token_ids_and_the_prompt_ids_once():
     assert chunks[0]["prompt_token_ids"] == [1, 2, 3] and all("prompt_token_ids" not in c for c in chunks[1:])
     plain = [c["choices"][0] for c in _stream(replace(job, return_token_ids=False), events)]
     assert [c["text"] for c in plain] == ["ab", "!", ""]  # an id-only event makes no chunk without the flag
-    assert all(set(c) == {"index", "text", "logprobs", "finish_reason"} for c in plain)
+    assert all(set(c) == {"index", "text", "logprobs", "finish_reason", "stop_reason"} for c in plain)
 
 
 # -- the replayer against a scripted router ---------------------------------------------------------------

@@ -132,7 +132,7 @@ def test_copy_pages_makes_destination_pages_byte_equal_to_the_source_pages(kv_dt
 
 
 def test_page_runs_split_where_either_side_jumps():
-    from nvfp4_serve.kv_transfer_ipc import _runs
+    from nvfp4_serve.kv_transfer_ipc import page_runs as _runs
 
     assert _runs([9, 10, 2, 6, 7], [1, 2, 3, 40, 41]) == [(9, 1, 2), (2, 3, 1), (6, 40, 2)]
     assert _runs([3, 4, 5], [7, 8, 9]) == [(3, 7, 3)] and len(_runs(*SCATTERED)) == 20

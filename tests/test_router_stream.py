@@ -70,7 +70,7 @@ def test_completion_stream_with_n_and_two_prompts_counts_each_prompt_once():
     for c in chunks[:-1]:  # streamed completion chunks carry finish_reason null until the end, as OpenAI's
         assert (c["object"], c["id"], c["model"]) == ("text_completion", "completion-id", "tiny")
         (choice,) = c["choices"]
-        assert set(choice) == {"index", "text", "logprobs", "finish_reason"}
+        assert set(choice) == {"index", "text", "logprobs", "finish_reason", "stop_reason"}
         texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     assert texts == {0: "a", 1: "b", 2: "c", 3: "d"}
     usage = Completion.model_validate(chunks[-1]).usage

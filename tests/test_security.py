@@ -244,7 +244,8 @@ def test_no_prompt_or_generated_text_in_the_logs_at_info_level(deployment):
         generated = r.json()["choices"][0]["text"]
         chat = {"model": "model", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8}
         assert c.post("/v1/chat/completions", json={**chat, "stream": True}).status_code == 200
-        assert c.post("/v1/chat/completions", json={**chat, "logprobs": True}).status_code == 400
+        assert c.post("/v1/chat/completions", json={**chat, "logprobs": True}).status_code == 200
+        assert c.post("/v1/chat/completions", json={**chat, "functions": [{"name": MARKER}]}).status_code == 400
         assert c.post("/v1/completions", json={"model": MARKER, "prompt": prompt}).status_code == 404
         assert c.post("/v1/completions", json={"model": "model", "prompt": prompt, "stop": [MARKER],
                                                "max_tokens": 200_000}).status_code == 400

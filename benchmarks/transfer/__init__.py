@@ -1,1 +1,1 @@
-"""Transfer benchmark: gRPC bytes vs CUDA IPC between prefill and decode (issue 9)."""
+"""Transfer benchmark: gRPC bytes vs CUDA IPC between prefill and decode, each against its anchor."""
