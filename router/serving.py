@@ -213,6 +213,18 @@ class _Slot:
         self.release()
 
 
+async def prompt_ids(state: RouterState, prompt: str | list[int], add_special_tokens: bool, text_param: str,
+                     ids_param: str | None = None) -> tuple[int, ...]:
+    """A prompt's token ids: text tokenized off the event loop, ids taken as given; empty or out of the vocabulary
+    is a 400 naming ``text_param`` (``ids_param`` for ids outside the vocabulary, when it differs)."""
+    ids = await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens) if isinstance(prompt, str) \
+        else list(prompt)
+    if not ids:
+        raise bad_request(f"{text_param} must contain at least one token", text_param)
+    _check_token_ids(ids, state.limits.vocab_size, ids_param or text_param)
+    return tuple(ids)
+
+
 async def completions(state: RouterState, request: Request) -> Response:
     """POST /v1/completions."""
     arrival = time.perf_counter()
@@ -226,14 +238,7 @@ async def completions(state: RouterState, request: Request) -> Response:
     slot = _Slot(state.gate)
     await state.gate.acquire()
     try:
-        token_prompts = []
-        for p in prompts:
-            ids = await asyncio.to_thread(state.tokenizer.encode, p, req.add_special_tokens) if isinstance(p, str) \
-                else list(p)
-            if not ids:
-                raise bad_request("prompt must contain at least one token", "prompt")
-            _check_token_ids(ids, state.limits.vocab_size, "prompt")
-            token_prompts.append(tuple(ids))
+        token_prompts = [await prompt_ids(state, p, req.add_special_tokens, "prompt") for p in prompts]
         context = state.context_len()
         prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
         options = [_options(req, resolve_max_tokens(req.max_tokens, len(ids), context,

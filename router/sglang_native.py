@@ -49,6 +49,7 @@ from router.serving import (
     _Slot,
     _until_disconnect,
     check_prompt_bytes,
+    prompt_ids,
     read_body,
 )
 from router.sse import SSE_DONE, SSEResponse, sse_event
@@ -236,10 +237,7 @@ async def generate(state: RouterState, request: Request) -> Response:
     try:
         specs, results = [], []
         for i, (p, (params, opts)) in enumerate(zip(prompts, sampling, strict=True)):
-            ids = await asyncio.to_thread(state.tokenizer.encode, p, True) if isinstance(p, str) else list(p)
-            if not ids:
-                raise bad_request("text must contain at least one token", "text")
-            _check_token_ids(ids, state.limits.vocab_size, "input_ids")
+            ids = await prompt_ids(state, p, True, "text", "input_ids")
             room = state.context_len() - len(ids)
             if params.max_new_tokens > room or room <= 0:
                 raise bad_request(f"the prompt has {len(ids)} tokens and max_new_tokens is {params.max_new_tokens}: "
