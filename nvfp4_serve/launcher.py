@@ -237,17 +237,23 @@ def up(argv: list[str] | None = None) -> int:
         if pool is not None:
             prefill_argv = [*_drop_flag(prefill_argv, "--max-total-tokens"), "--max-total-tokens", str(pool)]
         names = ["prefill"] if a.num_prefill == 1 else [f"prefill-{i}" for i in range(a.num_prefill)]
-        prefills = [_spawn(name, ["-m", "prefill_svc", "--port", str(free_port()), *prefill_argv,
+        ports = [free_port() for _ in names]
+        prefills = [_spawn(name, ["-m", "prefill_svc", "--port", str(port), *prefill_argv,
                                   *_metrics_argv(a.prefill_metrics_port, i), *extra["prefill"]], prefill_envs[i])
-                    for i, name in enumerate(names)]
+                    for i, (name, port) in enumerate(zip(names, ports, strict=True))]
         children += prefills
-        _wait_ready(prefills, deadline)  # their pools are allocated: what is free now is the decodes' to size
-        allowed = ["--prefill-addresses", *[p.address for p in prefills]] if prefills else []
+        # On a GPU the decodes size their pools from what the prefills left free, so they start once the
+        # prefills are ready; on the CPU nothing is shared and every service starts at once.
+        parallel = a.device == "cpu" and not any(f in extra["prefill"] for f in ("--host", "--port"))
+        if not parallel:
+            _wait_ready(prefills, deadline)
+        addresses = [f"127.0.0.1:{port}" for port in ports] if parallel else [p.address for p in prefills]
+        allowed = ["--prefill-addresses", *addresses] if prefills else []
         decodes = [_spawn(f"decode-{i}", ["-m", "decode_svc", "--port", str(free_port()), *common, *allowed,
                                           *_metrics_argv(a.decode_metrics_port, i), *extra["decode"]],
                           decode_envs[i]) for i in range(a.num_decode)]
         children += decodes
-        _wait_ready(decodes, deadline)
+        _wait_ready(prefills + decodes, deadline)
         router_argv = ["-m", "router", "--host", a.host, "--port", str(a.port), "--model-dir", a.model,
                        "--decode-addresses", *[d.address for d in decodes],
                        "--max-concurrent-requests", str(a.max_running_requests * a.num_decode),

@@ -59,7 +59,7 @@ def test_two_prefill_services_share_the_prompts_and_outputs_equal_the_engine(tin
 def test_bench_pd_cpu_smoke_writes_every_deployment_ratios_and_the_report(tiny_model_dir, tmp_path):
     out, md = tmp_path / "pd.json", tmp_path / "pd.md"
     rc = pd_main(["--input-len", "48", "--output-len", "4", "--concurrency", "2", "--num-prompts", "3",
-                  "--warmup", "1", "--deployments", "colocated", "pd-grpc", "pd-grpc-fp8", "--out", str(out),
+                  "--warmup", "0", "--deployments", "colocated", "pd-grpc", "pd-grpc-fp8", "--out", str(out),
                   "--report", str(md), "--launch", "--model", tiny_model_dir, "--device", "cpu", "--dtype", "float32",
                   "--page-size", "4", "--chunked-prefill-size", "16", "--max-total-tokens", "2048"])
     assert rc == 0
