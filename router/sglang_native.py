@@ -64,6 +64,7 @@ _REFUSED_NEUTRAL: dict[str, Any] = {
     "lora_path": None, "lora_id": None, "custom_logit_processor": None, "session_params": None,
     "return_hidden_states": False, "modalities": None, "input_embeds": None, "bootstrap_host": None,
     "bootstrap_port": None, "bootstrap_room": None, "data_parallel_rank": None, "log_metrics": True,
+    "return_routed_experts": False,
 }
 
 

@@ -103,7 +103,7 @@ def test_the_request_sglang_bench_serving_sends_is_served_as_it_reads_it(dep):
     payload = {"text": "for i in range(10):", "sampling_params": {"temperature": 0.0, "max_new_tokens": 5,
                                                                   "ignore_eos": True},
                "stream": True, "stream_options": {"include_usage": True}, "lora_path": None, "return_logprob": False,
-               "logprob_start_len": -1}
+               "return_routed_experts": False, "logprob_start_len": -1}  # sglang 0.5.23 sends return_routed_experts
     r = dep.http.post("/generate", json=payload)
     assert r.status_code == 200, r.text
     output_len = 0
