@@ -130,6 +130,13 @@ def check_prompt_bytes(state: RouterState, num_bytes: int, param: str) -> None:
                           f"the prompt", param, code="context_length_exceeded")
 
 
+def check_text_prompts(state: RouterState, prompts: list, param: str) -> None:
+    """``check_prompt_bytes`` for each text prompt of a batch (token-id prompts are checked once tokenized)."""
+    for p in prompts:
+        if isinstance(p, str):
+            check_prompt_bytes(state, len(p.encode("utf-8")), param)
+
+
 def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     top = vocab_size - 1 if vocab_size else INT32_MAX  # the proto's ids are int32 even when the vocabulary is unknown
     if any(t < 0 or t > top for t in ids):
@@ -232,9 +239,7 @@ async def completions(state: RouterState, request: Request) -> Response:
     check_model(state.config, req.model)
     prompts = req.prompts()
     _check_n(state.config, req.n, len(prompts))
-    for p in prompts:
-        if isinstance(p, str):
-            check_prompt_bytes(state, len(p.encode("utf-8")), "prompt")
+    check_text_prompts(state, prompts, "prompt")
     slot = _Slot(state.gate)
     await state.gate.acquire()
     try:

@@ -48,7 +48,7 @@ from router.serving import (
     _check_token_ids,
     _Slot,
     _until_disconnect,
-    check_prompt_bytes,
+    check_text_prompts,
     prompt_ids,
     read_body,
 )
@@ -230,9 +230,7 @@ async def generate(state: RouterState, request: Request) -> Response:
     if len(rids) != len(prompts):
         raise bad_request(f"rid has {len(rids)} entries for {len(prompts)} prompts", "rid")
     sampling = _sampling(req, len(prompts), state.limits.vocab_size)
-    for p in prompts:
-        if isinstance(p, str):
-            check_prompt_bytes(state, len(p.encode("utf-8")), "text")
+    check_text_prompts(state, prompts, "text")
     slot = _Slot(state.gate)
     await state.gate.acquire()
     try:
