@@ -1,10 +1,13 @@
 """Page bytes between a pool and the gRPC wire, off the engine thread: ``PageExporter`` (prefill side) and
 ``PageImporter`` (decode side).
 
-    prefill: pool pages --gather on a side stream, after the fence of the chunk that wrote them--> one device
-             buffer --one D2H copy--> host --kv_wire.encode_page_run (one copy)--> the message's bytes
-    decode:  the message's bytes --memoryview slices (no copy)--> one H2D copy per part on a side stream
-             --index_copy_ into the request's pages--> pool; scales (and fp8/bf16 values) checked on the device
+    prefill: pool pages of several messages --one gather per part on a side stream, after the fence of the
+             chunk that wrote them--> one device buffer --one D2H copy--> pinned host memory
+             --kv_wire.encode_page_run (one copy)--> each message's bytes
+    decode:  the message's bytes --one H2D copy of its payload on a side stream--> device slices per part
+             --slice copies or index_copy_ into the request's pages--> pool; scales (and fp8/bf16 values)
+             checked on the device
+    cuda-ipc: the prefill's pages --one gather kernel per part and destination run--> the request's pages
 
 Both use their own CUDA stream, so a transfer never waits behind the engine's next chunk or decode step,
 and never holds the engine thread. The importer's invariant: ``finish`` returns only after every write it
@@ -55,23 +58,26 @@ class PageExporter:
         self.stream = _side_stream(pool.device)
         self.page_bytes = part_page_bytes(pool)
 
-    def message(self, request_id: str, layer: int, first_page: int, page_ids: Sequence[int],
-                fence: Fence | None) -> bytes:
-        """The serialized PrefillMessage of ``page_ids`` of ``layer`` (sequence pages from ``first_page``).
-        Blocks (call on a worker thread); reads only, after ``fence``."""
+    def messages(self, request_id: str, layer: int, first_page: int, page_ids: Sequence[int],
+                 pages_per_message: int, fence: Fence | None) -> list[bytes]:
+        """The serialized PrefillMessages of ``page_ids`` of ``layer`` (sequence pages from ``first_page``), at
+        most ``pages_per_message`` pages each. Blocks (call on a worker thread); reads only, after ``fence``.
+
+        On a GPU: one gather per part into one device buffer, one copy of it into pinned host memory (torch's
+        caching host allocator: no fresh pages), then each message framed from views of it (one host copy)."""
         ids = [int(p) for p in page_ids]
         n = len(ids)
+        if n == 0:
+            return []
         tensors = _parts(self.pool, layer)
-        runs = page_runs(ids, list(range(n)))
-        if self.stream is None and len(runs) <= _MAX_SLICE_RUNS:  # host pool: slices straight into the message
-            parts = [[] if t is None else [memoryview(t[s0:s0 + m].view(torch.uint8).numpy()).cast("B")
-                                           for s0, _, m in runs] for t in tensors]
-            return encode_page_run(request_id, layer, first_page, n, parts)
+        if self.stream is None:
+            return [self._host_message(request_id, layer, first_page + i, ids[i:i + pages_per_message], tensors)
+                    for i in range(0, n, pages_per_message)]
         sizes = [n * b for b in self.page_bytes]
         with _on(self.stream):
             if fence is not None:
                 fence.order(self.stream)
-            idx = torch.tensor(ids, dtype=torch.int64, device=self.pool.device)
+            idx = torch.tensor(ids, dtype=torch.int64).pin_memory().to(self.pool.device, non_blocking=True)
             buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.pool.device)
             offset = 0
             for t, size in zip(tensors, sizes, strict=True):
@@ -79,12 +85,32 @@ class PageExporter:
                     torch.index_select(t.view(torch.uint8).view(t.shape[0], -1), 0, idx,
                                        out=buf[offset:offset + size].view(n, -1))
                 offset += size
-            host = buf.cpu()  # on the side stream: waits for the gather only
+            host = torch.empty(buf.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(buf, non_blocking=True)
+            self.stream.synchronize()  # the gather and the copy to host: this thread only
         view = memoryview(host.numpy())
-        parts, offset = [], 0
-        for size in sizes:
-            parts.append([view[offset:offset + size]])
-            offset += size
+        out = []
+        for i in range(0, n, pages_per_message):
+            m = min(pages_per_message, n - i)
+            parts, offset = [], 0
+            for size, page in zip(sizes, self.page_bytes, strict=True):
+                parts.append([view[offset + i * page:offset + (i + m) * page]] if page else [])
+                offset += size
+            out.append(encode_page_run(request_id, layer, first_page + i, m, parts))
+        return out
+
+    def _host_message(self, request_id: str, layer: int, first_page: int, ids: list[int],
+                      tensors: list[torch.Tensor | None]) -> bytes:
+        """A host pool's pages: slices straight into the message where they are a few runs, else one gather."""
+        n = len(ids)
+        runs = page_runs(ids, list(range(n)))
+        if len(runs) > _MAX_SLICE_RUNS:
+            idx = torch.tensor(ids, dtype=torch.int64)
+            parts = [[] if t is None else [memoryview(t.view(torch.uint8).view(t.shape[0], -1).index_select(0, idx)
+                                                      .numpy()).cast("B")] for t in tensors]
+        else:
+            parts = [[] if t is None else [memoryview(t[s0:s0 + m].view(torch.uint8).numpy()).cast("B")
+                                           for s0, _, m in runs] for t in tensors]
         return encode_page_run(request_id, layer, first_page, n, parts)
 
 
@@ -131,15 +157,20 @@ class PageImporter:
         n = len(page_ids)
         if n == 0:
             return
-        runs = page_runs(list(range(n)), [int(p) for p in page_ids])
+        dst = [int(p) for p in page_ids]
+        spans = [(a, b) for (a, b), t in zip(run.spans, _parts(self.pool, run.layer), strict=True) if t is not None]
+        lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
         with self._lock, _on(self.stream), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # frombuffer over read-only bytes: only read here
-            idx = None if len(runs) <= _MAX_SLICE_RUNS else \
-                torch.tensor([int(p) for p in page_ids], dtype=torch.int64, device=self.pool.device)
-            for t, mv, kind in zip(_parts(self.pool, run.layer), run.parts, self._kinds, strict=True):
+            payload = torch.frombuffer(memoryview(run.data)[lo:hi], dtype=torch.uint8)
+            if self.stream is not None:  # one copy of the whole payload to the device (the parts lie in it)
+                payload = payload.to(self.pool.device)
+            runs = page_runs(list(range(n)), dst)
+            idx = None if len(runs) <= _MAX_SLICE_RUNS else _device_ids(dst, self.pool.device)
+            for t, (a, b), kind in zip(_parts(self.pool, run.layer), run.spans, self._kinds, strict=True):
                 if t is None:
                     continue
-                src = torch.frombuffer(mv, dtype=torch.uint8).view(n, -1).to(self.pool.device)
+                src = payload[a - lo:b - lo].view(n, -1)
                 if kind == torch.bfloat16:
                     self._flag(src.view(n * t.shape[1], -1)[:num_tokens], kind)
                 _scatter(t, src, runs, idx)
@@ -153,25 +184,21 @@ class PageImporter:
         if n == 0:
             return
         src_ids, dst_ids = [int(p) for p in src_ids], [int(p) for p in page_ids]
-        runs = page_runs(src_ids, dst_ids)
+        dst_runs = page_runs(list(range(n)), dst_ids)
         with self._lock, _on(self.stream):
             dev = self.pool.device
-            s_idx = d_idx = None
-            if len(runs) > _MAX_SLICE_RUNS:
-                s_idx = torch.tensor(src_ids, dtype=torch.int64, device=dev)
-                d_idx = torch.tensor(dst_ids, dtype=torch.int64, device=dev)
+            s_idx = _device_ids(src_ids, dev)
+            d_idx = None if len(dst_runs) <= _MAX_SLICE_RUNS else _device_ids(dst_ids, dev)
             for t, s, kind in zip(_parts(self.pool, layer), src_parts, self._kinds, strict=True):
                 if t is None:
                     continue
                 s8 = s.view(torch.uint8).view(s.shape[0], -1)
                 d8 = t.view(torch.uint8).view(t.shape[0], -1)
-                if s_idx is None:
-                    seq = 0
-                    for s0, d0, m in runs:
-                        d8[d0:d0 + m].copy_(s8[s0:s0 + m])
+                if d_idx is None:  # a gather kernel per destination run, straight into the pool
+                    for s0, d0, m in dst_runs:
+                        torch.index_select(s8, 0, s_idx[s0:s0 + m], out=d8[d0:d0 + m])
                         if kind is not None:
-                            self._flag_slots(d8[d0:d0 + m], t, seq, num_tokens, kind)
-                        seq += m
+                            self._flag_slots(d8[d0:d0 + m], t, s0, num_tokens, kind)
                 else:
                     rows = s8.index_select(0, s_idx)
                     if kind is not None:
@@ -189,8 +216,9 @@ class PageImporter:
         """Accumulate (on the device, no sync) whether ``raw`` bytes of ``dtype`` hold a NaN or inf."""
         if dtype == torch.float8_e4m3fn:  # E4M3 (fn): NaN is S.1111.111, there is no inf
             bad = ((raw & 0x7F) == 0x7F).any()
-        else:
-            bad = ~torch.isfinite(raw.view(dtype)).all()
+        else:  # bf16 NaN/inf: exponent all ones, read off the bytes (a message's payload need not be 2-aligned)
+            pairs = raw.reshape(-1, 2)  # little-endian: [low byte, high byte]
+            bad = (((pairs[:, 1] & 0x7F) == 0x7F) & ((pairs[:, 0] & 0x80) != 0)).any()
         self._bad = bad if self._bad is None else self._bad | bad
 
     def settle(self) -> None:
@@ -204,6 +232,12 @@ class PageImporter:
         self.settle()
         if self._bad is not None and bool(self._bad.item()):
             raise ValueError("the pages carry NaN or inf scales or values")
+
+
+def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
+    """``ids`` as an int64 tensor on ``device``, copied without blocking the host (pinned source) on a GPU."""
+    t = torch.tensor(ids, dtype=torch.int64)
+    return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
 
 
 def _scatter(t: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]], idx: torch.Tensor | None) -> None:

@@ -35,6 +35,7 @@ from prefill_svc.kv_share import Hold, KVShareSource
 
 _HEADER_MARGIN = 4096  # bytes kept free in each message for the protobuf framing
 _PAGE_ID_BYTES = 5  # most bytes of one packed int32 page id in a KVPageRefs message
+_MESSAGES_PER_EXPORT = 8  # messages gathered and copied to host at once (one gather, one device->host copy)
 
 
 class PrefillWorker:
@@ -139,8 +140,9 @@ async def _latest(events: asyncio.Queue):
 class _Stream:
     """One prompt's transfer: its header, then page messages for each run of pages as it becomes ready.
 
-    grpc      each (layer, run) as one pre-serialized KVPageRun message (``PageExporter``: gathered on a
-              side stream after the chunk's fence, copied to host once, framed without protobuf copies);
+    grpc      each (layer, run) as one pre-serialized KVPageRun message (``PageExporter``: up to
+              ``_MESSAGES_PER_EXPORT`` runs of a layer gathered on a side stream after the chunk's fence, copied
+              to pinned host memory at once, each framed without protobuf copies);
     cuda-ipc  each layer's source page ids, once the chunk's writes are complete (the decode copies them
               out of this pool); the hold keeps the pages until ReleaseTransfer, the stream's end, or
               ``hold_timeout_s`` after the last message.
@@ -189,21 +191,23 @@ class _Stream:
             self.hold.touch()
             return
         n = w.pages_per_message
-        runs = [(layer, i) for layer in range(w.layout.num_layers) for i in range(0, len(page_ids), n)]
+        unit = n * _MESSAGES_PER_EXPORT
+        runs = [(layer, i) for layer in range(w.layout.num_layers) for i in range(0, len(page_ids), unit)]
 
-        def export(k: int) -> asyncio.Future[bytes]:
+        def export(k: int) -> asyncio.Future[list[bytes]]:
             layer, i = runs[k]
             return asyncio.ensure_future(asyncio.to_thread(
-                w.exporter.message, self.rid, layer, first + i, page_ids[i:i + n], fence))
+                w.exporter.messages, self.rid, layer, first + i, page_ids[i:i + unit], n, fence))
 
-        ahead = export(0) if runs else None  # the next run is gathered while this one is sent
+        ahead = export(0) if runs else None  # the next unit is gathered while this one is sent
         try:
             for k in range(len(runs)):
-                if w.debug_delay:
-                    await asyncio.sleep(w.debug_delay)
-                msg, ahead = await ahead, (export(k + 1) if k + 1 < len(runs) else None)
-                self.num_bytes += len(msg)
-                yield msg
+                msgs, ahead = await ahead, (export(k + 1) if k + 1 < len(runs) else None)
+                for msg in msgs:
+                    if w.debug_delay:
+                        await asyncio.sleep(w.debug_delay)
+                    self.num_bytes += len(msg)
+                    yield msg
         finally:
             if ahead is not None:
                 ahead.cancel()  # an export already running ends on its thread; its bytes are dropped

@@ -33,7 +33,8 @@ def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_
     md = out_md.read_text()
     assert "| kv dtype | prompt | path | TTFT s |" in md and "| grpc | 40 |" in md and "Command: `python -m" in md
     assert (tmp_path / "logs" / "decode-nvfp4-grpc.log").exists()
-    assert [r["channels"] for r in doc["anchors"]["raw_grpc"]] == [1, 4] and "| raw grpcio, 2 processes |" in md
+    assert [(r["channels"], r["keep_freed_blocks"]) for r in doc["anchors"]["raw_grpc"]] == \
+        [(1, False), (4, False), (1, True)] and "| raw grpcio, 2 processes |" in md and "heap setting" in md
 
 
 def test_the_share_ratio_meets_the_goal_only_at_or_below_0_6():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,11 +24,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def raw_grpc(message_bytes: int, total_bytes: int, channels: tuple[int, ...], log_dir: Path,
-             timeout_s: float = 300.0) -> list[dict[str, Any]]:
-    """GB/s of raw grpcio, one client process per channel count against one server process."""
-    log = (log_dir / "raw-grpc-server.log").open("w")
+             timeout_s: float = 300.0, keep_freed: bool = False) -> list[dict[str, Any]]:
+    """GB/s of raw grpcio, one client process per channel count against one server process; ``keep_freed``:
+    both processes with the services' heap setting (``nvfp4_serve/host_malloc.py``)."""
+    env = {**os.environ, "NVFP4_KEEP_FREED_BLOCKS": "1" if keep_freed else "0"}
+    log = (log_dir / f"raw-grpc-server{'-heap' if keep_freed else ''}.log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "benchmarks.transfer.raw_grpc", "serve"], cwd=REPO_ROOT,
-                              stdout=subprocess.PIPE, stderr=log, text=True)
+                              stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
         line = server.stdout.readline()
         m = _READY.search(line)
@@ -38,8 +41,8 @@ def raw_grpc(message_bytes: int, total_bytes: int, channels: tuple[int, ...], lo
             res = subprocess.run([sys.executable, "-m", "benchmarks.transfer.raw_grpc", "client", "--address",
                                   m.group(1), "--total-bytes", str(total_bytes), "--message-bytes", str(message_bytes),
                                   "--channels", str(c), "--repeat", "3"], cwd=REPO_ROOT, capture_output=True,
-                                 text=True, timeout=timeout_s, check=True)
-            out.append(json.loads(res.stdout.strip().splitlines()[-1]))
+                                 text=True, timeout=timeout_s, check=True, env=env)
+            out.append({**json.loads(res.stdout.strip().splitlines()[-1]), "keep_freed_blocks": keep_freed})
         return out
     finally:
         server.kill()
@@ -89,8 +92,9 @@ def _page_bytes(model: Path, kv_dtype: str, page_size: int) -> tuple[int, int]:
 def measure_anchors(a: argparse.Namespace, model: Path, log_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"message_bytes": a.message_bytes}
     if "grpc" in a.paths:
-        out["raw_grpc"] = raw_grpc(a.message_bytes, a.anchor_bytes, (1, 4), log_dir)
-        print(f"raw grpcio: {[round(r['best_gb_s'], 2) for r in out['raw_grpc']]} GB/s on 1/4 channels", flush=True)
+        out["raw_grpc"] = raw_grpc(a.message_bytes, a.anchor_bytes, (1, 4), log_dir) + \
+            raw_grpc(a.message_bytes, a.anchor_bytes, (1,), log_dir, keep_freed=True)
+        print(f"raw grpcio: {[round(r['best_gb_s'], 2) for r in out['raw_grpc']]} GB/s on 1/4 channels, 1 with the services' heap setting", flush=True)
     if "cuda-ipc" in a.paths or a.device == "cuda":
         page_bytes, layers = _page_bytes(model, a.kv_dtypes[0], a.page_size)
         layers = a.num_layers or layers
@@ -101,9 +105,9 @@ def measure_anchors(a: argparse.Namespace, model: Path, log_dir: Path) -> dict[s
 
 
 def attach_anchors(rows: list[dict[str, Any]], anchors: dict[str, Any]) -> None:
-    """Each row's anchor: raw grpcio on one channel for grpc, the device gather for cuda-ipc; and the share of
+    """Each row's anchor: raw grpcio on one channel for grpc (the faster of its default heap and the services'), the device gather for cuda-ipc; and the share of
     it the ready transfer reached."""
-    raw = next((r["best_gb_s"] for r in anchors.get("raw_grpc", []) if r["channels"] == 1), None)
+    raw = max((r["best_gb_s"] for r in anchors.get("raw_grpc", []) if r["channels"] == 1), default=None)
     gather = anchors.get("device_gather", {}).get("gb_s")
     for row in rows:
         anchor = raw if row["path"] == "grpc" else gather

@@ -59,7 +59,8 @@ def ratio_table(summary: list[dict[str, Any]]) -> str:
 def anchor_table(anchors: dict[str, Any]) -> str:
     lines = ["| anchor | setting | GB/s |", "|---|---|---|"]
     for r in anchors.get("raw_grpc", []):
-        lines.append(f"| raw grpcio, 2 processes | {r['channels']} channel(s), {r['message_bytes']:,} B messages | "
+        heap = ", services' heap setting" if r.get("keep_freed_blocks") else ""
+        lines.append(f"| raw grpcio, 2 processes | {r['channels']} channel(s), {r['message_bytes']:,} B messages{heap} | "
                      f"{r['best_gb_s']:.2f} |")
     g = anchors.get("device_gather")
     if g:

@@ -1,0 +1,184 @@
+"""Where a KV transfer's time goes, one component at a time, in one process (no gRPC): the pool-side pieces
+of both paths (``nvfp4_serve/kv_copy.py``), each against the device or host operation it is made of.
+
+    python -m benchmarks.transfer.profile_copy [--pages 2048] [--layers 8] [--out docs/benchmarks/transfer_profile.json]
+
+Rows: cuda-ipc ``copy_from`` (per call: one layer's pages; from a pool in this process and from one opened
+through CUDA IPC from a child process), gRPC ``PageExporter.message`` and ``PageImporter.write`` (per message),
+and the raw copies they stand on (pageable / pinned H2D and D2H, a bytes copy). ``engine slowdown`` runs a
+thread launching small kernels (the engine's pattern) while exports run in another: how much the GIL costs
+the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from engine.kv_pool import KVPool
+from nvfp4_serve.kv_copy import PARTS, PageExporter, PageImporter
+from nvfp4_serve.kv_transfer_ipc import export_share, open_share
+from nvfp4_serve.kv_wire import decode_page_run
+from nvfp4_serve_proto import prefill_pb2
+
+
+def _pool(args, device) -> KVPool:
+    return KVPool(args.kv_dtype, args.layers, args.pages * 2, 16, 8, 128, device=device)
+
+
+def _time(fn, repeat: int) -> float:
+    """Median seconds of ``fn`` (synchronised)."""
+    out = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return sorted(out)[len(out) // 2]
+
+
+def _child(args, conn) -> None:
+    pool = _pool(args, "cuda")
+    for layer in pool.layers:
+        for t in (layer.k, layer.v, layer.k_sf, layer.v_sf):
+            if t is not None:
+                t.view(torch.uint8).fill_(1)
+    torch.cuda.synchronize()
+    share = prefill_pb2.KVShare(num_pages=pool.layers[0].k.shape[0], tensors=export_share(pool))
+    conn.send(share.SerializeToString())
+    conn.recv()  # keep the pool alive until the parent is done
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--pages", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--kv-dtype", default="nvfp4")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--out", default="docs/benchmarks/transfer_profile.json")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    src, dst = _pool(args, dev), _pool(args, dev)
+    for layer in src.layers:
+        for t in (layer.k, layer.v, layer.k_sf, layer.v_sf):
+            if t is not None:
+                t.view(torch.uint8).fill_(1)
+    n = args.pages
+    layer_bytes = n * src.page_bytes_per_layer
+    rows: list[dict] = []
+
+    def row(name: str, seconds: float, nbytes: int, note: str = "") -> None:
+        rows.append({"component": name, "ms": seconds * 1e3, "GB/s": nbytes / seconds / 1e9, "note": note})
+        print(f"{name:58s} {seconds * 1e3:9.3f} ms {nbytes / seconds / 1e9:9.2f} GB/s  {note}", flush=True)
+
+    contiguous = list(range(n))
+    shuffled = random.Random(0).sample(range(2 * n), n)
+    for label, s_ids in (("contiguous", contiguous), ("scattered", shuffled)):
+        parts = [dict(zip(PARTS, (lk.k, lk.k_sf, lk.v, lk.v_sf), strict=True)) for lk in src.layers]
+
+        def ipc_all(s_ids=s_ids, parts=parts) -> None:
+            imp = PageImporter(dst)
+            for layer in range(args.layers):
+                imp.copy_from([parts[layer][k] for k in PARTS], layer, s_ids, contiguous, n * 16)
+            imp.finish()
+        row(f"copy_from in-process, {label}, {args.layers} layers", _time(ipc_all, args.repeat),
+            layer_bytes * args.layers)
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child, args=(args, child))
+    proc.start()
+    share = prefill_pb2.KVShare.FromString(parent.recv())
+    view = open_share(share, dst)
+    for label, s_ids in (("contiguous", contiguous), ("scattered", shuffled)):
+        def ipc_open(s_ids=s_ids) -> None:
+            imp = PageImporter(dst)
+            for layer in range(args.layers):
+                imp.copy_from([view.layers[layer].get(k) for k in PARTS], layer, s_ids, contiguous, n * 16)
+            imp.finish()
+        row(f"copy_from IPC-opened pool, {label}, {args.layers} layers", _time(ipc_open, args.repeat),
+            layer_bytes * args.layers)
+    parent.send(b"done")
+    proc.join(timeout=30)
+
+    exporter = PageExporter(src)
+    per_msg = max(1, (1 << 20) // src.page_bytes_per_layer)
+    runs = [(layer, i) for layer in range(args.layers) for i in range(0, n, per_msg)]
+    msgs: list[bytes] = []
+
+    def export_all() -> None:
+        msgs.clear()
+        for layer, i in runs:
+            msgs.append(exporter.message("r", layer, i, contiguous[i:i + per_msg], None))
+    t = _time(export_all, args.repeat)
+    row(f"PageExporter.message x{len(runs)} ({per_msg} pages each)", t, layer_bytes * args.layers,
+        f"{t / len(runs) * 1e6:.0f} us per message")
+    views = [decode_page_run(m) for m in msgs]
+
+    def import_all() -> None:
+        imp = PageImporter(dst)
+        for v in views:
+            imp.write(v, contiguous[v.first_page:v.first_page + v.num_pages], v.num_pages * 16)
+        imp.finish()
+    t = _time(import_all, args.repeat)
+    row(f"PageImporter.write x{len(views)}", t, layer_bytes * args.layers, f"{t / len(views) * 1e6:.0f} us per message")
+
+    mib = 1 << 20
+    host = torch.empty(mib, dtype=torch.uint8)
+    pinned = torch.empty(mib, dtype=torch.uint8, pin_memory=True)
+    d = torch.empty(mib, dtype=torch.uint8, device=dev)
+    reps = 200
+    row("H2D 1 MiB pageable x200", _time(lambda: [d.copy_(host) for _ in range(reps)], 3) / reps, mib)
+    row("H2D 1 MiB pinned x200", _time(lambda: [d.copy_(pinned, non_blocking=True) for _ in range(reps)], 3) / reps, mib)
+    row("D2H 1 MiB pageable (.cpu()) x200", _time(lambda: [d.cpu() for _ in range(reps)], 3) / reps, mib)
+    row("D2H 1 MiB pinned x200", _time(lambda: [pinned.copy_(d, non_blocking=True) for _ in range(reps)], 3) / reps, mib)
+    mv = memoryview(pinned.numpy())
+    row("bytes(memoryview) 1 MiB x200", _time(lambda: [bytes(mv) for _ in range(reps)], 3) / reps, mib)
+    big = torch.empty(layer_bytes, dtype=torch.uint8, device=dev)
+    bigp = torch.empty(layer_bytes, dtype=torch.uint8, pin_memory=True)
+    row(f"D2H {layer_bytes >> 20} MiB pinned", _time(lambda: bigp.copy_(big, non_blocking=True), 5), layer_bytes)
+    row(f"H2D {layer_bytes >> 20} MiB pinned", _time(lambda: big.copy_(bigp, non_blocking=True), 5), layer_bytes)
+
+    # GIL: a thread launching small kernels (engine-like), alone and beside a thread exporting messages
+    x = torch.zeros(1024, device=dev)
+
+    def engine(k: int = 3000) -> float:
+        t0 = time.perf_counter()
+        for _ in range(k):
+            x.add_(1)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    alone = min(engine() for _ in range(3))
+    stop = threading.Event()
+
+    def exporting() -> None:
+        while not stop.is_set():
+            for layer, i in runs[:32]:
+                exporter.message("r", layer, i, contiguous[i:i + per_msg], None)
+    th = threading.Thread(target=exporting)
+    th.start()
+    time.sleep(0.05)
+    beside = min(engine() for _ in range(3))
+    stop.set()
+    th.join()
+    rows.append({"component": "engine thread: 3000 launches alone / beside exports", "ms": alone * 1e3,
+                 "beside_ms": beside * 1e3, "slowdown": beside / alone})
+    print(f"engine thread 3000 launches: alone {alone * 1e3:.1f} ms, beside exports {beside * 1e3:.1f} ms "
+          f"({beside / alone:.2f}x)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": "python -m benchmarks.transfer.profile_copy", "gpu":
+                               torch.cuda.get_device_name(), "pages": n, "layers": args.layers,
+                               "kv_dtype": args.kv_dtype, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

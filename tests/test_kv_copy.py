@@ -1,0 +1,105 @@
+"""PageExporter / PageImporter (nvfp4_serve/kv_copy.py) against plain tensor indexing, on the CPU and, where
+there is one, on a GPU (its side streams, pinned copies and gather kernels)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.kv_pool import KVPool
+from nvfp4_serve.kv_copy import PARTS, PageExporter, PageImporter
+from nvfp4_serve.kv_wire import decode_page_run
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+def _pool(kv_dtype: str, device: str, pages: int = 64) -> KVPool:
+    pool = KVPool(kv_dtype, 2, pages, 4, 2, 32, device=device)
+    g = torch.Generator().manual_seed(0)
+    for layer in pool.layers:
+        for t in (layer.k, layer.k_sf, layer.v, layer.v_sf):
+            if t is not None:  # E4M3 bytes below 0x7F: finite values and scales
+                raw = t.view(torch.uint8)
+                raw.copy_(torch.randint(0, 0x7F, raw.shape, generator=g, dtype=torch.uint8))
+    return pool
+
+
+def _rows(pool: KVPool, layer: int, pages: list[int]) -> list[torch.Tensor]:
+    lkv = pool.layers[layer]
+    return [t.view(torch.uint8)[pages].cpu() for t in (lkv.k, lkv.k_sf, lkv.v, lkv.v_sf) if t is not None]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8_e4m3", "bf16"])
+def test_messages_then_writes_move_every_byte_of_scattered_pages(device, kv_dtype):
+    src, dst = _pool(kv_dtype, device), _pool(kv_dtype, device)
+    for layer in dst.layers:
+        for t in (layer.k, layer.k_sf, layer.v, layer.v_sf):
+            if t is not None:
+                t.view(torch.uint8).zero_()
+    rnd = random.Random(1)
+    src_pages = rnd.sample(range(64), 21)  # scattered: more runs than are copied slice by slice
+    dst_pages = list(range(30, 40)) + rnd.sample(range(0, 30), 11)
+    exporter, importer = PageExporter(src), PageImporter(dst)
+    for layer in range(2):
+        msgs = exporter.messages("r", layer, 5, src_pages, 4, None)
+        assert len(msgs) == 6  # 21 pages, 4 per message
+        for msg in msgs:
+            run = decode_page_run(msg)
+            assert run.request_id == "r" and run.layer == layer
+            seq = run.first_page - 5
+            importer.write(run, dst_pages[seq:seq + run.num_pages], run.num_pages * 4)
+    importer.finish()
+    for layer in range(2):
+        for a, b in zip(_rows(src, layer, src_pages), _rows(dst, layer, dst_pages), strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scattered", [False, True])
+def test_copy_from_another_pool_equals_indexing(device, scattered):
+    src, dst = _pool("nvfp4", device), _pool("nvfp4", device, pages=128)
+    rnd = random.Random(2)
+    src_pages = rnd.sample(range(64), 40)
+    dst_pages = rnd.sample(range(128), 40) if scattered else list(range(77, 117))
+    importer = PageImporter(dst)
+    for layer in range(2):
+        lkv = src.layers[layer]
+        importer.copy_from([lkv.k, lkv.k_sf, lkv.v, lkv.v_sf], layer, src_pages, dst_pages, 40 * 4)
+    importer.finish()
+    for layer in range(2):
+        for a, b in zip(_rows(src, layer, src_pages), _rows(dst, layer, dst_pages), strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_nan_scale_in_the_prompt_fails_the_copy_and_one_past_it_does_not(device):
+    src, dst = _pool("nvfp4", device), _pool("nvfp4", device)
+    lkv = src.layers[1]
+    lkv.k_sf.view(torch.uint8)[7, 3] = 0x7F  # page 7, token slot 3: the prompt's 4 * 2 + 3 + 1 = 12th token
+    parts = [lkv.k, lkv.k_sf, lkv.v, lkv.v_sf]
+    ok = PageImporter(dst)
+    ok.copy_from(parts, 1, [5, 6, 7], [0, 1, 2], 11)  # 11 tokens: slot 3 of the third page is not the prompt's
+    ok.finish()
+    bad = PageImporter(dst)
+    bad.copy_from(parts, 1, [5, 6, 7], [0, 1, 2], 12)
+    with pytest.raises(ValueError, match="NaN"):
+        bad.finish()
+    assert PARTS == ("k", "k_sf", "v", "v_sf")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_inf_bf16_value_in_a_message_fails_the_write(device):
+    src, dst = _pool("bf16", device), _pool("bf16", device)
+    src.layers[0].v.view(torch.uint8)[9, 2, 1, 6:8] = torch.tensor([0x80, 0x7F], dtype=torch.uint8)  # +inf
+    run = decode_page_run(PageExporter(src).messages("r", 0, 0, [8, 9], 2, None)[0])
+    ok = PageImporter(dst)
+    ok.write(run, [0, 1], 6)  # slot 2 of the second page is token 6: outside a 6-token prompt
+    ok.finish()
+    bad = PageImporter(dst)
+    bad.write(run, [0, 1], 7)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        bad.finish()
