@@ -40,6 +40,9 @@ class DecodeConfig:
     # The prefill services this decode may pull from (host:port, as the router names them); a request naming
     # any other address is refused: a caller alone never decides where KV pages come from.
     prefill_addresses: tuple[str, ...] = ()
+    # While prompts are pulled, decode-only steps start at least this far apart (a prefill on the same GPU gets
+    # the time between them); 0: never paced. ``nvfp4-serve up`` sets it where a prefill shares the GPU.
+    decode_interval_while_pulling_s: float = 0.0
     # Fault injection for tests only: stall the engine loop this long after each token it produces.
     debug_token_delay_s: float = 0.0
 
@@ -49,6 +52,9 @@ class DecodeConfig:
         check_mode(self.kv_transfer)
         for address in self.prefill_addresses:
             check_address(address, "--prefill-addresses")
+        if not 0 <= self.decode_interval_while_pulling_s <= 1:
+            raise ValueError(f"--decode-interval-while-pulling-ms must be in [0, 1000], got "
+                             f"{self.decode_interval_while_pulling_s * 1e3:g}")
         if self.debug_token_delay_s < 0:
             raise ValueError(f"--debug-token-delay-s must be >= 0, got {self.debug_token_delay_s}")
 
@@ -63,6 +69,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-addresses", nargs="*", default=[], metavar="HOST:PORT",
                    help="the prefill services this decode pulls KV pages from (a request naming another address "
                         "is refused); none: every prompt runs here")
+    p.add_argument("--decode-interval-while-pulling-ms", type=float, default=0.0,
+                   help="while prompts are being pulled from a prefill service, start decode-only steps at least "
+                        "this far apart, leaving the GPU to a prefill that shares it (0: off; `up` sets it where a "
+                        "prefill shares the decode's GPU)")
     t = Timeouts()
     g = p.add_argument_group("deadlines (seconds)")
     g.add_argument("--admission-timeout", type=float, default=t.admission_s,
@@ -87,4 +97,5 @@ def config_from_args(a: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
                         max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port, timeouts=t,
                         tls=tls_from_args(a), debug_token_delay_s=a.debug_token_delay_s, kv_transfer=a.kv_transfer,
+                        decode_interval_while_pulling_s=a.decode_interval_while_pulling_ms / 1e3,
                         prefill_addresses=tuple(a.prefill_addresses))

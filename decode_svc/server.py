@@ -9,8 +9,8 @@ from decode_svc.servicer import DecodeServicer
 from decode_svc.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop, favour_engine_thread
-from nvfp4_serve.host_malloc import keep_freed_blocks
 from nvfp4_serve.grpc_server import build_server, start_and_wait
+from nvfp4_serve.host_malloc import keep_freed_blocks
 from nvfp4_serve.metrics import ServiceMetrics
 from nvfp4_serve_proto import decode_pb2, decode_pb2_grpc
 
@@ -23,7 +23,10 @@ async def serve(config: DecodeConfig) -> None:
     engine = Engine(config.engine)
     favour_engine_thread()
     keep_freed_blocks()  # page messages reuse freed heap pages (nvfp4_serve/host_malloc.py)
-    loop = EngineLoop(engine).start()
+    loop = EngineLoop(engine, decode_interval_while_pulling_s=config.decode_interval_while_pulling_s).start()
+    if config.decode_interval_while_pulling_s:
+        log.info("decode steps start >= %.0f ms apart while prompts are pulled (a prefill shares this GPU)",
+                 config.decode_interval_while_pulling_s * 1e3)
     metrics = ServiceMetrics("decode")
     worker = DecodeWorker(loop, config, metrics)
     server = build_server(config.max_message_bytes, config.tls)

@@ -42,8 +42,15 @@ def favour_engine_thread(interval_s: float = ENGINE_SWITCH_INTERVAL_S) -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, check_integrity_when_idle: bool = True, stats_interval_s: float = 10.0):
+    def __init__(self, engine: Engine, check_integrity_when_idle: bool = True, stats_interval_s: float = 10.0,
+                 decode_interval_while_pulling_s: float = 0.0):
+        if decode_interval_while_pulling_s < 0:
+            raise ValueError(f"the decode interval while pulling must be >= 0 s, got {decode_interval_while_pulling_s}")
         self.engine = engine
+        # While a prompt is being pulled from a prefill that shares this GPU, decode-only steps start at least
+        # this far apart, so the prefill's kernels get the GPU in between (0: never paced). See ``_paced_for``.
+        self.decode_interval_while_pulling_s = decode_interval_while_pulling_s
+        self._next_decode_at = 0.0  # perf_counter time before which a paced decode-only step waits
         self.scheduler = engine.scheduler
         self.scheduler.on_device_wait = self._flush_pending
         self._pending: list[Event] = []  # the last step's outputs, not yet handed to their callbacks
@@ -136,6 +143,11 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             checked = False
+            if (wait := self._paced_for()) > 0:
+                self._flush_pending()  # the last step's tokens go out now, not after the wait
+                self._wake.wait(timeout=wait)  # a command (a new request, an abort) ends the wait early
+                self._wake.clear()
+                continue
             t0, tokens0 = time.perf_counter(), self.scheduler.num_decode_tokens
             try:
                 outputs = self.scheduler.step()
@@ -146,9 +158,24 @@ class EngineLoop:
             self._pending = outputs
             self._dispatch_pull_starts()
             now = time.perf_counter()
+            if self.scheduler.num_decode_tokens > tokens0:
+                self._next_decode_at = t0 + self.decode_interval_while_pulling_s
             stats.add(now - t0, self.scheduler.num_decode_tokens - tokens0)
             if (summary := stats.poll(now, runner.decode_wait_s)) is not None and summary.decode_steps:
                 log.info("%s", summary.line())
+
+    def _paced_for(self) -> float:
+        """Seconds the next step waits: > 0 only when it would be decode-only (nothing to admit or extend)
+        while a pull is in flight, and the last decode step began less than the interval ago. Pulled prompts
+        are computed by a prefill service; on a GPU shared with it, every decode step here takes GPU time
+        from that prompt, so a paced decode trades inter-token latency (the interval) for prompt throughput.
+        Steps are never paced once nothing is pulled: the last requests decode at full speed."""
+        if not self.decode_interval_while_pulling_s:
+            return 0.0
+        sch = self.scheduler
+        if not sch.pulling or sch.waiting or sch.extending or not sch.running:
+            return 0.0
+        return self._next_decode_at - time.perf_counter()
 
     def _flush_pending(self) -> None:
         """Hand the last step's outputs to their callbacks (on the loop thread, in step order)."""

@@ -11,7 +11,10 @@ GPU memory when services share a GPU: the prefill services start first, each wit
 for the prompts it has in flight (``--prefill-max-total-tokens``, default twice the workspace);
 the decode services start once the prefills are ready and size their pools from the memory still
 free, so that ``--mem-fraction-static F`` (or ``--max-total-tokens``) means the same as in a
-colocated run: the decode gets the rest of F. Each service logs its pool in tokens.
+colocated run: the decode gets the rest of F. Each service logs its pool in tokens. A decode that shares
+its GPU with a prefill paces its decode steps while it waits for pulled prompts
+(``--shared-gpu-decode-interval-ms``): the prefill then computes at nearly its full speed, and the decode's
+inter-token latency sits near that interval until the last prompt has arrived.
 
 ``--num-prefill 0`` starts no prefill service: the decode services run the prompts themselves
 (colocated). The router admits as many requests at once as the decode services run together
@@ -50,6 +53,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+SHARED_GPU_DECODE_INTERVAL_MS = 30.0  # below the 40 ms inter-token p99 users of a disaggregated deployment expect
+
+
 def gpu_envs(env: dict[str, str], prefill_gpus: str | None, decode_gpus: str | None,
              num_decode: int, num_prefill: int = 1) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """Child environments placing each prefill and each decode service on their GPUs (CUDA_VISIBLE_DEVICES);
@@ -70,6 +76,13 @@ def gpu_envs(env: dict[str, str], prefill_gpus: str | None, decode_gpus: str | N
         return envs
 
     return place(prefill_gpus, "--prefill-gpus", num_prefill), place(decode_gpus, "--decode-gpus", num_decode)
+
+
+def shares_gpu(decode_env: dict[str, str], prefill_envs: list[dict[str, str]]) -> bool:
+    """Whether a decode service placed by ``decode_env`` runs on the GPU of one of the prefill services (same
+    CUDA_VISIBLE_DEVICES, or both inheriting this process's: both use its first visible GPU)."""
+    mine = decode_env.get("CUDA_VISIBLE_DEVICES")
+    return any(e.get("CUDA_VISIBLE_DEVICES") == mine for e in prefill_envs)
 
 
 def prefill_pool_tokens(explicit: int | None, workspace_tokens: int | None, context_len: int | None,
@@ -104,6 +117,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "the model context): prompts in flight there; the decode services get the rest")
     p.add_argument("--decode-gpus", default=None,
                    help="GPU ids for the decode services, e.g. 1 or 1,2 (decode i gets id i mod count)")
+    p.add_argument("--shared-gpu-decode-interval-ms", type=float, default=SHARED_GPU_DECODE_INTERVAL_MS,
+                   help="where a decode service shares its GPU with a prefill service, its decode steps start at "
+                        "least this far apart while prompts are pulled, so the prefill computes at nearly full "
+                        "speed (inter-token latency then sits near this value; 0: off)")
     p.add_argument("--kv-transfer", default="auto", choices=TRANSFER_MODES,
                    help="passed to the prefill and decode services: how KV pages travel between them")
     p.add_argument("--api-key", default=None,
@@ -207,6 +224,8 @@ def up(argv: list[str] | None = None) -> int:
         raise SystemExit("--num-decode must be >= 1")
     if a.num_prefill < 0:
         raise SystemExit("--num-prefill must be >= 0")
+    if a.shared_gpu_decode_interval_ms < 0:
+        raise SystemExit("--shared-gpu-decode-interval-ms must be >= 0 (0: decode steps are never paced)")
     if a.num_prefill == 0 and a.prefill_gpus is not None:
         raise SystemExit("--prefill-gpus places the prefill service, but --num-prefill 0 starts none: drop one")
     try:
@@ -249,8 +268,13 @@ def up(argv: list[str] | None = None) -> int:
             _wait_ready(prefills, deadline)
         addresses = [f"127.0.0.1:{port}" for port in ports] if parallel else [p.address for p in prefills]
         allowed = ["--prefill-addresses", *addresses] if prefills else []
+        def pacing(i: int) -> list[str]:
+            shared = a.device != "cpu" and prefills and shares_gpu(decode_envs[i], prefill_envs)
+            return ["--decode-interval-while-pulling-ms", f"{a.shared_gpu_decode_interval_ms:g}"] \
+                if shared and a.shared_gpu_decode_interval_ms else []
+
         decodes = [_spawn(f"decode-{i}", ["-m", "decode_svc", "--port", str(free_port()), *common, *allowed,
-                                          *_metrics_argv(a.decode_metrics_port, i), *extra["decode"]],
+                                          *pacing(i), *_metrics_argv(a.decode_metrics_port, i), *extra["decode"]],
                           decode_envs[i]) for i in range(a.num_decode)]
         children += decodes
         _wait_ready(prefills + decodes, deadline)

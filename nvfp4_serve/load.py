@@ -55,7 +55,7 @@ class LoadReporter:
             self._pending = self.loop.call(self._snapshot)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._pending)), self.fresh_wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             busy = self.loop.busy_for_s()
             if busy > self.max_stall_s:
                 raise EngineStalled(f"the engine loop has been busy in one step for {busy:.0f} s "

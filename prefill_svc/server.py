@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop, favour_engine_thread
-from nvfp4_serve.host_malloc import keep_freed_blocks
 from nvfp4_serve.grpc_server import build_server, start_and_wait
+from nvfp4_serve.host_malloc import keep_freed_blocks
 from nvfp4_serve.metrics import ServiceMetrics
 from nvfp4_serve_proto import prefill_pb2
 from prefill_svc.config import PrefillConfig

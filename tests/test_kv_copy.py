@@ -42,7 +42,7 @@ def test_messages_then_writes_move_every_byte_of_scattered_pages(device, kv_dtyp
                 t.view(torch.uint8).zero_()
     rnd = random.Random(1)
     src_pages = rnd.sample(range(64), 21)  # scattered: more runs than are copied slice by slice
-    dst_pages = list(range(30, 40)) + rnd.sample(range(0, 30), 11)
+    dst_pages = list(range(30, 40)) + rnd.sample(range(30), 11)
     exporter, importer = PageExporter(src), PageImporter(dst)
     for layer in range(2):
         msgs = exporter.messages("r", layer, 5, src_pages, 4, None)

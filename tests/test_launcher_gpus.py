@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nvfp4_serve.launcher import _drop_flag, gpu_envs, prefill_pool_tokens
+from nvfp4_serve.launcher import _drop_flag, gpu_envs, prefill_pool_tokens, shares_gpu
 
 
 def test_prefill_on_one_gpu_and_decodes_spread_over_the_others():
@@ -44,3 +44,11 @@ def test_the_prefill_gets_its_own_pool_size_not_the_decode_one():
 def test_bad_gpu_ids_are_refused_with_the_flag_name(spec):
     with pytest.raises(SystemExit, match="--decode-gpus"):
         gpu_envs({}, None, spec, 1)
+
+
+def test_a_decode_shares_a_gpu_with_a_prefill_on_the_same_visible_device_or_both_inheriting():
+    pre, dec = gpu_envs({}, "0", "1,0", 2)
+    assert [shares_gpu(d, pre) for d in dec] == [False, True]
+    pre, dec = gpu_envs({"CUDA_VISIBLE_DEVICES": "3"}, None, None, 1)  # both inherit: the same first GPU
+    assert shares_gpu(dec[0], pre)
+    assert not shares_gpu(dec[0], [])  # no prefill at all

@@ -1,7 +1,7 @@
 """``nvfp4-serve bench pd``: the disaggregated deployment against the colocated one, same workload, one run.
 
     nvfp4-serve bench pd --input-len 32768 --output-len 256 --concurrency 16 --num-prompts 32 \\
-        [--deployments colocated pd-ipc pd-grpc pd-grpc-fp8] [--out docs/benchmarks/pd.json] \\
+        [--deployments colocated pd-ipc pd-grpc pd-grpc-fp8 pd-ipc-unpaced] [--out docs/benchmarks/pd.json] \\
         [--report docs/benchmarks/pd.md] --launch --model DIR [nvfp4-serve up args shared by all ...]
 
 Each deployment is ``nvfp4-serve up`` with the shared args plus its own (one at a time, on the same GPU):
@@ -10,6 +10,7 @@ Each deployment is ``nvfp4-serve up`` with the shared args plus its own (one at 
     pd-ipc        --num-prefill 1 --kv-transfer cuda-ipc --kv-cache-dtype nvfp4
     pd-grpc       --num-prefill 1 --kv-transfer grpc --kv-cache-dtype nvfp4
     pd-grpc-fp8   --num-prefill 1 --kv-transfer grpc --kv-cache-dtype fp8_e4m3
+    pd-ipc-unpaced  as pd-ipc with --shared-gpu-decode-interval-ms 0 (on one GPU: what pacing the decode buys)
 
 One point each (the workload above, random prompts, warm-up first); per deployment TTFT mean / median /
 p99, ITL p50 / p99, input and output tok/s, and from the decode's metrics the transfer bytes, the time
@@ -38,8 +39,11 @@ DEPLOYMENTS: dict[str, list[str]] = {
     "pd-ipc": ["--num-prefill", "1", "--kv-transfer", "cuda-ipc", "--kv-cache-dtype", "nvfp4"],
     "pd-grpc": ["--num-prefill", "1", "--kv-transfer", "grpc", "--kv-cache-dtype", "nvfp4"],
     "pd-grpc-fp8": ["--num-prefill", "1", "--kv-transfer", "grpc", "--kv-cache-dtype", "fp8_e4m3"],
+    # what pacing the decode on a shared GPU buys: the cuda-ipc deployment with it off
+    "pd-ipc-unpaced": ["--num-prefill", "1", "--kv-transfer", "cuda-ipc", "--kv-cache-dtype", "nvfp4",
+                       "--shared-gpu-decode-interval-ms", "0"],
 }
-_OWN_FLAGS = ("--num-prefill", "--kv-transfer", "--kv-cache-dtype")
+_OWN_FLAGS = ("--num-prefill", "--kv-transfer", "--kv-cache-dtype", "--shared-gpu-decode-interval-ms")
 
 
 def add_pd_args(p: argparse.ArgumentParser) -> None:

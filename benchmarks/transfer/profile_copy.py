@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.kv_pool import KVPool
+from nvfp4_serve.host_malloc import keep_freed_blocks
 from nvfp4_serve.kv_copy import PARTS, PageExporter, PageImporter
 from nvfp4_serve.kv_transfer_ipc import export_share, open_share
 from nvfp4_serve.kv_wire import decode_page_run
@@ -79,6 +80,11 @@ def main() -> None:
         rows.append({"component": name, "ms": seconds * 1e3, "GB/s": nbytes / seconds / 1e9, "note": note})
         print(f"{name:58s} {seconds * 1e3:9.3f} ms {nbytes / seconds / 1e9:9.2f} GB/s  {note}", flush=True)
 
+    mv0 = memoryview(torch.ones(1 << 20, dtype=torch.uint8).numpy())
+    row("bytes(memoryview) 1 MiB x200, default heap", _time(lambda: [bytes(mv0) for _ in range(200)], 3) / 200, 1 << 20)
+    keep_freed_blocks()  # as the services do (nvfp4_serve/host_malloc.py): every row below runs with it
+    row("bytes(memoryview) 1 MiB x200, services' heap setting",
+        _time(lambda: [bytes(mv0) for _ in range(200)], 3) / 200, 1 << 20)
     contiguous = list(range(n))
     shuffled = random.Random(0).sample(range(2 * n), n)
     for label, s_ids in (("contiguous", contiguous), ("scattered", shuffled)):
@@ -111,16 +117,17 @@ def main() -> None:
 
     exporter = PageExporter(src)
     per_msg = max(1, (1 << 20) // src.page_bytes_per_layer)
-    runs = [(layer, i) for layer in range(args.layers) for i in range(0, n, per_msg)]
+    unit = per_msg * 8  # as the prefill service exports: 8 messages per gather
+    runs = [(layer, i) for layer in range(args.layers) for i in range(0, n, unit)]
     msgs: list[bytes] = []
 
     def export_all() -> None:
         msgs.clear()
         for layer, i in runs:
-            msgs.append(exporter.message("r", layer, i, contiguous[i:i + per_msg], None))
+            msgs.extend(exporter.messages("r", layer, i, contiguous[i:i + unit], per_msg, None))
     t = _time(export_all, args.repeat)
-    row(f"PageExporter.message x{len(runs)} ({per_msg} pages each)", t, layer_bytes * args.layers,
-        f"{t / len(runs) * 1e6:.0f} us per message")
+    row(f"PageExporter.messages x{len(runs)} ({unit} pages, {per_msg} per message)", t, layer_bytes * args.layers,
+        f"{t / max(1, len(msgs)) * 1e6:.0f} us per message")
     views = [decode_page_run(m) for m in msgs]
 
     def import_all() -> None:
@@ -131,6 +138,13 @@ def main() -> None:
     t = _time(import_all, args.repeat)
     row(f"PageImporter.write x{len(views)}", t, layer_bytes * args.layers, f"{t / len(views) * 1e6:.0f} us per message")
 
+    a16 = src.layers[0].k.view(torch.uint8).view(src.layers[0].k.shape[0], -1)
+    b16 = dst.layers[0].k.view(torch.uint8).view(dst.layers[0].k.shape[0], -1)
+    idx = torch.arange(n, device=dev)
+    part = n * a16.shape[1]
+    row(f"copy_ {part >> 20} MiB between pools (one part of one layer)", _time(lambda: b16[:n].copy_(a16[:n]), 5), part)
+    row(f"index_select {part >> 20} MiB into the pool", _time(
+        lambda: torch.index_select(a16, 0, idx, out=b16[:n]), 5), part)
     mib = 1 << 20
     host = torch.empty(mib, dtype=torch.uint8)
     pinned = torch.empty(mib, dtype=torch.uint8, pin_memory=True)
@@ -140,8 +154,6 @@ def main() -> None:
     row("H2D 1 MiB pinned x200", _time(lambda: [d.copy_(pinned, non_blocking=True) for _ in range(reps)], 3) / reps, mib)
     row("D2H 1 MiB pageable (.cpu()) x200", _time(lambda: [d.cpu() for _ in range(reps)], 3) / reps, mib)
     row("D2H 1 MiB pinned x200", _time(lambda: [pinned.copy_(d, non_blocking=True) for _ in range(reps)], 3) / reps, mib)
-    mv = memoryview(pinned.numpy())
-    row("bytes(memoryview) 1 MiB x200", _time(lambda: [bytes(mv) for _ in range(reps)], 3) / reps, mib)
     big = torch.empty(layer_bytes, dtype=torch.uint8, device=dev)
     bigp = torch.empty(layer_bytes, dtype=torch.uint8, pin_memory=True)
     row(f"D2H {layer_bytes >> 20} MiB pinned", _time(lambda: bigp.copy_(big, non_blocking=True), 5), layer_bytes)
@@ -161,8 +173,8 @@ def main() -> None:
 
     def exporting() -> None:
         while not stop.is_set():
-            for layer, i in runs[:32]:
-                exporter.message("r", layer, i, contiguous[i:i + per_msg], None)
+            for layer, i in runs[:8]:
+                exporter.messages("r", layer, i, contiguous[i:i + unit], per_msg, None)
     th = threading.Thread(target=exporting)
     th.start()
     time.sleep(0.05)

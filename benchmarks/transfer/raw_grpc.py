@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import struct
 import os
+import struct
 import sys
 import time
 
