@@ -40,7 +40,7 @@ from nvfp4_serve.cli_help import HelpFormatter, add_version
 from nvfp4_serve.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
 from nvfp4_serve.kv_transfer import TRANSFER_MODES
 from nvfp4_serve.model_source import hub_id_of
-from nvfp4_serve.preflight import prepare_engine_args
+from nvfp4_serve.preflight import check_device, prepare_engine_args
 from nvfp4_serve.service_auth import API_KEY_ENV, SERVICE_TOKEN_ENV
 from nvfp4_serve.supervisor import RESTART_POLICIES, Child, stop_all, supervise
 from nvfp4_serve.supervisor import spawn as _spawn
@@ -231,6 +231,7 @@ def up(argv: list[str] | None = None) -> int:
     try:
         a.served_model_name = a.served_model_name or hub_id_of(a.model)  # the API names a hub model by its id
         prepare_engine_args(a)  # --model resolved once (a hub id becomes its cached directory), then checked
+        on_gpu = check_device(a.device) != "cpu"
         engine_config_from_args(a)  # every engine flag value checked here, not once per child
         extra = {svc: _split_args(f"--{svc}-args", getattr(a, f"{svc}_args")) for svc in ("prefill", "decode", "router")}
         links = tls_from_args(a)
@@ -263,13 +264,13 @@ def up(argv: list[str] | None = None) -> int:
         children += prefills
         # On a GPU the decodes size their pools from what the prefills left free, so they start once the
         # prefills are ready; on the CPU nothing is shared and every service starts at once.
-        parallel = a.device == "cpu" and not any(f in extra["prefill"] for f in ("--host", "--port"))
+        parallel = not on_gpu and not any(f in extra["prefill"] for f in ("--host", "--port"))
         if not parallel:
             _wait_ready(prefills, deadline)
         addresses = [f"127.0.0.1:{port}" for port in ports] if parallel else [p.address for p in prefills]
         allowed = ["--prefill-addresses", *addresses] if prefills else []
         def pacing(i: int) -> list[str]:
-            shared = a.device != "cpu" and prefills and shares_gpu(decode_envs[i], prefill_envs)
+            shared = on_gpu and prefills and shares_gpu(decode_envs[i], prefill_envs)
             return ["--decode-interval-while-pulling-ms", f"{a.shared_gpu_decode_interval_ms:g}"] \
                 if shared and a.shared_gpu_decode_interval_ms else []
 
