@@ -193,7 +193,7 @@ class KVReceiver:
             seconds = time.perf_counter() - t_header
             if path == PATH_IPC:
                 await self._release(peer_stubs.stub, stream, h, time.perf_counter() - t_last, address)
-            self.metrics.observe_transfer(received, seconds)
+            self.metrics.observe_transfer(received, seconds, start.num_tokens - start.prefix_len)
             self.transfer_metrics.copy_seconds.inc(writes.busy_s)
             log.info("request %s: %d pages x %d layers from prefill %s via %s, %.1f MB in %.1f ms after the header "
                      "(%.1f ms of it copying: %.2f GB/s)", start.rid, progress.end_page - progress.first_page,

@@ -18,6 +18,7 @@ Pages written here are the request's own (allocated to it, not yet visible to an
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import threading
 import warnings
@@ -28,9 +29,11 @@ import torch
 from engine.fence import Fence
 from engine.kv_pool import KVPool
 from nvfp4_serve.kv_transfer_ipc import page_runs
-from nvfp4_serve.kv_wire import PageRunView, encode_page_run
+from nvfp4_serve.kv_wire import Frame, PageRunView, encode_page_run, frame_page_run
 
 PARTS = ("k", "k_sf", "v", "v_sf")
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # (NULL, n): an uninitialized bytes object of n bytes
+_new_bytes.argtypes, _new_bytes.restype = [ctypes.c_void_p, ctypes.c_ssize_t], ctypes.py_object
 _MAX_SLICE_RUNS = 16  # up to this many runs of consecutive pages are copied run by run
 
 
@@ -88,15 +91,15 @@ class PageExporter:
             host = torch.empty(buf.shape, dtype=torch.uint8, pin_memory=True)
             host.copy_(buf, non_blocking=True)
             self.stream.synchronize()  # the gather and the copy to host: this thread only
-        view = memoryview(host.numpy())
         out = []
         for i in range(0, n, pages_per_message):
             m = min(pages_per_message, n - i)
-            parts, offset = [], 0
+            payloads, offset = [], 0
             for size, page in zip(sizes, self.page_bytes, strict=True):
-                parts.append([view[offset + i * page:offset + (i + m) * page]] if page else [])
+                payloads.append(host[offset + i * page:offset + (i + m) * page] if page else None)
                 offset += size
-            out.append(encode_page_run(request_id, layer, first_page + i, m, parts))
+            frame = frame_page_run(request_id, layer, first_page + i, m, [m * b for b in self.page_bytes])
+            out.append(message_from(frame, payloads))
         return out
 
     def _host_message(self, request_id: str, layer: int, first_page: int, ids: list[int],
@@ -123,6 +126,7 @@ class PageImporter:
         self.stream = _side_stream(pool.device)
         self.page_bytes = part_page_bytes(pool)
         self._lock = threading.Lock()  # one write at a time (writes of one transfer come from several threads)
+        self._last_ids: tuple | None = None  # (src ids, dst ids, their device tensors and runs): see _indices
         self._bad: torch.Tensor | None = None  # device flag: a written bf16 value (or copied scale) is NaN/inf
         # Which parts hold floats whose NaN/inf would poison attention, and as what: nvfp4 E2M1 codes cannot be
         # NaN, their E4M3 scales can (0x7F/0xFF); fp8 values are E4M3 themselves; bf16 values are bf16.
@@ -163,8 +167,10 @@ class PageImporter:
         with self._lock, _on(self.stream), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # frombuffer over read-only bytes: only read here
             payload = torch.frombuffer(memoryview(run.data)[lo:hi], dtype=torch.uint8)
-            if self.stream is not None:  # one copy of the whole payload to the device (the parts lie in it)
-                payload = payload.to(self.pool.device)
+            if self.stream is not None:  # the whole payload (the parts lie in it): to pinned memory, then one
+                staged = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=True)  # async copy to the device
+                staged.copy_(payload)
+                payload = staged.to(self.pool.device, non_blocking=True)
             runs = page_runs(list(range(n)), dst)
             idx = None if len(runs) <= _MAX_SLICE_RUNS else _device_ids(dst, self.pool.device)
             for t, (a, b), kind in zip(_parts(self.pool, run.layer), run.spans, self._kinds, strict=True):
@@ -184,11 +190,8 @@ class PageImporter:
         if n == 0:
             return
         src_ids, dst_ids = [int(p) for p in src_ids], [int(p) for p in page_ids]
-        dst_runs = page_runs(list(range(n)), dst_ids)
         with self._lock, _on(self.stream):
-            dev = self.pool.device
-            s_idx = _device_ids(src_ids, dev)
-            d_idx = None if len(dst_runs) <= _MAX_SLICE_RUNS else _device_ids(dst_ids, dev)
+            s_idx, d_idx, dst_runs = self._indices(src_ids, dst_ids)
             for t, s, kind in zip(_parts(self.pool, layer), src_parts, self._kinds, strict=True):
                 if t is None:
                     continue
@@ -204,6 +207,18 @@ class PageImporter:
                     if kind is not None:
                         self._flag_slots(rows, t, 0, num_tokens, kind)
                     d8.index_copy_(0, d_idx, rows)
+
+    def _indices(self, src_ids: list[int], dst_ids: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[int, int, int]]]:
+        """Device source ids, device destination ids (None when the destination is a few runs) and the
+        destination runs: made once for the pages of a chunk, which every layer's message names again."""
+        if self._last_ids is not None and self._last_ids[0] == src_ids and self._last_ids[1] == dst_ids:
+            return self._last_ids[2]
+        dev = self.pool.device
+        runs = page_runs(list(range(len(dst_ids))), dst_ids)
+        made = (_device_ids(src_ids, dev), None if len(runs) <= _MAX_SLICE_RUNS else _device_ids(dst_ids, dev), runs)
+        self._last_ids = (src_ids, dst_ids, made)
+        return made
 
     def _flag_slots(self, rows: torch.Tensor, t: torch.Tensor, first_page: int, num_tokens: int,
                     kind: torch.dtype) -> None:
@@ -232,6 +247,27 @@ class PageImporter:
         self.settle()
         if self._bad is not None and bool(self._bad.item()):
             raise ValueError("the pages carry NaN or inf scales or values")
+
+
+def message_from(frame: Frame, payloads: Sequence[torch.Tensor | None]) -> bytes:
+    """The message ``frame`` frames, each part's bytes copied in from a 1-D uint8 host tensor (None: absent).
+
+    The payload copies run in torch, which releases the GIL, so the engine thread of the same process keeps
+    launching kernels meanwhile (``bytes.join`` holds the GIL for every byte). The bytes object is created
+    uninitialized and filled in place before any other code holds it: the C API's way to build bytes
+    (``PyBytes_FromStringAndSize(NULL, n)``)."""
+    msg = _new_bytes(None, frame.total)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer over bytes: writable here, as it is fresh
+        out = torch.frombuffer(msg, dtype=torch.uint8)
+    base = out.data_ptr()
+    ctypes.memmove(base, frame.head, len(frame.head))
+    sizes = [0 if p is None else p.numel() for p in payloads]
+    for prefix, p, at in zip(frame.prefixes, payloads, frame.payload_offsets(sizes), strict=True):
+        if prefix:
+            ctypes.memmove(base + at - len(prefix), prefix, len(prefix))
+            out[at:at + p.numel()].copy_(p)
+    return msg
 
 
 def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:

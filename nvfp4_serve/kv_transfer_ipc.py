@@ -22,6 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.fence import Fence  # noqa: F401 - re-exported: the transfer's fences
@@ -168,10 +169,12 @@ def copy_pages(dst: KVPool, src: PoolView, layer: int, src_pages: Sequence[int],
 
 def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """Maximal (src_start, dst_start, length) runs where both sides advance by one page."""
-    runs: list[list[int]] = []
-    for sp, dp in zip(src, dst, strict=True):
-        if runs and sp == runs[-1][0] + runs[-1][2] and dp == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([sp, dp, 1])
-    return [(a, b, n) for a, b, n in runs]
+    if len(src) != len(dst):
+        raise ValueError(f"page_runs: {len(src)} source and {len(dst)} destination pages")
+    if not src:
+        return []
+    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    cuts = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1  # where a new run starts
+    starts = np.concatenate(([0], cuts))
+    lengths = np.diff(np.concatenate((starts, [len(s)])))
+    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist(), strict=True))

@@ -70,6 +70,41 @@ def _tag(field: int, wire: int) -> bytes:
     return _varint(field << 3 | wire)
 
 
+class Frame(NamedTuple):
+    """A page run message's framing: ``head`` (request id, run header) at offset 0, then for each part its
+    ``prefixes[i]`` (tag and length; empty for an absent part) immediately followed by its payload."""
+
+    head: bytes
+    prefixes: tuple[bytes, bytes, bytes, bytes]
+    total: int  # bytes of the whole message
+
+    def payload_offsets(self, sizes: Sequence[int]) -> list[int]:
+        """Where each part's payload starts in the message."""
+        out, at = [], len(self.head)
+        for prefix, n in zip(self.prefixes, sizes, strict=True):
+            at += len(prefix)
+            out.append(at)
+            at += n
+        return out
+
+
+def frame_page_run(request_id: str, layer: int, first_page: int, num_pages: int, sizes: Sequence[int]) -> Frame:
+    """The framing of ``PrefillMessage(request_id=..., pages=KVPageRun(layer, first_page, num_pages, ...))``
+    whose four parts (k, k_scales, v, v_scales) are ``sizes`` bytes long (0: absent)."""
+    if len(sizes) != len(_PARTS):
+        raise ValueError(f"a page run has {len(_PARTS)} parts (k, k_scales, v, v_scales), got {len(sizes)}")
+    head = bytearray()
+    for field, value in ((1, layer), (2, first_page), (3, num_pages)):
+        if value:
+            head += _tag(field, _WIRE_VARINT) + _varint(value)
+    prefixes = tuple(_tag(field, _WIRE_LEN) + _varint(n) if n else b"" for field, n in zip(_PARTS, sizes,
+                                                                                              strict=True))
+    run_len = len(head) + sum(len(p) + n for p, n in zip(prefixes, sizes, strict=True))
+    rid = request_id.encode()
+    top = (_tag(1, _WIRE_LEN) + _varint(len(rid)) + rid if rid else b"") + _tag(_PAGES_FIELD, _WIRE_LEN) + _varint(run_len)
+    return Frame(top + bytes(head), prefixes, len(top) + run_len)
+
+
 def encode_page_run(request_id: str, layer: int, first_page: int, num_pages: int,
                     parts: Sequence[Sequence[bytes | memoryview]]) -> bytes:
     """The serialized ``PrefillMessage(request_id=..., pages=KVPageRun(layer, first_page, num_pages, k, k_scales,
@@ -77,21 +112,13 @@ def encode_page_run(request_id: str, layer: int, first_page: int, num_pages: int
     for absent scales). One copy of each byte."""
     if len(parts) != len(_PARTS):
         raise ValueError(f"a page run has {len(_PARTS)} parts (k, k_scales, v, v_scales), got {len(parts)}")
-    head = bytearray()
-    for field, value in ((1, layer), (2, first_page), (3, num_pages)):
-        if value:
-            head += _tag(field, _WIRE_VARINT) + _varint(value)
-    pieces: list[bytes | memoryview] = []
-    run_len = len(head)
-    for field, chunks in zip(_PARTS, parts, strict=True):
-        n = sum(memoryview(c).nbytes for c in chunks)
-        if n:
-            prefix = _tag(field, _WIRE_LEN) + _varint(n)
+    frame = frame_page_run(request_id, layer, first_page, num_pages,
+                           [sum(memoryview(c).nbytes for c in chunks) for chunks in parts])
+    pieces: list[bytes | memoryview] = [frame.head]
+    for prefix, chunks in zip(frame.prefixes, parts, strict=True):
+        if prefix:
             pieces += [prefix, *chunks]
-            run_len += len(prefix) + n
-    rid = request_id.encode()
-    top = (_tag(1, _WIRE_LEN) + _varint(len(rid)) + rid if rid else b"") + _tag(_PAGES_FIELD, _WIRE_LEN) + _varint(run_len)
-    return b"".join([top, bytes(head), *pieces])
+    return b"".join(pieces)
 
 
 def _read_varint(buf: memoryview, i: int, end: int) -> tuple[int, int]:

@@ -34,6 +34,8 @@ class ServiceMetrics:
         self.retractions = Gauge(f"{p}_retractions", "requests retracted under pool pressure since start", registry=r)
         self.transfer_bytes = Counter(f"{p}_kv_transfer_bytes", "KV page bytes sent or received", registry=r)
         self.transfer_seconds = Counter(f"{p}_kv_transfer_seconds", "time spent in KV transfers", registry=r)
+        self.transfer_tokens = Counter(f"{p}_kv_transfer_tokens", "prompt tokens whose KV pages were sent or received",
+                                       registry=r)
         self.transfer_gbps = Gauge(f"{p}_kv_transfer_last_gbps", "GB/s of the last KV transfer", registry=r)
         # The host tier (--host-cache-size); all 0 without one. Counters since start, mirrored from the engine.
         self.host_pages_total = Gauge(f"{p}_host_pages_total", "host tier pages", registry=r)
@@ -52,8 +54,9 @@ class ServiceMetrics:
                                      registry=r)
         self.failed_transfers = Counter(f"{p}_failed_transfers", "KV transfers that failed", ["reason"], registry=r)
 
-    def observe_transfer(self, num_bytes: int, seconds: float) -> None:
+    def observe_transfer(self, num_bytes: int, seconds: float, num_tokens: int) -> None:
         self.transfer_bytes.inc(num_bytes)
+        self.transfer_tokens.inc(num_tokens)
         self.transfer_seconds.inc(seconds)
         if seconds > 0:
             self.transfer_gbps.set(num_bytes / seconds / 1e9)

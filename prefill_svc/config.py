@@ -22,9 +22,11 @@ class PrefillConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     kv_transfer: str = "auto"  # nvfp4_serve/kv_transfer.py: auto | grpc | cuda-ipc
     kv_hold_timeout_s: float = 60.0  # cuda-ipc: source pages are freed this long after the last page message
-    # grpc path: bytes of page data per message (grpcio carries ~1 MiB messages fastest; capped by
-    # max_message_bytes). Every message holds at least one page of one layer.
-    kv_message_bytes: int = 1 << 20
+    # grpc path: bytes of page data per message (capped by max_message_bytes). Every message holds at least
+    # one page of one layer. 4 MiB: each message costs both ends Python work under the GIL (framing, checks,
+    # the write's launches) that the engine thread of the same process waits on; fewer, larger messages
+    # leave it more of the GIL (the transfer benchmark's raw grpcio anchor runs at the same message size).
+    kv_message_bytes: int = 4 << 20
     # Fault injection for tests only: sleep this long before the transfer header / before each KV page message.
     debug_header_delay_s: float = 0.0
     debug_transfer_delay_s: float = 0.0

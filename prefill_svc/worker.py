@@ -41,7 +41,7 @@ _MESSAGES_PER_EXPORT = 8  # messages gathered and copied to host at once (one ga
 class PrefillWorker:
     def __init__(self, loop: EngineLoop, max_message_bytes: int, metrics: ServiceMetrics,
                  debug_transfer_delay_s: float = 0.0, debug_header_delay_s: float = 0.0,
-                 kv_transfer: str = "auto", kv_hold_timeout_s: float = 60.0, kv_message_bytes: int = 1 << 20):
+                 kv_transfer: str = "auto", kv_hold_timeout_s: float = 60.0, kv_message_bytes: int = 4 << 20):
         self.loop = loop
         self.debug_delay = debug_transfer_delay_s
         self.debug_header_delay = debug_header_delay_s
@@ -216,7 +216,8 @@ class _Stream:
         """After PrefillDone: cuda-ipc waits for the decode's release (or the hold's deadline)."""
         if self.hold is not None:
             await self.hold.wait_released()
-        self.w.metrics.observe_transfer(self.num_bytes, time.perf_counter() - self.t_header)
+        self.w.metrics.observe_transfer(self.num_bytes, time.perf_counter() - self.t_header,
+                                        len(self.request.token_ids) - self.request.prefix_len)
 
     def close(self) -> None:
         if self.hold is not None:

@@ -103,3 +103,19 @@ def test_an_inf_bf16_value_in_a_message_fails_the_write(device):
     bad.write(run, [0, 1], 7)
     with pytest.raises(ValueError, match="NaN or inf"):
         bad.finish()
+
+
+@pytest.mark.parametrize("sizes", [(64, 8, 64, 8), (96, 0, 96, 0)])
+def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
+    from nvfp4_serve.kv_copy import message_from
+    from nvfp4_serve.kv_wire import encode_page_run, frame_page_run
+    from nvfp4_serve_proto import prefill_pb2
+
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) if n else None for n in sizes]
+    built = message_from(frame_page_run("req-é", 3, 130, 2, sizes), parts)
+    blobs = [b"" if p is None else bytes(p.numpy()) for p in parts]
+    want = prefill_pb2.PrefillMessage(request_id="req-é", pages=prefill_pb2.KVPageRun(
+        layer=3, first_page=130, num_pages=2, k=blobs[0], k_scales=blobs[1], v=blobs[2], v_scales=blobs[3]))
+    assert isinstance(built, bytes) and built == want.SerializeToString()
+    assert built == encode_page_run("req-é", 3, 130, 2, [[b] if b else [] for b in blobs])

@@ -70,5 +70,7 @@ def test_bench_pd_cpu_smoke_writes_every_deployment_ratios_and_the_report(tiny_m
     assert deps["colocated"]["summary"]["transfer"]["bytes"] == 0  # colocated: no page travels
     nv, f8 = (deps[k]["summary"]["transfer"]["bytes"] for k in ("pd-grpc", "pd-grpc-fp8"))
     assert nv > 0 and nv / f8 == 0.5625  # the same prompts: exactly the format's byte ratio
+    per_token = [deps[k]["summary"]["transfer"]["bytes_per_token"] for k in ("pd-grpc", "pd-grpc-fp8")]
+    assert per_token[0] / per_token[1] == 0.5625
     text = md.read_text()
     assert "| colocated |" in text and "## Against colocated (same run)" in text and "0.5625x" in text

@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs, itl_check is on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs, itl_check is on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -63,11 +63,12 @@ stage ramp 200 python3 -m benchmarks.engine.bench_ttft_ramp --model /tmp/q8b --n
 stage issue9 400 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --log-dir $R/logs9
 # Disaggregated prefill/decode: every transfer path against its anchor (raw grpcio, device gather) on the
 # 8-layer Qwen3-8B shape at 32K, then the serving comparison colocated vs PD (cuda-ipc, gRPC; nvfp4, fp8).
+stage gpu_unit 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kv_copy.py
 stage profile 200 python3 -m benchmarks.transfer.profile_copy --out docs/benchmarks/transfer_profile.json
 stage transfer 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
   --num-layers 8 --lengths 32768 --log-dir $R/logs_tr
 stage pd 1500 python3 -m nvfp4_serve.cli bench pd --input-len 32768 --output-len 256 --concurrency 16 \
-  --num-prompts 32 --log-dir $R/logs_pd --launch --model /tmp/q8b --num-layers 8 --max-total-tokens 1048576 \
+  --num-prompts 32 --deployments ${PD_DEPLOYMENTS:-colocated pd-ipc pd-grpc pd-grpc-fp8 pd-ipc-unpaced} --log-dir $R/logs_pd --launch --model /tmp/q8b --num-layers 8 --max-total-tokens 1048576 \
   --workspace-tokens 262144 --chunked-prefill-size 8192
 # issue 9 on the two-GPU kind (nvidia-h200-x2): prefill on GPU 0, decode on GPU 1 (the NVLink hop), then the
 # serving path through the launcher's GPU placement.

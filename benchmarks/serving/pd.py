@@ -75,12 +75,24 @@ def _strip(args: list[str], flags: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _bytes_ratio(nv: dict[str, Any], f8: dict[str, Any]) -> str:
+    """nvfp4 / fp8 transfer bytes per prompt token (the transfers counted are those that completed inside the
+    measured window, which need not be as many for both)."""
+    a, b = nv.get("bytes_per_token"), f8.get("bytes_per_token")
+    if not a or not b:
+        return "- transfer bytes per token: not measured"
+    return (f"- transfer bytes per token: {a:,.0f} vs {b:,.0f}, {a / b:.4f}x (0.5625x is the format's ratio: 9 "
+            f"bytes per 16 values against 16)")
+
+
 def _transfer(metrics: dict[str, float]) -> dict[str, Any]:
     """The decode's transfer figures of one point (metric deltas summed over decode workers)."""
     num_bytes = metrics.get("kv_transfer_bytes_total", 0.0)
     seconds = metrics.get("kv_transfer_seconds_total", 0.0)
     copy = metrics.get("kv_transfer_copy_seconds_total", 0.0)
-    return {"bytes": num_bytes, "header_to_last_page_s": seconds, "copy_s": copy,
+    tokens = metrics.get("kv_transfer_tokens_total", 0.0)
+    return {"bytes": num_bytes, "tokens": tokens, "bytes_per_token": num_bytes / tokens if tokens else None,
+            "header_to_last_page_s": seconds, "copy_s": copy,
             "copy_gb_s": num_bytes / copy / 1e9 if copy else None,
             "wait_s": metrics.get("kv_transfer_wait_seconds_total", 0.0)}
 
@@ -174,8 +186,7 @@ def report(doc: dict[str, Any]) -> str:
     g4, g8 = deps.get("pd-grpc", {}).get("summary"), deps.get("pd-grpc-fp8", {}).get("summary")
     if g4 and g8:
         lines += ["", "## nvfp4 vs fp8_e4m3, both PD over gRPC", "",
-                  (f"- transfer bytes: {g4['transfer']['bytes'] / max(g8['transfer']['bytes'], 1):.4f}x "
-                  "(per token and layer, 0.5625x is the format's ratio)"),
+                  _bytes_ratio(g4["transfer"], g8["transfer"]),
                   f"- TTFT mean: {_ratio(g4['ttft_mean_ms'], g8['ttft_mean_ms'])}",
                   f"- output tok/s: {_ratio(g4['output_tok_s'], g8['output_tok_s'])}"]
     lines += ["", ("Transfer columns come from the decode's metrics over the measured requests: bytes received, the "

@@ -67,7 +67,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens generated per request")
-    p.add_argument("--message-bytes", type=int, default=1 << 20,
+    p.add_argument("--message-bytes", type=int, default=4 << 20,
                    help="the prefills' --kv-message-bytes, and the raw grpcio anchor's message size")
     p.add_argument("--anchor-bytes", type=int, default=1 << 30, help="bytes each raw grpcio anchor run moves")
     p.add_argument("--warmup-len", type=int, default=1024,
