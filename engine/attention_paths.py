@@ -27,7 +27,6 @@ from kernels import fp8
 from kernels.backends.base import AttentionBackend, DecodeOptions, DecodePlan
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-LayerHook = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ class AttentionPaths:
         return 2 * self.ws_k.numel() * self.ws_k.element_size()
 
     # -- paths 1 and 2 ------------------------------------------------------------------------
-    def extend(self, seqs: Sequence[ExtendSeq], on_layer_done: LayerHook | None = None) -> AttnFn:
+    def extend(self, seqs: Sequence[ExtendSeq]) -> AttnFn:
         """Plan an extend batch; the returned AttnFn runs it layer by layer."""
         total_kv = sum(s.kv_len for s in seqs)
         if total_kv > self.workspace_tokens:
@@ -111,8 +110,6 @@ class AttentionPaths:
             ws_k[chunk_rows_t] = self._to_workspace(k, layer.ws_k_scale)
             ws_v[chunk_rows_t] = self._to_workspace(v, layer.ws_v_scale)
             out = self.backend.prefill(plan, q, ws_k, ws_v, layer.ws_k_scale, layer.ws_v_scale, self.sm_scale)
-            if on_layer_done is not None:
-                on_layer_done(layer_id)
             return out
 
         return attn

@@ -103,9 +103,6 @@ class EngineLoop:
 
         self._post(cmd)
 
-    def release(self, rid: str) -> None:
-        self._post(lambda: self.scheduler.release(rid))
-
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` on the loop thread between steps; the future holds its result. A future the caller
         cancelled before the loop got to it (e.g. through asyncio.wrap_future) skips ``fn``."""

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from engine.attention_paths import AttentionPaths, ExtendSeq, LayerHook
+from engine.attention_paths import AttentionPaths, ExtendSeq
 from engine.batch_sampler import BatchSampler
 from engine.decode_graphs import DecodeGraphRunner
 from engine.model import CausalLM
@@ -29,7 +29,6 @@ class ModelRunner:
     @torch.inference_mode()
     def extend(
         self, reqs: Sequence[Request], lens: Sequence[int], sample_mask: Sequence[bool],
-        on_layer_done: LayerHook | None = None,
     ) -> list[int | None]:
         """Compute K/V of tokens [kv_len, kv_len + n) of each request; sample the next token for the
         requests whose ``sample_mask`` is set (from the logits of their last extended position)."""
@@ -40,7 +39,7 @@ class ModelRunner:
             pos.extend(range(r.kv_len, r.kv_len + n))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions, self.paths.extend(seqs, on_layer_done))
+        hidden = self.model(input_ids, positions, self.paths.extend(seqs))
         if any(r.sampling.prompt_logprobs is not None for r in reqs):
             self.sampler.record_prompt_logprobs(self.model.compute_logits, hidden, reqs, lens)
         want = [i for i, m in enumerate(sample_mask) if m]

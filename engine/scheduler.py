@@ -59,7 +59,6 @@ class Scheduler:
         self.num_retractions = 0
         self.num_decode_tokens = 0  # tokens produced by decode steps (extends' first tokens not counted)
         self.num_prompt_cache_hit_tokens = 0
-        self.on_layer_done: Callable[[list[Request], int], None] | None = None
         # Called before the step blocks on the device: after a decode step is launched (ModelRunner.decode)
         # and before an extend batch (which can take 100+ ms), so the outputs of the previous step never wait.
         self.on_device_wait: Callable[[], None] | None = None
@@ -199,12 +198,8 @@ class Scheduler:
         if self.on_device_wait is not None:
             self.on_device_wait()
         sample_mask = [r.kv_len + n == r.extend_target_len and not r.output_ids for r, n in zip(batch, lens)]
-        hook = None
-        if self.on_layer_done is not None:
-            def hook(layer_id: int, _batch=batch) -> None:
-                self.on_layer_done(_batch, layer_id)
         try:
-            tokens = self.runner.extend(batch, lens, sample_mask, hook)
+            tokens = self.runner.extend(batch, lens, sample_mask)
         except Exception:  # noqa: BLE001 - find the request(s) that fail, and fail only those
             batch, lens, tokens = self._extend_isolating(batch, lens, sample_mask, outputs)
         fence = Fence(self.device) if any(r.prefill_only for r in batch) else None
@@ -396,13 +391,6 @@ class Scheduler:
         if req.finish_reason:
             self._finish(req)
         return out
-
-    def release(self, rid: str) -> None:
-        """A prefill-only request's pages were exported: cache and release them."""
-        req = self.held.get(rid)
-        if req is not None:
-            self.requests.pop(rid, None)
-            self._release_held(req)
 
     def _release_held(self, req: Request) -> None:
         del self.held[req.rid]

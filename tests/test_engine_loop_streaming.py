@@ -117,9 +117,9 @@ def test_tokens_already_produced_go_out_before_an_extend_batch_runs(engine):
         events.append(("produced", len(tokens)))
         return tokens
 
-    def traced_extend(reqs, lens, mask, hook=None):
+    def traced_extend(reqs, lens, mask):
         events.append(("extend",))
-        tokens = extend(reqs, lens, mask, hook)
+        tokens = extend(reqs, lens, mask)
         events.append(("produced", sum(t is not None for t in tokens)))
         return tokens
 

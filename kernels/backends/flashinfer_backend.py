@@ -14,7 +14,6 @@ FLASHINFER_WORKSPACE_BASE to keep the cache between processes.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 import torch
@@ -177,6 +176,3 @@ def nvfp4_dequantize_rows(data: torch.Tensor, scales: torch.Tensor, global_scale
                                          output_dtype=torch.bfloat16)
     return out.float()
 
-
-def default_sm_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -15,11 +15,6 @@ _BACKENDS: dict[str, str] = {
 }
 
 
-def register_backend(name: str, target: str) -> None:
-    """Register ``"module.path:ClassName"`` under ``name`` (import deferred to first use)."""
-    _BACKENDS[name] = target
-
-
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
