@@ -11,6 +11,10 @@ errors; a tie keeps ``amax / 6``):
     codes(s) = e2m1_rne_saturate(x / (float(s) * g))                    (the spec's rounding)
     keep s4 iff sum((dq(codes(s4), s4) - x)^2) < sum((dq(codes(s6), s6) - x)^2)
 
+Every fp32 step has a fixed order, so the Triton encoder (``kernels/triton/nvfp4_quantize.py``,
+``BLOCK_SELECT``) is bit-identical: dq = (E2M1 value * float(s)) * g, and each sum of 16 squares adds
+adjacent pairs in 4 levels (``_pairwise_sum16``), never a library reduction of unspecified order.
+
 Any decoder of the contract (``kernels.nvfp4.dequantize``, every decode kernel) reads the result
 unchanged. It is NOT the bit-exact reference GPU kernels are held to: that stays
 ``kernels.nvfp4.quantize``. The evaluation (``engine/evaluation.py``) measures whether it helps.
@@ -36,6 +40,13 @@ def _codes_for_scale(
     return codes, (lut[codes.long()] * s_f) * g
 
 
+def _pairwise_sum16(e: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (16) by adjacent pairs, 4 levels: [..., 16] -> [..., 1]."""
+    for _ in range(4):
+        e = e[..., 0::2] + e[..., 1::2]
+    return e
+
+
 def quantize_block_select(
     x: torch.Tensor, global_scale: float | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,8 +62,8 @@ def quantize_block_select(
     s6 = six_scales.reshape(*lead, nb, 1)
     codes6, dq6 = _codes_for_scale(x32, s6, g)
     codes4, dq4 = _codes_for_scale(x32, s4, g)
-    err6 = (dq6 - x32).square().sum(dim=-1, keepdim=True)
-    err4 = (dq4 - x32).square().sum(dim=-1, keepdim=True)
+    d6, d4 = dq6 - x32, dq4 - x32
+    err6, err4 = _pairwise_sum16(d6 * d6), _pairwise_sum16(d4 * d4)
     use4 = err4 < err6
     codes = torch.where(use4, codes4, codes6).reshape(*lead, d // 2, 2)
     scales = torch.where(use4, s4.view(torch.uint8), s6.view(torch.uint8)).view(torch.float8_e4m3fn)

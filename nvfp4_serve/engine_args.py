@@ -30,7 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", *available_backends()],
                    help="auto: triton on CUDA, reference on CPU; reference: pure PyTorch; reference-block-select: "
                         "pure PyTorch with the per-block NVFP4 scale choice (amax/6 or amax/4); triton: the fused "
-                        "NVFP4 kernels (FlashInfer for fp8/bf16 and prefill when installed)")
+                        "NVFP4 kernels (FlashInfer for fp8/bf16 and prefill when installed); triton-block-select: "
+                        "triton with that per-block scale choice in its quantize-on-write kernel (CUDA)")
     g.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
                    help="longest prompt + output in tokens; default: the model's (config.json); at most that")
     g.add_argument("--kv-cache-dtype", default=c.kv_dtype, choices=KV_DTYPES,

@@ -32,11 +32,12 @@ _DECODE_SIG = {"Q": "*bf16", "K16": "*i16", "KSF": "*u8", "V16": "*i16", "VSF": 
                                      "stride_lb", "stride_lh", "chunk_tokens")}}
 
 
-def _compile(fn, signature: dict, constexprs: dict, arch: int, num_warps: int = 4):
+def _compile(fn, signature: dict, constexprs: dict, arch: int, num_warps: int = 4, **options):
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
     aligned = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(signature) if signature[k].startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=aligned)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": 2})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": 2, **options})
 
 
 def _sass(kernel, tmp_path) -> str:
@@ -91,6 +92,17 @@ def test_quantize_and_workspace_kernels_compile_for_sm90a():
     assert "div.rn.f32" in w.asm["ptx"]
 
 
+def test_block_select_quantize_kernel_compiles_for_sm90a_without_fused_multiply_adds():
+    from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel
+
+    q = _compile(nvfp4_quantize_kernel, {"X": "*bf16", "SLOTS": "*i64", "DATA": "*u8", "SCALES": "*u8",
+                                         "num_rows": "i32", "global_scale": "fp32", "stride_xt": "i32",
+                                         "stride_xh": "i32"}, {"HK": 8, "D": 128, "BLOCK_R": 32, "BLOCK_SELECT": True},
+                 arch=90, enable_fp_fusion=False)
+    ptx = q.asm["ptx"]
+    assert "div.rn.f32" in ptx and "fma.rn.f32" not in ptx  # the error sums keep the reference's fp32 order
+
+
 _INTERPRETED = textwrap.dedent("""
     import math, os, sys
     import torch
@@ -122,6 +134,14 @@ _INTERPRETED = textwrap.dedent("""
         rb.write_kv(ref, slots, k, v)
         for n in ("k", "v", "k_sf", "v_sf"):
             assert torch.equal(getattr(ours, n).view(torch.uint8), getattr(ref, n).view(torch.uint8)), n
+        from kernels.backends.block_select import BlockSelectBackend
+        from kernels.backends.triton_backend import TritonBlockSelectBackend
+        sel, sel_ref = layer(), layer()
+        TritonBlockSelectBackend(DecodeConfig(2, 16, 2)).write_kv(sel, slots, k, v)
+        BlockSelectBackend().write_kv(sel_ref, slots, k, v)
+        for n in ("k", "v", "k_sf", "v_sf"):
+            assert torch.equal(getattr(sel, n).view(torch.uint8), getattr(sel_ref, n).view(torch.uint8)), "sel " + n
+        assert not torch.equal(sel.k_sf.view(torch.uint8), ours.k_sf.view(torch.uint8))  # some blocks chose amax/4
         ws = [torch.zeros(150, HK, D, dtype=torch.float8_e4m3fn) for _ in range(4)]
         tb.gather_workspace(ours, slots, ws[0], ws[1])
         rb.gather_workspace(ref, slots, ws[2], ws[3])

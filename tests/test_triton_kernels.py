@@ -63,6 +63,26 @@ def test_write_kv_matches_reference_bytes(dtype, d, kind):
         assert torch.equal(getattr(ours, name).view(torch.uint8), getattr(ref, name).view(torch.uint8)), name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kind", ["random", "outliers"])
+def test_block_select_write_kv_matches_the_block_select_reference_bytes(dtype, d, kind):
+    from kernels.backends.block_select import BlockSelectBackend
+    from kernels.backends.triton_backend import TritonBackend, TritonBlockSelectBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(d + 1)
+    hk, t, pages = 3, 517, 40
+    ours, ref, plain = (_nvfp4_layer(pages, hk, d) for _ in range(3))
+    slots = torch.randperm(pages * PAGE, generator=gen, device="cuda")[:t]
+    k, v = _rows(t, hk, d, dtype, kind, gen), _rows(t, hk, d, dtype, kind, gen)
+    TritonBlockSelectBackend().write_kv(ours, slots, k, v)
+    BlockSelectBackend().write_kv(ref, slots, k, v)
+    TritonBackend().write_kv(plain, slots, k, v)
+    for name in ("k", "v", "k_sf", "v_sf"):
+        assert torch.equal(getattr(ours, name).view(torch.uint8), getattr(ref, name).view(torch.uint8)), name
+    assert not torch.equal(ours.k_sf.view(torch.uint8), plain.k_sf.view(torch.uint8))  # some blocks took amax/4
+
+
 def test_write_kv_takes_strided_rows():
     from kernels.backends.triton_backend import TritonBackend
 

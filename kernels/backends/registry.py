@@ -12,6 +12,7 @@ _BACKENDS: dict[str, str] = {
     "reference": "kernels.backends.reference:ReferenceBackend",
     "reference-block-select": "kernels.backends.block_select:BlockSelectBackend",
     "triton": "kernels.backends.triton_backend:TritonBackend",
+    "triton-block-select": "kernels.backends.triton_backend:TritonBlockSelectBackend",
 }
 
 

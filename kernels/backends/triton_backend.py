@@ -1,6 +1,7 @@
 """The GPU attention backend: Triton kernels for the NVFP4 pool, FlashInfer for prefill and FP8/BF16 decode.
 
-    write_kv          nvfp4: ``nvfp4_quantize_kernel`` (bit-identical to kernels.nvfp4.quantize);
+    write_kv          nvfp4: ``nvfp4_quantize_kernel`` (bit-identical to kernels.nvfp4.quantize; in
+                      ``TritonBlockSelectBackend`` to kernels.nvfp4_block_select);
                       fp8 / bf16: the reference torch ops (already one fused elementwise pass on GPU)
     gather_workspace  nvfp4 -> FP8 workspace: ``nvfp4_to_fp8_kernel``; other pools: reference
     prefill           FlashInfer ragged FA2 on bf16 / fp8 K,V when flashinfer imports, else the reference
@@ -118,8 +119,9 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
-                  global_scale: float) -> None:
-    """data[slots], scales[slots] = kernels.nvfp4.quantize(x, global_scale), bit-identical.
+                  global_scale: float, block_select: bool = False) -> None:
+    """data[slots], scales[slots] = kernels.nvfp4.quantize(x, global_scale) (``block_select``:
+    kernels.nvfp4_block_select.quantize_block_select), bit-identical.
 
     x [T, Hk, D] bf16/fp16/fp32 (last dim contiguous); slots [T] int; data [P*S, Hk, D/2] uint8 and
     scales [P*S, Hk, D/16] (uint8 or float8_e4m3fn), contiguous.
@@ -137,7 +139,8 @@ def quantize_rows(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor, scal
     rows = t * hk
     nvfp4_quantize_kernel[(triton.cdiv(rows, _QUANT_BLOCK_ROWS),)](
         x, slots, data, _u8(scales), rows, float(torch.tensor(global_scale, dtype=torch.float32)),
-        x.stride(0), x.stride(1), HK=hk, D=d, BLOCK_R=_QUANT_BLOCK_ROWS)
+        x.stride(0), x.stride(1), HK=hk, D=d, BLOCK_R=_QUANT_BLOCK_ROWS, BLOCK_SELECT=block_select,
+        enable_fp_fusion=not block_select)  # block select: the error sums' fp32 order is part of the result
 
 
 def dequant_rows_to_fp8(data: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
@@ -156,6 +159,7 @@ class TritonBackend(AttentionBackend):
     """CUDA backend: Triton NVFP4 kernels + FlashInfer prefill (falls back to the reference pieces)."""
 
     name = "triton"
+    block_select = False  # the NVFP4 encoder: amax/6 scales (kernels.nvfp4.quantize)
 
     def __init__(self, decode_config: DecodeConfig | None = None) -> None:
         self._reference = ReferenceBackend()
@@ -173,7 +177,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"write_kv needs k, v {list(expect)}, got {tuple(k.shape)}, {tuple(v.shape)}")
         p, s, hk = layer.k.shape[:3]
         for x, data, sf, g in ((k, layer.k, layer.k_sf, layer.k_scale), (v, layer.v, layer.v_sf, layer.v_scale)):
-            quantize_rows(x, slots, data.view(p * s, hk, -1), sf.view(p * s, hk, -1), g)
+            quantize_rows(x, slots, data.view(p * s, hk, -1), sf.view(p * s, hk, -1), g, self.block_select)
 
     def gather_workspace(self, layer: LayerKV, slots: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor) -> None:
         if layer.kv_dtype != "nvfp4":
@@ -321,3 +325,13 @@ class TritonBackend(AttentionBackend):
             op, lse, out, st.num_splits, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1), D=d, SPLITS_P2=triton.next_power_of_2(st.num_splits))
         return out
+
+
+class TritonBlockSelectBackend(TritonBackend):
+    """``--attention-backend triton-block-select``: the Triton backend whose NVFP4 pool writes pick, per
+    16-value block, the scale amax/6 or amax/4 that reconstructs better (bit-identical to
+    kernels.nvfp4_block_select). Same bytes format and readers: decode, transfer and the handshake are
+    unchanged; only the quantize-on-write kernel does more work."""
+
+    name = "triton-block-select"
+    block_select = True

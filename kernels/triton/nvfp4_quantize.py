@@ -1,7 +1,10 @@
 """NVFP4 quantize-on-write and the workspace dequant: @triton.jit kernels, bit-identical to kernels.nvfp4.
 
 ``nvfp4_quantize_kernel``  rows x [T, HK, D] (bf16/fp16/fp32, any strides) -> pool slots: packed codes
-                           [P*S, HK, D/2] uint8 and E4M3 scales [P*S, HK, D/16] (both contiguous).
+                           [P*S, HK, D/2] uint8 and E4M3 scales [P*S, HK, D/16] (both contiguous);
+                           with ``BLOCK_SELECT`` each block keeps amax/6 or amax/4, whichever reconstructs
+                           better, bit-identical to kernels.nvfp4_block_select (launch it with
+                           ``enable_fp_fusion=False``: its error sums must not contract into FMAs).
 ``nvfp4_to_fp8_kernel``    pool slots -> FP8 workspace rows [N, HK, D]: fp8(dequant(code) / ws_scale).
 
 Every fp32 operation follows the order fixed in kernels/nvfp4.py (two correctly rounded divisions for the
@@ -43,10 +46,34 @@ def e2m1_code(y):
 
 
 @triton.jit
+def _codes_under(xb, s32, global_scale):
+    """(E4M3 byte, E2M1 codes, dequantized fp32) of blocks ``xb`` [R, NS, 16] under the fp32 scale ``s32``
+    [R, NS] (rounded to E4M3 here); a zero scale gives zero codes."""
+    sbyte, sval = e4m3_rne_positive(s32)
+    nonzero = sval != 0.0
+    denom = tl.where(nonzero, sval * global_scale, 1.0)
+    code = tl.where(nonzero[:, :, None], e2m1_code(tl.math.div_rn(xb, denom[:, :, None])), 0)
+    c = code & 7
+    mag = tl.where(c < 4, c.to(tl.float32) * 0.5, tl.where(c < 6, (c - 2).to(tl.float32), (c - 4).to(tl.float32) * 2.0))
+    val = (mag.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    return sbyte, code, (val * sval[:, :, None]) * global_scale
+
+
+@triton.jit
+def _pairwise_sum16(e, R: tl.constexpr, NS: tl.constexpr):
+    """Sum of each block's 16 values as kernels.nvfp4_block_select._pairwise_sum16 does: adjacent pairs, 4 levels."""
+    a, b = tl.split(tl.reshape(e, [R, NS, 8, 2]))
+    a, b = tl.split(tl.reshape(a + b, [R, NS, 4, 2]))
+    a, b = tl.split(tl.reshape(a + b, [R, NS, 2, 2]))
+    a, b = tl.split(a + b)
+    return a + b
+
+
+@triton.jit
 def nvfp4_quantize_kernel(
     X, SLOTS, DATA, SCALES, num_rows, global_scale,
     stride_xt, stride_xh,
-    HK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+    HK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SELECT: tl.constexpr = False,
 ):
     """Row r = (token r // HK, head r % HK) -> pool slot SLOTS[token], head h."""
     NS: tl.constexpr = D // 16
@@ -62,11 +89,21 @@ def nvfp4_quantize_kernel(
     xb = tl.reshape(x, [BLOCK_R, NS, 16])
     amax = tl.max(tl.abs(xb), 2)
     s32 = tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, 6.0), global_scale), 448.0)
-    sbyte, sval = e4m3_rne_positive(s32)
-    nonzero = sval != 0.0
-    denom = tl.where(nonzero, sval * global_scale, 1.0)
-    y = tl.math.div_rn(xb, denom[:, :, None])
-    code = tl.where(nonzero[:, :, None], e2m1_code(y), 0)
+    if BLOCK_SELECT:
+        sbyte, code, dq = _codes_under(xb, s32, global_scale)
+        s4 = tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, 4.0), global_scale), 448.0)
+        sbyte4, code4, dq4 = _codes_under(xb, s4, global_scale)
+        d6 = dq - xb
+        d4 = dq4 - xb
+        use4 = _pairwise_sum16(d4 * d4, BLOCK_R, NS) < _pairwise_sum16(d6 * d6, BLOCK_R, NS)  # a tie keeps amax/6
+        sbyte = tl.where(use4, sbyte4, sbyte)
+        code = tl.where(use4[:, :, None], code4, code)
+    else:
+        sbyte, sval = e4m3_rne_positive(s32)
+        nonzero = sval != 0.0
+        denom = tl.where(nonzero, sval * global_scale, 1.0)
+        y = tl.math.div_rn(xb, denom[:, :, None])
+        code = tl.where(nonzero[:, :, None], e2m1_code(y), 0)
     lo, hi = tl.split(tl.reshape(code, [BLOCK_R, D // 2, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
     row = slot.to(tl.int64) * HK + h
