@@ -36,7 +36,7 @@ class DecodeConfig:
     metrics_port: int | None = None
     timeouts: Timeouts = Timeouts()
     tls: TLSConfig = field(default_factory=TLSConfig)  # server side, and the client side of the pulls from prefill
-    kv_transfer: str = "auto"  # nvfp4_serve/kv_transfer.py: auto | grpc | cuda-ipc
+    kv_transfer: str = "auto"  # nvfp4_serve/kv_transfer.py: auto | grpc | cuda-ipc | nixl
     # The prefill services this decode may pull from (host:port, as the router names them); a request naming
     # any other address is refused: a caller alone never decides where KV pages come from.
     prefill_addresses: tuple[str, ...] = ()
@@ -65,7 +65,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer", default=DecodeConfig.kv_transfer, choices=TRANSFER_MODES,
                    help="how KV pages arrive from prefill: auto (CUDA IPC when both ends share a host and both pools "
                         "are on CUDA, else gRPC), grpc (always bytes over gRPC), cuda-ipc (as auto, and warn when "
-                        "a transfer falls back to gRPC)")
+                        "a transfer falls back to gRPC), nixl (NIXL over UCX reads the pages: any hosts, CPU "
+                        "pools too; chosen only when both ends say nixl, else as auto with a warning)")
     p.add_argument("--prefill-addresses", nargs="*", default=[], metavar="HOST:PORT",
                    help="the prefill services this decode pulls KV pages from (a request naming another address "
                         "is refused); none: every prompt runs here")

@@ -9,6 +9,8 @@ nor delays them:
     grpc      KVPageRun bytes (zero-copy views, ``nvfp4_serve/kv_wire.py``) -> PageImporter.write
     cuda-ipc  KVPageRefs -> PageImporter.copy_from the prefill's pool (opened once, decode_svc/kv_ipc.py);
               after PrefillDone: writes complete -> ReleaseTransfer -> the stream ends
+    nixl      KVPageRefs -> one NIXL READ per message (decode_svc/kv_nixl_reads.py), then the rows checked;
+              after PrefillDone: as cuda-ipc
 
 Every value the peer sends is checked before it touches the pool or the engine: request id, layer, page
 ranges against the header (in sequence order per layer, nothing twice, no more than announced), part
@@ -34,6 +36,7 @@ from google.protobuf.message import DecodeError
 
 from decode_svc.config import Timeouts
 from decode_svc.kv_ipc import PeerShare, PrefillShares
+from decode_svc.kv_nixl_reads import NixlReads
 from decode_svc.peer_channels import PeerChannels
 from engine.kv_pool import KVPool
 from engine.request import PullStart
@@ -41,15 +44,23 @@ from engine.sampling import SamplingParams
 from nvfp4_serve.convert import sampling_to_proto
 from nvfp4_serve.errors import InvalidRequest, LayoutMismatch, PrefillUnavailable, TransferTimeout
 from nvfp4_serve.kv_copy import PARTS, PageImporter
-from nvfp4_serve.kv_transfer import PATH_GRPC, PATH_IPC, PathChoice, TransferMetrics, select_path
+from nvfp4_serve.kv_transfer import (
+    PATH_GRPC,
+    PATH_NIXL,
+    PathChoice,
+    TransferMetrics,
+    by_reference,
+    select_path,
+)
 from nvfp4_serve.kv_transfer_ipc import PoolView
+from nvfp4_serve.kv_transfer_nixl import NixlView
 from nvfp4_serve.kv_wire import WireError, decode_page_run
 from nvfp4_serve.layout import check_layout
 from nvfp4_serve.metrics import ServiceMetrics
 from nvfp4_serve.tls import TLSConfig
 from nvfp4_serve_proto import common_pb2, prefill_pb2
 
-_HOLD_MARGIN = 0.9  # cuda-ipc copies must complete within this share of the prefill's hold (messages in flight)
+_HOLD_MARGIN = 0.9  # by-reference copies must complete within this share of the hold (messages in flight)
 _WRITES_IN_FLIGHT = 2  # writes running behind the message being read (bounds memory to ~3 messages)
 _RELEASE_TIMEOUT_S = 5.0
 
@@ -168,6 +179,7 @@ class KVReceiver:
         t0 = time.perf_counter()
         importer = PageImporter(self.pool)
         writes = _Writes(self._executor, _WRITES_IN_FLIGHT)
+        reads: NixlReads | None = None
         try:
             stream = call.__aiter__()
             first = await self._next(stream, self.timeouts.prefill_first_message_s, "transfer header", address)
@@ -180,8 +192,10 @@ class KVReceiver:
             t_header = time.perf_counter()
             self.transfer_metrics.wait_seconds.inc(t_header - t0)
             path = self._path_of(address, h, offer, peer)
-            received, done, t_last = await self._receive(stream, start, path, peer.view, progress, importer,
-                                                         writes, address)
+            if path == PATH_NIXL:
+                reads = NixlReads(self.shares.nixl, peer.view, importer, self.timeouts.between_pages_s)
+            received, done, t_last = await self._receive(stream, start, path, peer.view, reads, progress,
+                                                         importer, writes, address)
             await writes.drain("pages", address)
             try:
                 await asyncio.to_thread(importer.finish)  # every write complete; scales checked
@@ -191,7 +205,7 @@ class KVReceiver:
                 raise PrefillUnavailable(f"prefill {address} sent first token {done.first_token_id}, outside the "
                                          f"vocabulary [0, {self.vocab_size})")
             seconds = time.perf_counter() - t_header
-            if path == PATH_IPC:
+            if by_reference(path):
                 await self._release(peer_stubs.stub, stream, h, time.perf_counter() - t_last, address)
             self.metrics.observe_transfer(received, seconds, start.num_tokens - start.prefix_len)
             self.transfer_metrics.copy_seconds.inc(writes.busy_s)
@@ -212,6 +226,8 @@ class KVReceiver:
             raise
         finally:
             call.cancel()  # no-op when the stream completed; otherwise tells prefill to free its pages
+            if reads is not None:
+                reads.stop()  # reads still in flight cancel and release their handles; settle waits for them
             await writes.settle()
             await _uncancellable(asyncio.to_thread(importer.settle))
 
@@ -226,9 +242,9 @@ class KVReceiver:
                 f"[{h.first_page}, +{h.num_pages}), expected {start.num_tokens} / [{first_page}, +{num_pages})")
         return _Progress(first_page, first_page + num_pages, [first_page] * self.layout.num_layers)
 
-    async def _receive(self, stream, start: PullStart, path: str, view: PoolView | None, progress: _Progress,
-                       importer: PageImporter, writes: _Writes, address: str
-                       ) -> tuple[int, prefill_pb2.PrefillDone, float]:
+    async def _receive(self, stream, start: PullStart, path: str, view: PoolView | NixlView | None,
+                       reads: NixlReads | None, progress: _Progress, importer: PageImporter, writes: _Writes,
+                       address: str) -> tuple[int, prefill_pb2.PrefillDone, float]:
         """Read page messages up to PrefillDone, posting each one's pool write; returns (bytes, done, when the
         last page message arrived)."""
         received, t_last = 0, time.perf_counter()
@@ -258,7 +274,7 @@ class KVReceiver:
             if msg.request_id != start.rid:
                 raise PrefillUnavailable(f"message for request {msg.request_id[:80]!r} on the stream of {start.rid!r}")
             kind = msg.WhichOneof("payload")
-            if kind == "page_refs" and path == PATH_IPC:
+            if kind == "page_refs" and by_reference(path):
                 refs = msg.page_refs
                 src = list(refs.src_page_ids)
                 progress.claim(refs.layer, refs.first_page, len(src), address)
@@ -266,10 +282,14 @@ class KVReceiver:
                     raise PrefillUnavailable(f"prefill {address} names source pages outside its pool "
                                              f"(0..{view.num_pages - 1})")
                 dst = start.page_ids[refs.first_page:refs.first_page + len(src)]
-                parts = [view.layers[refs.layer].get(name) for name in PARTS]
                 valid = self._tokens_in(start, refs.first_page, len(src))
-                await writes.post(lambda p=parts, layer=refs.layer, s=src, d=dst, v=valid:
-                                  importer.copy_from(p, layer, s, d, v), "page refs", address)
+                if path == PATH_NIXL:
+                    await writes.post(lambda layer=refs.layer, s=src, d=dst, v=valid: reads.read(layer, s, d, v),
+                                      "page refs", address)
+                else:
+                    parts = [view.layers[refs.layer].get(name) for name in PARTS]
+                    await writes.post(lambda p=parts, layer=refs.layer, s=src, d=dst, v=valid:
+                                      importer.copy_from(p, layer, s, d, v), "page refs", address)
                 received += len(src) * self.pool.page_bytes_per_layer
                 t_last = time.perf_counter()
             elif kind == "done":
@@ -295,10 +315,11 @@ class KVReceiver:
                  peer: PeerShare) -> str:
         """The header's path, checked against the offer; counted (and a fallback explained) in the metrics."""
         path = h.path or PATH_GRPC
-        if path == PATH_IPC:
-            if peer.view is None or h.share_id != offer.ipc_share_id or not h.transfer_id or h.hold_timeout_s <= 0:
-                raise PrefillUnavailable(f"prefill {address} chose cuda-ipc without a share this decode opened "
-                                         f"or without a transfer id and hold")
+        if by_reference(path):
+            if (peer.view is None or peer.choice.path != path or h.share_id != offer.ipc_share_id
+                    or not h.transfer_id or h.hold_timeout_s <= 0):
+                raise PrefillUnavailable(f"prefill {address} chose {path} without a share this decode opened "
+                                         f"for it or without a transfer id and hold")
             choice = peer.choice
         elif path != PATH_GRPC:
             raise PrefillUnavailable(f"prefill {address} announces an unknown transfer path {path[:40]!r}")
@@ -307,11 +328,11 @@ class KVReceiver:
             choice = PathChoice(PATH_GRPC, "share_changed", f"prefill {address} restarted since its pool was opened")
         elif offer.ipc_share_id:
             choice = select_path(self.shares.endpoint, h.endpoint, "decode", "prefill")
-            if choice.path == PATH_IPC:
-                choice = PathChoice(PATH_GRPC, "share_failed", f"prefill {address} declined the cuda-ipc offer")
+            if by_reference(choice.path):
+                choice = PathChoice(PATH_GRPC, "share_failed", f"prefill {address} declined the {choice.path} offer")
         else:
             choice = peer.choice
-        self.transfer_metrics.count(f"prefill {address}", choice, self.shares.wants_ipc)
+        self.transfer_metrics.count(f"prefill {address}", choice, self.shares.wanted)
         return path
 
     async def _next(self, stream, timeout: float, what: str, address: str) -> bytes:
@@ -328,7 +349,7 @@ class KVReceiver:
         The copies must have completed before the prefill's hold ended (it frees the pages then, and may
         reuse them): too late, and the pages just copied cannot be trusted."""
         if since_last > _HOLD_MARGIN * h.hold_timeout_s:
-            raise PrefillUnavailable(f"cuda-ipc copies from prefill {address} completed {since_last:.1f} s after "
+            raise PrefillUnavailable(f"{h.path} copies from prefill {address} completed {since_last:.1f} s after "
                                      f"its last page message, past {_HOLD_MARGIN:.0%} of its {h.hold_timeout_s:g} s hold")
         try:
             released = (await stub.ReleaseTransfer(prefill_pb2.ReleaseTransferRequest(transfer_id=h.transfer_id),

@@ -8,6 +8,7 @@
              --slice copies or index_copy_ into the request's pages--> pool; scales (and fp8/bf16 values)
              checked on the device
     cuda-ipc: the prefill's pages --one gather kernel per part and destination run--> the request's pages
+    nixl:     NIXL's READ writes the request's pages (kv_transfer_nixl.py); check_written checks them
 
 Both use their own CUDA stream, so a transfer never waits behind the engine's next chunk or decode step,
 and never holds the engine thread. The importer's invariant: ``finish`` returns only after every write it
@@ -219,6 +220,19 @@ class PageImporter:
         made = (_device_ids(src_ids, dev), None if len(runs) <= _MAX_SLICE_RUNS else _device_ids(dst_ids, dev), runs)
         self._last_ids = (src_ids, dst_ids, made)
         return made
+
+    def check_written(self, layer: int, page_ids: Sequence[int], num_tokens: int) -> None:
+        """The checks ``copy_from`` makes, for pages ``page_ids`` of ``layer`` that another agent wrote into
+        the pool (nixl: NIXL's READ, complete before this call): the values of the first ``num_tokens`` token
+        slots flagged on the device (``finish`` raises). Reads only."""
+        runs = page_runs(list(range(len(page_ids))), [int(p) for p in page_ids])
+        with self._lock, _on(self.stream):
+            for t, kind in zip(_parts(self.pool, layer), self._kinds, strict=True):
+                if t is None or kind is None:
+                    continue
+                d8 = t.view(torch.uint8).view(t.shape[0], -1)
+                for s0, d0, m in runs:
+                    self._flag_slots(d8[d0:d0 + m], t, s0, num_tokens, kind)
 
     def _flag_slots(self, rows: torch.Tensor, t: torch.Tensor, first_page: int, num_tokens: int,
                     kind: torch.dtype) -> None:

@@ -1,16 +1,22 @@
-"""Which way a prompt's KV pages travel from prefill to decode: the gRPC byte stream or CUDA IPC.
+"""Which way a prompt's KV pages travel from prefill to decode: the gRPC byte stream, CUDA IPC or NIXL.
 
 Both ends state a ``TransferEndpoint`` in the handshake (the decode in ``PrefillRequest.transfer``,
 the prefill in ``KVShare`` and ``TransferHeader``): host identity, device, and its ``--kv-transfer``
 mode. ``select_path`` is the one rule both ends apply:
 
-    cuda-ipc  when neither end says --kv-transfer grpc, both run on one host (equal, known boot ids)
+    nixl      when both ends say --kv-transfer nixl (any hosts, CPU or GPU pools: NIXL over UCX
+              reads the prefill's pages into the decode's pool);
+    cuda-ipc  otherwise, when neither end says --kv-transfer grpc, both run on one host (equal, known boot ids)
               and both pools live on CUDA devices;
     grpc      otherwise (it works everywhere).
 
 ``cuda-ipc`` as a mode means "expect GPU-direct": it is chosen under the same rule as ``auto``, and a
-request that falls back to gRPC anyway logs a warning. No request ever fails because IPC was
-unavailable: the decode falls back to gRPC whenever the prefill's pool cannot be opened.
+request that falls back to gRPC anyway logs a warning. ``nixl`` on one end only is ``auto`` for
+that pair (and warned about). No request ever fails because IPC or NIXL was unavailable: the decode
+falls back to gRPC whenever the prefill's pool cannot be opened (or NIXL cannot start).
+
+cuda-ipc and nixl are the by-reference paths (``by_reference``): the prefill names source page ids
+(KVPageRefs) and holds the pages until the decode released them; only how the decode copies differs.
 
 Host identity is the kernel's boot id (/proc/sys/kernel/random/boot_id): random per boot, shared by
 every process and container of one running host, different on any other host. The hostname is
@@ -36,9 +42,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TRANSFER_MODES = ("auto", "grpc", "cuda-ipc")
+TRANSFER_MODES = ("auto", "grpc", "cuda-ipc", "nixl")
 PATH_GRPC = "grpc"
 PATH_IPC = "cuda-ipc"
+PATH_NIXL = "nixl"
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -87,15 +94,25 @@ def local_endpoint(device: torch.device | str, mode: str) -> common_pb2.Transfer
                                        device=device_id(device), kv_transfer=check_mode(mode))
 
 
+def by_reference(path: str) -> bool:
+    """``path`` names source pages (KVPageRefs) held by the prefill until ReleaseTransfer, not page bytes."""
+    return path in (PATH_IPC, PATH_NIXL)
+
+
+def wanted_path(mode: str) -> str:
+    """The path ``--kv-transfer mode`` asks for ("" for auto and grpc: no fallback is warned about)."""
+    return mode if by_reference(mode) else ""
+
+
 class PathChoice(NamedTuple):
-    path: str  # PATH_GRPC | PATH_IPC
-    reason: str  # why gRPC: one of FALLBACK_REASONS ("" for cuda-ipc), a metrics label
+    path: str  # PATH_GRPC | PATH_IPC | PATH_NIXL
+    reason: str  # why gRPC: one of FALLBACK_REASONS ("" for a by-reference path), a metrics label
     detail: str = ""  # the same for a log line
 
 
-# Every reason a transfer takes gRPC although IPC was possible in principle (bounded metrics labels).
+# Every reason a transfer takes gRPC although IPC or NIXL was possible in principle (bounded metrics labels).
 FALLBACK_REASONS = ("kv_transfer_grpc", "no_mode", "host_unknown", "different_hosts", "not_cuda", "no_share",
-                    "share_failed", "open_failed", "share_changed")
+                    "share_failed", "open_failed", "share_changed", "nixl_unavailable")
 
 
 def select_path(mine: common_pb2.TransferEndpoint, theirs: common_pb2.TransferEndpoint,
@@ -106,6 +123,8 @@ def select_path(mine: common_pb2.TransferEndpoint, theirs: common_pb2.TransferEn
             return PathChoice(PATH_GRPC, "kv_transfer_grpc", f"{who} has --kv-transfer grpc")
         if ep.kv_transfer not in TRANSFER_MODES:  # "" from a peer that predates the handshake
             return PathChoice(PATH_GRPC, "no_mode", f"{who} states no transfer mode")
+    if mine.kv_transfer == theirs.kv_transfer == PATH_NIXL:  # asked for on both ends: no host or device condition
+        return PathChoice(PATH_NIXL, "")
     if not mine.boot_id or not theirs.boot_id:
         return PathChoice(PATH_GRPC, "host_unknown", "a boot id is unknown: cannot tell whether both run on one host")
     if mine.boot_id != theirs.boot_id:
@@ -126,38 +145,39 @@ class TransferMetrics:
 
     ``nvfp4_<role>_kv_transfer_path_total{path}``        transfers by the path they took
     ``nvfp4_<role>_kv_transfer_grpc_reasons_total{reason}`` why each gRPC transfer did not take cuda-ipc
-                                                          (one of FALLBACK_REASONS)
+                                                          or nixl (one of FALLBACK_REASONS)
     ``nvfp4_<role>_kv_transfer_wait_seconds_total``      decode: pull start -> transfer header (prefill
                                                           queueing and compute); the transfer itself is
                                                           ``..._kv_transfer_seconds`` (header -> last page in)
     ``nvfp4_<role>_kv_transfer_copy_seconds_total`` decode: time the pool writes of transfers ran (pages
                                                           stream while the prefill computes, so the
                                                           transfer's own duration says little of its rate)
-    ``nvfp4_<role>_kv_holds_total{outcome}``              prefill, cuda-ipc: how the hold on source pages ended
+    ``nvfp4_<role>_kv_holds_total{outcome}``              prefill, cuda-ipc and nixl: how the hold on source pages ended
                                                           (released | stream_ended | expired)
     """
 
     def __init__(self, metrics: ServiceMetrics):
         r, p = metrics.registry, f"nvfp4_{metrics.role}"
         self.path = Counter(f"{p}_kv_transfer_path", "KV transfers by path", ["path"], registry=r)
-        self.grpc_reasons = Counter(f"{p}_kv_transfer_grpc_reasons", "why a KV transfer took gRPC, not cuda-ipc",
+        self.grpc_reasons = Counter(f"{p}_kv_transfer_grpc_reasons", "why a KV transfer took gRPC, not cuda-ipc or nixl",
                                     ["reason"], registry=r)
         self.wait_seconds = Counter(f"{p}_kv_transfer_wait_seconds",
                                     "pull start to transfer header (prefill queueing and compute)", registry=r)
         self.copy_seconds = Counter(f"{p}_kv_transfer_copy_seconds",
                                     "time spent writing received pages into the pool (copy rate = bytes / this)",
                                     registry=r)
-        self.holds = Counter(f"{p}_kv_holds", "cuda-ipc holds on prefill source pages by outcome", ["outcome"],
+        self.holds = Counter(f"{p}_kv_holds", "by-reference holds on prefill source pages by outcome", ["outcome"],
                              registry=r)
         self._warned: set[tuple[str, str]] = set()
 
-    def count(self, peer: str, choice: PathChoice, wanted_ipc: bool) -> None:
-        """Count one transfer's path (and why gRPC); warn, once per peer and reason, when a transfer takes gRPC
-        although this end asked for cuda-ipc."""
+    def count(self, peer: str, choice: PathChoice, wanted: str) -> None:
+        """Count one transfer's path (and why gRPC); warn, once per peer and reason, when a transfer takes
+        another path than ``wanted`` (the path this end's mode asked for, "" for none)."""
         self.path.labels(choice.path).inc()
-        if choice.path == PATH_IPC:
-            return
-        self.grpc_reasons.labels(choice.reason).inc()
-        if wanted_ipc and (peer, choice.reason) not in self._warned:
+        if choice.path == PATH_GRPC:
+            self.grpc_reasons.labels(choice.reason).inc()
+        if wanted and choice.path != wanted and (peer, choice.reason) not in self._warned:
             self._warned.add((peer, choice.reason))
-            log.warning("KV transfer with %s falls back to gRPC: %s", peer, choice.detail or choice.reason)
+            taken = "gRPC" if choice.path == PATH_GRPC else choice.path
+            log.warning("KV transfer with %s falls back to %s: %s", peer, taken,
+                        choice.detail or choice.reason or f"the peer does not ask for {wanted}")

@@ -122,7 +122,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "least this far apart while prompts are pulled, so the prefill computes at nearly full "
                         "speed (inter-token latency then sits near this value; 0: off)")
     p.add_argument("--kv-transfer", default="auto", choices=TRANSFER_MODES,
-                   help="passed to the prefill and decode services: how KV pages travel between them")
+                   help="passed to the prefill and decode services: how KV pages travel between them (auto, grpc, "
+                        "cuda-ipc, or nixl: NIXL over UCX, needs the nixl extra)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on the API (or ${API_KEY_ENV}); also the service "
                         f"token of every gRPC link unless --service-token is given")

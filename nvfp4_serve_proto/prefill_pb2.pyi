@@ -104,23 +104,31 @@ class KVShareRequest(_message.Message):
     def __init__(self, endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ...) -> None: ...
 
 class KVShare(_message.Message):
-    __slots__ = ("endpoint", "share_id", "layout", "num_pages", "tensors", "error")
+    __slots__ = ("endpoint", "share_id", "layout", "num_pages", "tensors", "error", "nixl_metadata", "nixl_agent", "nixl_mem_type", "nixl_device_id")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     SHARE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
+    NIXL_AGENT_FIELD_NUMBER: _ClassVar[int]
+    NIXL_MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NIXL_DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     endpoint: _common_pb2.TransferEndpoint
     share_id: str
     layout: _common_pb2.KVLayout
     num_pages: int
     tensors: _containers.RepeatedCompositeFieldContainer[SharedTensor]
     error: str
-    def __init__(self, endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., share_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_pages: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[SharedTensor, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+    nixl_metadata: bytes
+    nixl_agent: str
+    nixl_mem_type: str
+    nixl_device_id: int
+    def __init__(self, endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., share_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_pages: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[SharedTensor, _Mapping]]] = ..., error: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., nixl_agent: _Optional[str] = ..., nixl_mem_type: _Optional[str] = ..., nixl_device_id: _Optional[int] = ...) -> None: ...
 
 class SharedTensor(_message.Message):
-    __slots__ = ("layer", "part", "dtype", "shape", "stride", "storage_offset", "ipc_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    __slots__ = ("layer", "part", "dtype", "shape", "stride", "storage_offset", "ipc_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "address", "num_bytes")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +142,8 @@ class SharedTensor(_message.Message):
     REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     layer: int
     part: str
     dtype: str
@@ -147,7 +157,9 @@ class SharedTensor(_message.Message):
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
-    def __init__(self, layer: _Optional[int] = ..., part: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., storage_offset: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+    address: int
+    num_bytes: int
+    def __init__(self, layer: _Optional[int] = ..., part: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., storage_offset: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., address: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class ReleaseTransferRequest(_message.Message):
     __slots__ = ("transfer_id",)

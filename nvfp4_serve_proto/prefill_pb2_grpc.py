@@ -87,14 +87,16 @@ class PrefillServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetKVShare(self, request, context):
-        """cuda-ipc path: CUDA IPC handles of this process's pool tensors (a decode opens them once per prefill).
+        """cuda-ipc path: CUDA IPC handles of this process's pool tensors; nixl path: this process's NIXL agent
+        metadata and the pool tensors' registered addresses (a decode opens either once per prefill process).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseTransfer(self, request, context):
-        """cuda-ipc path: the decode has copied every page of a transfer; the prefill may free its source pages.
+        """cuda-ipc and nixl paths: the decode has copied every page of a transfer; the prefill may free its source
+        pages.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -20,7 +20,7 @@ class PrefillConfig:
     max_message_bytes: int = 16 * 1024 * 1024  # every KV message stays under this (minus a header margin)
     metrics_port: int | None = None
     tls: TLSConfig = field(default_factory=TLSConfig)
-    kv_transfer: str = "auto"  # nvfp4_serve/kv_transfer.py: auto | grpc | cuda-ipc
+    kv_transfer: str = "auto"  # nvfp4_serve/kv_transfer.py: auto | grpc | cuda-ipc | nixl
     kv_hold_timeout_s: float = 60.0  # cuda-ipc: source pages are freed this long after the last page message
     # grpc path: bytes of page data per message (capped by max_message_bytes). Every message holds at least
     # one page of one layer. 4 MiB: each message costs both ends Python work under the GIL (framing, checks,
@@ -51,7 +51,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer", default=PrefillConfig.kv_transfer, choices=TRANSFER_MODES,
                    help="how KV pages reach the decode: auto (CUDA IPC when both ends share a host and both pools "
                         "are on CUDA, else gRPC), grpc (always bytes over gRPC), cuda-ipc (as auto, and warn when "
-                        "a transfer falls back to gRPC)")
+                        "a transfer falls back to gRPC), nixl (NIXL over UCX reads the pages: any hosts, CPU "
+                        "pools too; chosen only when both ends say nixl, else as auto with a warning)")
     p.add_argument("--kv-hold-timeout", type=float, default=PrefillConfig.kv_hold_timeout_s,
                    help="cuda-ipc: seconds after the last page message at which the source pages are freed even if "
                         "the decode has not released them")

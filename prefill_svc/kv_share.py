@@ -1,7 +1,8 @@
-"""The prefill's side of the cuda-ipc path: its endpoint, its pool's IPC share, the path choice per
-request, and the holds that keep source pages alive until the decode has copied them.
+"""The prefill's side of the by-reference paths (cuda-ipc, nixl): its endpoint, its pool's share (CUDA IPC
+handles, or NIXL agent metadata and registered addresses), the path choice per request, and the holds that
+keep source pages alive until the decode has copied them.
 
-Hold lifecycle (one per cuda-ipc transfer; every transition on the service's event loop):
+Hold lifecycle (one per cuda-ipc or nixl transfer; every transition on the service's event loop):
 
     open (before the header) --ReleaseTransfer(transfer_id)--> released  -> the stream ends OK
                              --stream cancelled / broken-----> stream_ended
@@ -28,23 +29,33 @@ from nvfp4_serve.errors import TransferTimeout
 from nvfp4_serve.kv_transfer import (
     PATH_GRPC,
     PATH_IPC,
+    PATH_NIXL,
     PathChoice,
     TransferMetrics,
     describe,
     local_endpoint,
     select_path,
+    wanted_path,
 )
 from nvfp4_serve.kv_transfer_ipc import export_share, pool_rows
+from nvfp4_serve.kv_transfer_nixl import NixlAgent, export_nixl_share
 from nvfp4_serve_proto import common_pb2, prefill_pb2
 
 log = logging.getLogger(__name__)
 
 Exporter = Callable[[KVPool], list[prefill_pb2.SharedTensor]]
+NixlExporter = Callable[[KVPool, str], tuple[NixlAgent, prefill_pb2.KVShare]]
+
+
+def export_nixl(pool: KVPool, name: str) -> tuple[NixlAgent, prefill_pb2.KVShare]:
+    """This process's NIXL agent ``name`` with ``pool`` registered, and the nixl fields of its share."""
+    agent = NixlAgent(name, pool)
+    return agent, export_nixl_share(pool, agent)
 
 
 @dataclass
 class Hold:
-    """One cuda-ipc transfer's hold on its source pages."""
+    """One by-reference (cuda-ipc or nixl) transfer's hold on its source pages."""
 
     transfer_id: str  # random and unguessable: only the decode that got the header can release it
     timeout_s: float
@@ -106,13 +117,14 @@ class TransferHolds:
 
 
 class KVShareSource:
-    """What this prefill offers the cuda-ipc path. The pool is exported lazily on the first GetKVShare
-    (once per process); ``share_id`` names this process's share so that a decode holding a share of an
+    """What this prefill offers the by-reference paths. The pool is exported lazily, per path, on the first
+    GetKVShare that path is chosen for (once per process: CUDA IPC handles, or a NIXL agent with every pool
+    tensor registered); ``share_id`` names this process's shares so that a decode holding a share of an
     earlier process on the same address is told to fetch the new one."""
 
     def __init__(self, pool: KVPool, layout: common_pb2.KVLayout, mode: str, hold_timeout_s: float,
                  metrics: TransferMetrics, endpoint: common_pb2.TransferEndpoint | None = None,
-                 exporter: Exporter = export_share):
+                 exporter: Exporter = export_share, nixl_exporter: NixlExporter = export_nixl):
         self.pool = pool
         self.layout = layout
         self.mode = mode
@@ -120,49 +132,60 @@ class KVShareSource:
         self.metrics = metrics
         self.endpoint = endpoint if endpoint is not None else local_endpoint(pool.device, mode)
         self.holds = TransferHolds()
-        self._exporter = exporter
+        self._exporters = {PATH_IPC: self._export_ipc, PATH_NIXL: self._export_nixl}
+        self._exporter, self._nixl_exporter = exporter, nixl_exporter
         self._share_id = uuid.uuid4().hex
-        self._share: prefill_pb2.KVShare | None = None  # exported (or failed, with .error), once
+        self._shares: dict[str, prefill_pb2.KVShare] = {}  # path -> exported (or failed, with .error), once
+        self.nixl_agent: NixlAgent | None = None  # lives as long as the process: decodes read through it
         self._lock = asyncio.Lock()
         log.info("KV transfer endpoint of this prefill: %s", describe(self.endpoint))
 
-    @property
-    def exported(self) -> bool:
-        return self._share is not None and not self._share.error
+    def exported(self, path: str) -> bool:
+        """The pool is shared for ``path`` (PATH_IPC or PATH_NIXL)."""
+        share = self._shares.get(path)
+        return share is not None and not share.error
 
     @property
     def share_id(self) -> str:
-        """This process's share id once its pool was exported, else ""."""
-        return self._share_id if self.exported else ""
+        """This process's share id once its pool was exported for any path, else ""."""
+        return self._share_id if any(not s.error for s in self._shares.values()) else ""
 
     async def kv_share(self, request: prefill_pb2.KVShareRequest) -> prefill_pb2.KVShare:
-        """The answer to GetKVShare: the handles, or an ``error`` saying why there are none (handles go only to
-        a caller that states an endpoint with which the path rule allows cuda-ipc)."""
+        """The answer to GetKVShare: the share of the path the rule chooses with the caller's endpoint, or an
+        ``error`` saying why there is none (shares go only to a caller with which cuda-ipc or nixl is chosen)."""
         choice = select_path(self.endpoint, request.endpoint, "prefill", "caller")
         if choice.path == PATH_GRPC:
             return prefill_pb2.KVShare(endpoint=self.endpoint, layout=self.layout, error=choice.detail)
         async with self._lock:
-            if self._share is None:
+            if choice.path not in self._shares:
                 try:
-                    tensors = await asyncio.to_thread(self._exporter, self.pool)
-                    self._share = prefill_pb2.KVShare(endpoint=self.endpoint, share_id=self._share_id,
-                                                      layout=self.layout, num_pages=pool_rows(self.pool),
-                                                      tensors=tensors)
-                    log.info("KV pool shared for cuda-ipc transfers (%d tensors, share %s)", len(tensors),
-                             self._share_id[:8])
+                    share = await asyncio.to_thread(self._exporters[choice.path])
+                    share.MergeFrom(prefill_pb2.KVShare(endpoint=self.endpoint, share_id=self._share_id,
+                                                        layout=self.layout))
+                    self._shares[choice.path] = share
+                    log.info("KV pool shared for %s transfers (%d tensors, share %s)", choice.path,
+                             len(share.tensors), self._share_id[:8])
                 except Exception as e:  # noqa: BLE001 - any failure means "no share": decodes use gRPC
-                    log.warning("cannot share the KV pool through CUDA IPC (transfers use gRPC): %s: %s",
+                    log.warning("cannot share the KV pool for %s (transfers use gRPC): %s: %s", choice.path,
                                 type(e).__name__, e)
-                    self._share = prefill_pb2.KVShare(endpoint=self.endpoint, layout=self.layout,
-                                                      error=f"prefill cannot share its pool: {type(e).__name__}: {e}")
-        return self._share
+                    self._shares[choice.path] = prefill_pb2.KVShare(
+                        endpoint=self.endpoint, layout=self.layout,
+                        error=f"prefill cannot share its pool for {choice.path}: {type(e).__name__}: {e}")
+        return self._shares[choice.path]
+
+    def _export_ipc(self) -> prefill_pb2.KVShare:
+        return prefill_pb2.KVShare(num_pages=pool_rows(self.pool), tensors=self._exporter(self.pool))
+
+    def _export_nixl(self) -> prefill_pb2.KVShare:
+        self.nixl_agent, share = self._nixl_exporter(self.pool, f"prefill-{self._share_id}")
+        return share
 
     def choose(self, request: prefill_pb2.PrefillRequest) -> PathChoice:
-        """The path of one request's transfer; counted in the metrics (warns when cuda-ipc was asked for
-        on this end and gRPC is taken)."""
+        """The path of one request's transfer; counted in the metrics (warns when cuda-ipc or nixl was asked
+        for on this end and another path is taken)."""
         choice = self._choose(request)
         peer = f"decode {request.transfer.endpoint.hostname or '?'} {request.transfer.endpoint.device or '?'}"
-        self.metrics.count(peer, choice, wanted_ipc=self.mode == "cuda-ipc")
+        self.metrics.count(peer, choice, wanted=wanted_path(self.mode))
         return choice
 
     def _choose(self, request: prefill_pb2.PrefillRequest) -> PathChoice:
@@ -174,8 +197,8 @@ class KVShareSource:
             return choice
         if not offer.ipc_share_id:
             return PathChoice(PATH_GRPC, "no_share", "the decode has not opened this prefill's pool")
-        if not self.exported:
-            return PathChoice(PATH_GRPC, "share_failed", "this prefill's pool is not shared")
+        if not self.exported(choice.path):
+            return PathChoice(PATH_GRPC, "share_failed", f"this prefill's pool is not shared for {choice.path}")
         if offer.ipc_share_id != self._share_id:
             return PathChoice(PATH_GRPC, "share_changed", "the decode holds the share of an earlier prefill process")
-        return PathChoice(PATH_IPC, "")
+        return choice

@@ -7,7 +7,7 @@ The header states the path (``prefill_svc/kv_share.py`` chooses it per request):
 
     grpc      KVPageRun messages carry the pages' bytes;
     cuda-ipc  KVPageRefs messages name the source pages, which the decode copies out of this process's
-              pool; each chunk's pool writes are complete before a message names its pages, and the pages
+    nixl      pool (CUDA IPC) or reads with NIXL (this process's registered pool); each chunk's pool writes are complete before a message names its pages, and the pages
               stay held until ReleaseTransfer, the end of the stream, or the hold deadline.
 
 So TTFT is the prompt's compute plus the last chunk's transfer, not compute plus the whole transfer.
@@ -27,7 +27,7 @@ from engine.request import PrefillProgress, Request, StepOutput
 from nvfp4_serve.convert import check_token_ids, sampling_from_proto
 from nvfp4_serve.errors import InvalidRequest, check_request_id, engine_error
 from nvfp4_serve.kv_copy import PageExporter
-from nvfp4_serve.kv_transfer import PATH_IPC, TRANSFER_MODES, TransferMetrics
+from nvfp4_serve.kv_transfer import PATH_NIXL, TRANSFER_MODES, TransferMetrics, by_reference
 from nvfp4_serve.layout import check_layout, layout_of
 from nvfp4_serve.metrics import ServiceMetrics
 from nvfp4_serve_proto import prefill_pb2
@@ -144,7 +144,7 @@ class _Stream:
               ``_MESSAGES_PER_EXPORT`` runs of a layer gathered on a side stream after the chunk's fence, copied
               to pinned host memory at once, each framed without protobuf copies);
     cuda-ipc  each layer's source page ids, once the chunk's writes are complete (the decode copies them
-              out of this pool); the hold keeps the pages until ReleaseTransfer, the stream's end, or
+    nixl      out of this pool); the hold keeps the pages until ReleaseTransfer, the stream's end, or
               ``hold_timeout_s`` after the last message.
     """
 
@@ -154,6 +154,7 @@ class _Stream:
         self.first_page, self.num_pages = first_page, num_pages
         self.started = False
         self.hold: Hold | None = None
+        self.serving = False  # nixl: this process's agent serves the decode's READs until close()
         self.path = ""
         self.num_bytes = 0
         self.t_header = 0.0
@@ -166,9 +167,12 @@ class _Stream:
             layout=w.layout, num_tokens=len(self.request.token_ids), prefix_len=self.request.prefix_len,
             first_page=self.first_page, num_pages=self.num_pages, path=choice.path, endpoint=w.share.endpoint,
             share_id=w.share.share_id)
-        if choice.path == PATH_IPC:
+        if by_reference(choice.path):
             self.hold = w.share.holds.open(w.share.hold_timeout_s)
             header.transfer_id, header.hold_timeout_s = self.hold.transfer_id, self.hold.timeout_s
+        if choice.path == PATH_NIXL:
+            w.share.nixl_agent.serve_begin()
+            self.serving = True
         self.started, self.t_header = True, time.perf_counter()
         return prefill_pb2.PrefillMessage(request_id=self.rid, header=header)
 
@@ -176,7 +180,7 @@ class _Stream:
                     ) -> AsyncIterator[prefill_pb2.PrefillMessage | bytes]:
         """Messages for sequence pages [first, first + len(page_ids)), every layer, in layer order."""
         w = self.w
-        if self.path == PATH_IPC:
+        if by_reference(self.path):
             if fence is not None:
                 await asyncio.to_thread(fence.wait)  # every page is written before any message names it
             for layer in range(w.layout.num_layers):
@@ -213,12 +217,14 @@ class _Stream:
                 ahead.cancel()  # an export already running ends on its thread; its bytes are dropped
 
     async def finish(self) -> None:
-        """After PrefillDone: cuda-ipc waits for the decode's release (or the hold's deadline)."""
+        """After PrefillDone: cuda-ipc and nixl wait for the decode's release (or the hold's deadline)."""
         if self.hold is not None:
             await self.hold.wait_released()
         self.w.metrics.observe_transfer(self.num_bytes, time.perf_counter() - self.t_header,
                                         len(self.request.token_ids) - self.request.prefix_len)
 
     def close(self) -> None:
+        if self.serving:
+            self.w.share.nixl_agent.serve_end()
         if self.hold is not None:
             self.w.transfer_metrics.holds.labels(self.w.share.holds.close(self.hold)).inc()

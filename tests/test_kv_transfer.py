@@ -88,10 +88,10 @@ def test_metrics_count_each_path_and_why_grpc_and_warn_once_when_ipc_was_asked_f
     ipc = select_path(ep(), ep(), "decode", "prefill")
     far = select_path(ep(mode="cuda-ipc"), ep(boot="other"), "decode", "prefill")
     with caplog.at_level("WARNING"):
-        tm.count("prefill a:1", ipc, wanted_ipc=True)
+        tm.count("prefill a:1", ipc, wanted=PATH_IPC)
         for _ in range(3):
-            tm.count("prefill a:1", far, wanted_ipc=True)
-        tm.count("prefill b:1", select_path(ep(device="cpu"), ep(), "decode", "prefill"), wanted_ipc=False)
+            tm.count("prefill a:1", far, wanted=PATH_IPC)
+        tm.count("prefill b:1", select_path(ep(device="cpu"), ep(), "decode", "prefill"), wanted="")
     text = m.text()
     assert 'nvfp4_decode_kv_transfer_path_total{path="cuda-ipc"} 1.0' in text
     assert 'nvfp4_decode_kv_transfer_path_total{path="grpc"} 4.0' in text
