@@ -46,7 +46,8 @@ class LoadReporter:
             pool_pages_total=s.allocator.num_pages, pool_pages_free=s.allocator.num_free,
             pool_pages_cached=cached, pool_pages_in_use=s.allocator.num_pages - s.allocator.num_free - cached,
             page_size=s.page_size, max_total_tokens=s.allocator.num_pages * s.page_size, layout=self.layout,
-            model_path=self.loop.engine.config.model_dir, host_cache=_host_cache(host))
+            model_path=self.loop.engine.config.model_dir, host_cache=_host_cache(host),
+            attention_backend=self.loop.engine.backend.name)
         return self._last
 
     async def load(self) -> common_pb2.WorkerLoad:
