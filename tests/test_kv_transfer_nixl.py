@@ -310,3 +310,21 @@ def test_a_nixl_transfer_cancelled_mid_stream_frees_every_page_on_both_sides(tin
     assert metric(ptext, 'nvfp4_prefill_kv_holds_total{outcome="stream_ended"}') == 1
     assert metric(dtext, 'nvfp4_decode_kv_transfer_path_total{path="nixl"}') == 2
     assert rep.ok and rep.num_in_use == 0
+
+
+def test_the_transfer_benchmark_runs_the_nixl_path_beside_grpc(tiny_model_dir, tmp_path):
+    import json
+
+    from benchmarks.transfer.bench_transfer import main
+
+    out_json = tmp_path / "transfer.json"
+    rc = main(["--model", tiny_model_dir, "--device", "cpu", "--dtype", "float32", "--lengths", "72",
+               "--paths", "grpc", "nixl", "--kv-dtypes", "nvfp4", "--decode-tokens", "3", "--warmup-len", "8",
+               "--page-size", "4", "--anchor-bytes", str(8 << 20), "--log-dir", str(tmp_path / "logs"),
+               "--out-json", str(out_json), "--out-md", str(tmp_path / "transfer.md")])
+    assert rc == 0
+    rows = {r["path"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert rows["nixl"]["path_used"] == rows["nixl"]["ready_path_used"] == "nixl"
+    assert rows["grpc"]["path_used"] == "grpc"  # the prefill's --kv-transfer nixl leaves a grpc decode on grpc
+    assert rows["nixl"]["transfer_bytes"] == rows["grpc"]["transfer_bytes"] > 0
+    assert rows["nixl"]["anchor_gbps"] > 0 and rows["nixl"]["of_anchor"] > 0

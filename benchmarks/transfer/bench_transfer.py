@@ -1,10 +1,11 @@
 """KV transfer benchmark: gRPC bytes vs CUDA IPC, nvfp4 vs fp8_e4m3, long prompts, each path against its anchor.
 
     python -m benchmarks.transfer.bench_transfer [--prefill-gpu 0 --decode-gpu 0] [--lengths 32768 163840]
-        [--model DIR [--num-layers N]] [--paths grpc cuda-ipc] [--kv-dtypes nvfp4 fp8_e4m3]
+        [--model DIR [--num-layers N]] [--paths grpc cuda-ipc [nixl]] [--kv-dtypes nvfp4 fp8_e4m3]
 
 For each KV dtype it starts one prefill service and one decode service per path (``--kv-transfer grpc`` and
-``--kv-transfer cuda-ipc``), all at once, on the given GPUs (one GPU works: two processes on one GPU still
+``--kv-transfer cuda-ipc``; ``nixl`` too when asked for: the prefills then run ``--kv-transfer nixl``, which
+the grpc and cuda-ipc decodes meet under their own rules), all at once, on the given GPUs (one GPU works: two processes on one GPU still
 use CUDA IPC). Then, one request at a time on idle services, a unique random prompt per (dtype, length, path)
 goes through Decode.Generate, and it records: TTFT (client), prefill compute (the prefill's own time), the
 transfer (the decode's time from header to last page in, copies complete; pages stream while the prefill
@@ -42,7 +43,8 @@ from benchmarks.transfer.report import GOAL_RATIO, anchor_table, ratio_table, su
 from benchmarks.transfer.services import Service, delta, flush_decode_cache, metrics, spawn, wait_ready
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
 
-PATHS = ("grpc", "cuda-ipc")
+PATHS = ("grpc", "cuda-ipc", "nixl")
+DEFAULT_PATHS = ("grpc", "cuda-ipc")  # nixl needs the optional nixl extra on both ends
 KV_DTYPES = ("nvfp4", "fp8_e4m3")
 MODEL_SHAPE = {"arch": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_heads": 32,
                "num_kv_heads": 8, "head_dim": 128, "vocab_size": 4096, "rope_theta": 1e6,
@@ -59,7 +61,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=None, help="passed to the services (serve the first N)")
     p.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES)
     p.add_argument("--lengths", nargs="+", type=int, default=[32768, 163840], help="prompt lengths (tokens)")
-    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    p.add_argument("--paths", nargs="+", default=list(DEFAULT_PATHS), choices=PATHS)
     p.add_argument("--prefill-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the prefill services")
     p.add_argument("--decode-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the decode services")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the script")
@@ -122,7 +124,8 @@ def start_services(a: argparse.Namespace, model: Path, log_dir: Path) -> dict[st
             commons[kv] = common
             started[kv] = {"prefill": spawn(f"prefill-{kv}", "prefill_svc",
                                             [*common, "--kv-hold-timeout", "300",
-                                             "--kv-message-bytes", str(a.message_bytes)],
+                                             "--kv-message-bytes", str(a.message_bytes),
+                                             *(["--kv-transfer", "nixl"] if "nixl" in a.paths else [])],
                                             log_dir, a.prefill_gpu if a.device == "cuda" else None)}
             every.append(started[kv]["prefill"])
         wait_ready(every, a.startup_timeout)

@@ -90,7 +90,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "stream while the prefill computes, so the first transfer's time includes compute after the first chunk; "
         "the ready columns are the same prompt again with every page ready at once: the path's own speed "
         "(header to last page, every write complete), against its anchor from this run (raw grpcio on one "
-        "channel for grpc, one device gather for cuda-ipc); ready copy GB/s counts only the decode's pool "
+        "channel for grpc and nixl, one device gather for cuda-ipc); ready copy GB/s counts only the decode's pool "
         "writes."), "",
         table(doc["rows"]), "", "## Anchors (same run)", "", anchor_table(doc.get("anchors", {})), "",
         f"## nvfp4 / fp8 transfer share (goal: <= {GOAL_RATIO}x on either path)", "",
