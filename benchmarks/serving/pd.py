@@ -141,7 +141,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             record["exit_code"] = deployment.stop()
             record["wall_s"] = round(time.perf_counter() - t0, 1)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=1))
+        out.write_text(json.dumps(doc, separators=(",", ":")) + "\n")  # compact: per-request records
     return doc
 
 

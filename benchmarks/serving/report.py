@@ -92,7 +92,7 @@ def write_json(doc: dict[str, Any], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    tmp.write_text(json.dumps(doc, separators=(",", ":"), allow_nan=False) + "\n")  # compact: per-request records
     os.replace(tmp, path)
 
 
