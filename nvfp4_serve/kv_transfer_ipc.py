@@ -1,16 +1,16 @@
-"""The cuda-ipc transfer path's tensor side: share a prefill's pool tensors once, open them in a decode
-process, copy pages device to device, and fence the copies.
+"""The cuda-ipc transfer path's tensor side: share a prefill's pool tensors once and open them in a decode
+process; the copies themselves are ``nvfp4_serve.kv_copy.PageImporter.copy_from``.
 
     prefill process                                   decode process
     export_share(pool)  --KVShare (gRPC, once)-->      open_share(share, pool) -> PoolView (cached per prefill)
-    pool writes; Fence.wait()  --KVPageRefs-->         copy_pages(pool, view, layer, src, dst) on the engine thread
-                               <--ReleaseTransfer--    Fence.wait() after the last copy
+    pool writes; Fence.wait()  --KVPageRefs-->         PageImporter.copy_from(view parts, ...) on writer threads
+                               <--ReleaseTransfer--    once every copy is complete (PageImporter.finish)
 
 Handles are torch's own CUDA IPC (``UntypedStorage._share_cuda_`` / ``rebuild_cuda_tensor``, what
 ``torch.multiprocessing`` sends between processes), serialized field by field into ``SharedTensor``
 (never pickled: a KVShare is data, not code). The decode opens every handle on ITS OWN device: the
 memory is mapped into that device's address space (peer access across GPUs is enabled lazily by
-CUDA), so copies are ordinary kernels on the decode's engine stream.
+CUDA), so copies are ordinary kernels on the decode's side stream.
 
 ``PoolView`` is the only thing the copy reads, so CPU tests hand it a view of an in-process pool
 (``pool_view``) and exercise everything but the handles themselves.
@@ -19,7 +19,6 @@ CUDA), so copies are ordinary kernels on the decode's engine stream.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,9 +30,6 @@ from nvfp4_serve_proto import prefill_pb2
 
 PARTS = ("k", "k_sf", "v", "v_sf")
 _DTYPES = {"uint8": torch.uint8, "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
-_MAX_GATHER_BYTES = 256 << 20  # a scattered copy gathers at most this much into a temporary at once
-_MAX_SLICE_RUNS = 16  # up to this many runs of consecutive pages are copied run by run (the allocator hands
-#                       out the smallest free ids in order, so a fresh request's pages are mostly one run)
 
 
 @dataclass(frozen=True)
@@ -121,50 +117,6 @@ def open_share(share: prefill_pb2.KVShare, pool: KVPool) -> PoolView:
             _DTYPES[st.dtype], index, st.ipc_handle, st.storage_size_bytes, st.storage_offset_bytes, False,
             st.ref_counter_handle, st.ref_counter_offset, st.event_handle, st.event_sync_required)
     return PoolView(int(share.num_pages), tuple(layers))
-
-
-def copy_pages(dst: KVPool, src: PoolView, layer: int, src_pages: Sequence[int], dst_pages: Sequence[int]) -> int:
-    """MUTATES ``dst``: pages ``dst_pages`` of ``layer`` become copies of ``src`` pages ``src_pages``
-    (K, V and nvfp4 block scales), issued on the current stream of ``dst``'s device. Returns bytes copied.
-
-    Validates everything first (ValueError): equal counts, ids inside each pool, no destination page twice,
-    the same page shape and dtype on both sides."""
-    if len(src_pages) != len(dst_pages):
-        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
-    if not 0 <= layer < dst.num_layers or layer >= len(src.layers):
-        raise ValueError(f"layer {layer} outside the pools ({dst.num_layers} layers)")
-    for name, ids, n in (("source", src_pages, src.num_pages), ("destination", dst_pages, dst.num_pages)):
-        bad = [p for p in ids if not 0 <= p < n]
-        if bad:
-            raise ValueError(f"{name} page ids {bad[:8]} outside its pool (0..{n - 1})")
-    if len(set(dst_pages)) != len(dst_pages):
-        raise ValueError(f"destination pages repeat: {list(dst_pages)[:16]}")
-    n = len(src_pages)
-    if n == 0:
-        return 0
-    runs = page_runs([int(p) for p in src_pages], [int(p) for p in dst_pages])
-    idx_src = idx_dst = None
-    if len(runs) > _MAX_SLICE_RUNS:
-        idx_src = torch.tensor([int(p) for p in src_pages], dtype=torch.int64, device=dst.device)
-        idx_dst = torch.tensor([int(p) for p in dst_pages], dtype=torch.int64, device=dst.device)
-    pairs = []
-    for part, d in _layer_parts(dst, layer).items():
-        s = src.layers[layer].get(part)
-        if s is None or s.shape[1:] != d.shape[1:] or s.dtype != d.dtype:
-            raise ValueError(f"layer {layer} part {part!r}: source {None if s is None else tuple(s.shape)} does not "
-                             f"match destination {tuple(d.shape)} {d.dtype}")
-        pairs.append((d.view(d.shape[0], -1).view(torch.uint8), s.view(s.shape[0], -1).view(torch.uint8)))
-    copied = 0
-    for d8, s8 in pairs:  # byte rows of one page each
-        if idx_src is None:  # few runs of consecutive pages on both sides: plain copies, no temporary
-            for s0, d0, m in runs:
-                d8[d0:d0 + m].copy_(s8[s0:s0 + m])
-        else:
-            step = max(1, _MAX_GATHER_BYTES // d8.shape[1])
-            for i in range(0, n, step):
-                d8.index_copy_(0, idx_dst[i:i + step], s8.index_select(0, idx_src[i:i + step]))
-        copied += n * d8.shape[1]
-    return copied
 
 
 def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
