@@ -225,8 +225,9 @@ def up(argv: list[str] | None = None) -> int:
         raise SystemExit("--num-decode must be >= 1")
     if a.num_prefill < 0:
         raise SystemExit("--num-prefill must be >= 0")
-    if a.shared_gpu_decode_interval_ms < 0:
-        raise SystemExit("--shared-gpu-decode-interval-ms must be >= 0 (0: decode steps are never paced)")
+    if not 0 <= a.shared_gpu_decode_interval_ms <= 1000:
+        raise SystemExit(f"nvfp4-serve up: --shared-gpu-decode-interval-ms must be in [0, 1000] (0: decode steps are never paced), "
+                         f"got {a.shared_gpu_decode_interval_ms:g}")
     if a.num_prefill == 0 and a.prefill_gpus is not None:
         raise SystemExit("--prefill-gpus places the prefill service, but --num-prefill 0 starts none: drop one")
     try:

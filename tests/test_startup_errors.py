@@ -113,6 +113,12 @@ def test_up_checks_every_engine_flag_before_it_starts_a_service(tiny_model_dir, 
     assert "--max-total-tokens (8) must hold at least one page (16)" in line
 
 
+@pytest.mark.parametrize("value", ["-1", "1500"])
+def test_up_refuses_a_decode_interval_outside_0_to_1000_ms(tiny_model_dir, monkeypatch, value):
+    line = up_error("--model", tiny_model_dir, "--shared-gpu-decode-interval-ms", value, monkeypatch=monkeypatch)
+    assert "--shared-gpu-decode-interval-ms must be in [0, 1000]" in line and value in line
+
+
 def test_an_unbalanced_service_args_string_is_one_line(tiny_model_dir, monkeypatch):
     line = up_error("--model", tiny_model_dir, "--decode-args", "--between-tokens-timeout '300", monkeypatch=monkeypatch)
     assert "--decode-args" in line and "No closing quotation" in line and "one shell-quoted string" in line
@@ -169,6 +175,12 @@ def test_the_triton_nvfp4_kernels_need_a_power_of_two_head_dim_on_cuda(tiny_mode
     check_model(tiny_model_dir, "nvfp4", "cuda", "reference", None)
     with pytest.raises(ValueError, match=r"power of two >= 64 \(.* has 16\).*--attention-backend reference"):
         check_model(tiny_model_dir, "nvfp4", "cuda", "auto", None)
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton-block-select"])
+def test_a_triton_backend_on_the_cpu_is_refused_naming_the_cpu_backends(tiny_model_dir, backend):
+    with pytest.raises(ValueError, match=rf"--attention-backend {backend} runs CUDA kernels.*reference-block-select"):
+        check_model(tiny_model_dir, "nvfp4", "cpu", backend, None)
 
 
 # -- context length ----------------------------------------------------------------------------------
