@@ -81,7 +81,7 @@ class PageExporter:
         with _on(self.stream):
             if fence is not None:
                 fence.order(self.stream)
-            idx = torch.tensor(ids, dtype=torch.int64).pin_memory().to(self.pool.device, non_blocking=True)
+            idx = _device_ids(ids, self.pool.device)
             buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.pool.device)
             offset = 0
             for t, size in zip(tensors, sizes, strict=True):
