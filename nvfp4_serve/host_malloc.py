@@ -1,8 +1,8 @@
 """Large host buffers without page faults: the transfer path allocates a fresh ~1 MiB ``bytes`` per page
 message (gRPC hands each received message over as one, and each sent one is built as one). glibc serves
 blocks that large with ``mmap`` and unmaps them on free, so every message pays a page fault per 4 KiB
-touched: measured on the H200 host, a 1 MiB ``bytes`` copy runs at 1.5 GB/s where the memcpy alone runs
-at ~10 GB/s (``python -m benchmarks.transfer.profile_copy``).
+touched: measured on the H200 host, a 1 MiB ``bytes`` copy runs at 2.7-3.3 GB/s, and at 7.5-9.1 GB/s with
+the setting below (``python -m benchmarks.transfer.profile_copy``, docs/benchmarks/transfer_profile.json).
 
 ``keep_freed_blocks`` tells glibc to serve blocks up to ``max_block`` bytes from its heaps and to keep freed
 heap memory mapped, so a message buffer reuses the pages of the one freed before it. Process-wide, so
