@@ -6,10 +6,10 @@ import argparse
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from nvfp4_serve.engine_args import add_engine_args, engine_config_from_args
-from nvfp4_serve.kv_transfer import TRANSFER_MODES, check_address, check_mode
-from nvfp4_serve.service_main import add_server_args
-from nvfp4_serve.tls import TLSConfig, add_tls_args, tls_from_args
+from svc_common.engine_args import add_engine_args, engine_config_from_args
+from svc_common.kv_transfer import TRANSFER_MODES, check_address, check_mode
+from svc_common.service_main import add_server_args
+from svc_common.tls import TLSConfig, add_tls_args, tls_from_args
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class DecodeConfig:
     metrics_port: int | None = None
     timeouts: Timeouts = Timeouts()
     tls: TLSConfig = field(default_factory=TLSConfig)  # server side, and the client side of the pulls from prefill
-    kv_transfer: str = "auto"  # nvfp4_serve/kv_transfer.py: auto | grpc | cuda-ipc | nixl
+    kv_transfer: str = "auto"  # svc_common/kv_transfer.py: auto | grpc | cuda-ipc | nixl
     # The prefill services this decode may pull from (host:port, as the router names them); a request naming
     # any other address is refused: a caller alone never decides where KV pages come from.
     prefill_addresses: tuple[str, ...] = ()

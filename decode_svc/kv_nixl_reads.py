@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from nvfp4_serve.kv_copy import PageImporter
-from nvfp4_serve.kv_transfer_nixl import NixlAgent, NixlTransferError, NixlView, read_descs
+from svc_common.kv_copy import PageImporter
+from svc_common.kv_transfer_nixl import NixlAgent, NixlTransferError, NixlView, read_descs
 
 
 class NixlReads:

@@ -2,11 +2,11 @@
 allocated here, checking the handshake and every message, under a deadline per state.
 
 Pages stream while the prefill computes the prompt (after each chunk, the pages it completed). The header
-names the path (``nvfp4_serve/kv_transfer.py``); writes run on worker threads and a side CUDA stream
-(``nvfp4_serve/kv_copy.py``), never on the engine thread, so a transfer neither waits for decode steps
+names the path (``svc_common/kv_transfer.py``); writes run on worker threads and a side CUDA stream
+(``svc_common/kv_copy.py``), never on the engine thread, so a transfer neither waits for decode steps
 nor delays them:
 
-    grpc      KVPageRun bytes (zero-copy views, ``nvfp4_serve/kv_wire.py``) -> PageImporter.write
+    grpc      KVPageRun bytes (zero-copy views, ``svc_common/kv_wire.py``) -> PageImporter.write
     cuda-ipc  KVPageRefs -> PageImporter.copy_from the prefill's pool (opened once, decode_svc/kv_ipc.py);
               after PrefillDone: writes complete -> ReleaseTransfer -> the stream ends
     nixl      KVPageRefs -> one NIXL READ per message (decode_svc/kv_nixl_reads.py), then the rows checked;
@@ -41,10 +41,10 @@ from decode_svc.peer_channels import PeerChannels
 from engine.kv_pool import KVPool
 from engine.request import PullStart
 from engine.sampling import SamplingParams
-from nvfp4_serve.convert import sampling_to_proto
-from nvfp4_serve.errors import InvalidRequest, LayoutMismatch, PrefillUnavailable, TransferTimeout
-from nvfp4_serve.kv_copy import PARTS, PageImporter
-from nvfp4_serve.kv_transfer import (
+from svc_common.convert import sampling_to_proto
+from svc_common.errors import InvalidRequest, LayoutMismatch, PrefillUnavailable, TransferTimeout
+from svc_common.kv_copy import PARTS, PageImporter
+from svc_common.kv_transfer import (
     PATH_GRPC,
     PATH_NIXL,
     PathChoice,
@@ -52,12 +52,12 @@ from nvfp4_serve.kv_transfer import (
     by_reference,
     select_path,
 )
-from nvfp4_serve.kv_transfer_ipc import PoolView
-from nvfp4_serve.kv_transfer_nixl import NixlView
-from nvfp4_serve.kv_wire import WireError, decode_page_run
-from nvfp4_serve.layout import check_layout
-from nvfp4_serve.metrics import ServiceMetrics
-from nvfp4_serve.tls import TLSConfig
+from svc_common.kv_transfer_ipc import PoolView
+from svc_common.kv_transfer_nixl import NixlView
+from svc_common.kv_wire import WireError, decode_page_run
+from svc_common.layout import check_layout
+from svc_common.metrics import ServiceMetrics
+from svc_common.tls import TLSConfig
 from nvfp4_serve_proto import common_pb2, prefill_pb2
 
 _HOLD_MARGIN = 0.9  # by-reference copies must complete within this share of the hold (messages in flight)

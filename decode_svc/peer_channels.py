@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from nvfp4_serve.grpc_server import server_options
-from nvfp4_serve.tls import TLSConfig, open_channel
+from svc_common.grpc_server import server_options
+from svc_common.tls import TLSConfig, open_channel
 from nvfp4_serve_proto import prefill_pb2, prefill_pb2_grpc
 
 # A restarted prefill is reached again within a second (gRPC's default backoff grows to 120 s).

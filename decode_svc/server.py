@@ -9,9 +9,9 @@ from decode_svc.servicer import DecodeServicer
 from decode_svc.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop, favour_engine_thread
-from nvfp4_serve.grpc_server import build_server, start_and_wait
-from nvfp4_serve.host_malloc import keep_freed_blocks
-from nvfp4_serve.metrics import ServiceMetrics
+from svc_common.grpc_server import build_server, start_and_wait
+from svc_common.host_malloc import keep_freed_blocks
+from svc_common.metrics import ServiceMetrics
 from nvfp4_serve_proto import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("decode_svc")
@@ -22,7 +22,7 @@ SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 async def serve(config: DecodeConfig) -> None:
     engine = Engine(config.engine)
     favour_engine_thread()
-    keep_freed_blocks()  # page messages reuse freed heap pages (nvfp4_serve/host_malloc.py)
+    keep_freed_blocks()  # page messages reuse freed heap pages (svc_common/host_malloc.py)
     loop = EngineLoop(engine, decode_interval_while_pulling_s=config.decode_interval_while_pulling_s).start()
     if config.decode_interval_while_pulling_s:
         log.info("decode steps start >= %.0f ms apart while prompts are pulled (a prefill shares this GPU)",

@@ -6,7 +6,7 @@ import asyncio
 
 from decode_svc.worker import DecodeWorker
 from engine.integrity import IntegrityError
-from nvfp4_serve.load import LoadReporter
+from svc_common.load import LoadReporter
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
 
 

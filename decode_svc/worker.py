@@ -28,11 +28,11 @@ from decode_svc.kv_receiver import KVReceiver
 from engine.engine_loop import EngineLoop
 from engine.grammar import GrammarCompiler, GrammarError, GrammarUnavailable, Matcher
 from engine.request import PullStart, Request, StepOutput
-from nvfp4_serve.convert import check_token_ids, logprobs_to_proto, sampling_from_proto
-from nvfp4_serve.errors import InvalidRequest, TransferTimeout, UntrustedPeer, check_request_id, engine_error
-from nvfp4_serve.kv_transfer import check_address
-from nvfp4_serve.layout import layout_of
-from nvfp4_serve.metrics import ServiceMetrics
+from svc_common.convert import check_token_ids, logprobs_to_proto, sampling_from_proto
+from svc_common.errors import InvalidRequest, TransferTimeout, UntrustedPeer, check_request_id, engine_error
+from svc_common.kv_transfer import check_address
+from svc_common.layout import layout_of
+from svc_common.metrics import ServiceMetrics
 from nvfp4_serve_proto import decode_pb2
 
 

@@ -31,7 +31,7 @@ from engine.request import Request, StepOutput
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.startup_error import StartupError
-from engine.tokenizer import Tokenizer
+from tokenization.tokenizer import Tokenizer
 from kernels.backends.registry import get_backend
 from kernels.kv_layout import bytes_per_token_per_layer
 

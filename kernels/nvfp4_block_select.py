@@ -17,7 +17,7 @@ adjacent pairs in 4 levels (``_pairwise_sum16``), never a library reduction of u
 
 Any decoder of the contract (``kernels.nvfp4.dequantize``, every decode kernel) reads the result
 unchanged. It is NOT the bit-exact reference GPU kernels are held to: that stays
-``kernels.nvfp4.quantize``. The evaluation (``engine/evaluation.py``) measures whether it helps.
+``kernels.nvfp4.quantize``. The evaluation (``offline/evaluation.py``) measures whether it helps.
 """
 
 from __future__ import annotations

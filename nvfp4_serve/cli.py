@@ -17,7 +17,7 @@ commands:
   bench     serving benchmark through the OpenAI API (run | sweep | plot | experiments;
             python -m benchmarks.serving)
   make-model random-weight HF checkpoint, e.g. OUT_DIR --preset qwen3-8b --device cuda
-            (same as: python -m engine.tiny_model)
+            (same as: python -m offline.tiny_model)
 
 `nvfp4-serve COMMAND --help` lists each command's options and their defaults;
 `nvfp4-serve --version` prints the version."""
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        from nvfp4_serve.cli_help import DIST_NAME, version
+        from svc_common.cli_help import DIST_NAME, version
 
         print(f"{DIST_NAME} {version()}")
         return 0
@@ -45,13 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     elif cmd == "router":
         from router.__main__ import main as run
     elif cmd == "calibrate":
-        from engine.calibration import main as run
+        from offline.calibration import main as run
     elif cmd == "eval":
-        from engine.evaluation import main as run
+        from offline.evaluation import main as run
     elif cmd == "bench":
         from benchmarks.serving.__main__ import main as run
     elif cmd == "make-model":
-        from engine.tiny_model import main as make_model
+        from offline.tiny_model import main as make_model
 
         return make_model(rest, prog="nvfp4-serve make-model")
     else:

@@ -36,15 +36,15 @@ import time
 import urllib.error
 import urllib.request
 
-from nvfp4_serve.cli_help import HelpFormatter, add_version
-from nvfp4_serve.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
-from nvfp4_serve.kv_transfer import TRANSFER_MODES
-from nvfp4_serve.model_source import hub_id_of
-from nvfp4_serve.preflight import check_device, prepare_engine_args
-from nvfp4_serve.service_auth import API_KEY_ENV, SERVICE_TOKEN_ENV
+from svc_common.cli_help import HelpFormatter, add_version
+from svc_common.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
+from svc_common.kv_transfer import TRANSFER_MODES
+from svc_common.model_source import hub_id_of
+from svc_common.preflight import check_device, prepare_engine_args
+from svc_common.service_auth import API_KEY_ENV, SERVICE_TOKEN_ENV
 from nvfp4_serve.supervisor import RESTART_POLICIES, Child, stop_all, supervise
 from nvfp4_serve.supervisor import spawn as _spawn
-from nvfp4_serve.tls import add_tls_args, check_handshake, tls_argv, tls_from_args
+from svc_common.tls import add_tls_args, check_handshake, tls_argv, tls_from_args
 
 
 def free_port(host: str = "127.0.0.1") -> int:

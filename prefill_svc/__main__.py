@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from nvfp4_serve.service_main import run_service
+from svc_common.service_main import run_service
 
 
 def main(argv: list[str] | None = None) -> int:

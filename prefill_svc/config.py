@@ -6,10 +6,10 @@ import argparse
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
-from nvfp4_serve.engine_args import add_engine_args, engine_config_from_args
-from nvfp4_serve.kv_transfer import TRANSFER_MODES, check_mode
-from nvfp4_serve.service_main import add_server_args
-from nvfp4_serve.tls import TLSConfig, add_tls_args, tls_from_args
+from svc_common.engine_args import add_engine_args, engine_config_from_args
+from svc_common.kv_transfer import TRANSFER_MODES, check_mode
+from svc_common.service_main import add_server_args
+from svc_common.tls import TLSConfig, add_tls_args, tls_from_args
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class PrefillConfig:
     max_message_bytes: int = 16 * 1024 * 1024  # every KV message stays under this (minus a header margin)
     metrics_port: int | None = None
     tls: TLSConfig = field(default_factory=TLSConfig)
-    kv_transfer: str = "auto"  # nvfp4_serve/kv_transfer.py: auto | grpc | cuda-ipc | nixl
+    kv_transfer: str = "auto"  # svc_common/kv_transfer.py: auto | grpc | cuda-ipc | nixl
     kv_hold_timeout_s: float = 60.0  # cuda-ipc: source pages are freed this long after the last page message
     # grpc path: bytes of page data per message (capped by max_message_bytes). Every message holds at least
     # one page of one layer. 4 MiB: each message costs both ends Python work under the GIL (framing, checks,

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_pool import KVPool
-from nvfp4_serve.errors import TransferTimeout
-from nvfp4_serve.kv_transfer import (
+from svc_common.errors import TransferTimeout
+from svc_common.kv_transfer import (
     PATH_GRPC,
     PATH_IPC,
     PATH_NIXL,
@@ -37,8 +37,8 @@ from nvfp4_serve.kv_transfer import (
     select_path,
     wanted_path,
 )
-from nvfp4_serve.kv_transfer_ipc import export_share, pool_rows
-from nvfp4_serve.kv_transfer_nixl import NixlAgent, export_nixl_share
+from svc_common.kv_transfer_ipc import export_share, pool_rows
+from svc_common.kv_transfer_nixl import NixlAgent, export_nixl_share
 from nvfp4_serve_proto import common_pb2, prefill_pb2
 
 log = logging.getLogger(__name__)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop, favour_engine_thread
-from nvfp4_serve.grpc_server import build_server, start_and_wait
-from nvfp4_serve.host_malloc import keep_freed_blocks
-from nvfp4_serve.metrics import ServiceMetrics
+from svc_common.grpc_server import build_server, start_and_wait
+from svc_common.host_malloc import keep_freed_blocks
+from svc_common.metrics import ServiceMetrics
 from nvfp4_serve_proto import prefill_pb2
 from prefill_svc.config import PrefillConfig
 from prefill_svc.servicer import PrefillServicer, add_to_server
@@ -18,7 +18,7 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 async def serve(config: PrefillConfig) -> None:
     engine = Engine(config.engine)
     favour_engine_thread()
-    keep_freed_blocks()  # page messages reuse freed heap pages (nvfp4_serve/host_malloc.py)
+    keep_freed_blocks()  # page messages reuse freed heap pages (svc_common/host_malloc.py)
     loop = EngineLoop(engine).start()
     metrics = ServiceMetrics("prefill")
     worker = PrefillWorker(loop, config.max_message_bytes, metrics, config.debug_transfer_delay_s,

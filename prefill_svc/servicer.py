@@ -1,7 +1,7 @@
 """Thin gRPC servicer of the Prefill service: protobuf in, one worker call, protobuf out.
 
 ``add_to_server`` registers it like the generated ``add_PrefillServicer_to_server``, except that the Prefill
-stream's messages may also be bytes already serialized (``nvfp4_serve/kv_wire.py``: page runs framed without
+stream's messages may also be bytes already serialized (``svc_common/kv_wire.py``: page runs framed without
 protobuf copies); on the wire both are the same ``PrefillMessage``.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from nvfp4_serve.load import LoadReporter
+from svc_common.load import LoadReporter
 from nvfp4_serve_proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_svc.worker import PrefillWorker
 

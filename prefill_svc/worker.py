@@ -24,12 +24,12 @@ from collections.abc import AsyncIterator
 from engine.engine_loop import EngineLoop
 from engine.fence import Fence
 from engine.request import PrefillProgress, Request, StepOutput
-from nvfp4_serve.convert import check_token_ids, sampling_from_proto
-from nvfp4_serve.errors import InvalidRequest, check_request_id, engine_error
-from nvfp4_serve.kv_copy import PageExporter
-from nvfp4_serve.kv_transfer import PATH_NIXL, TRANSFER_MODES, TransferMetrics, by_reference
-from nvfp4_serve.layout import check_layout, layout_of
-from nvfp4_serve.metrics import ServiceMetrics
+from svc_common.convert import check_token_ids, sampling_from_proto
+from svc_common.errors import InvalidRequest, check_request_id, engine_error
+from svc_common.kv_copy import PageExporter
+from svc_common.kv_transfer import PATH_NIXL, TRANSFER_MODES, TransferMetrics, by_reference
+from svc_common.layout import check_layout, layout_of
+from svc_common.metrics import ServiceMetrics
 from nvfp4_serve_proto import prefill_pb2
 from prefill_svc.kv_share import Hold, KVShareSource
 

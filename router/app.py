@@ -65,11 +65,11 @@ def served_layers(model_dir: str, decode: list[Worker]) -> dict[str, Any]:
 
 
 def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
-    """Build the gateway. ``tokenizer`` defaults to ``engine.tokenizer.Tokenizer.from_dir(config.model_dir)``.
+    """Build the gateway. ``tokenizer`` defaults to ``tokenization.tokenizer.Tokenizer.from_dir(config.model_dir)``.
 
     Worker channels open and the health loop starts in the app's lifespan (startup polls every worker once).
     """
-    from engine.tokenizer import IncrementalDetokenizer, Tokenizer  # torch-free by contract
+    from tokenization.tokenizer import IncrementalDetokenizer, Tokenizer  # torch-free by contract
 
     if tokenizer is None:
         tokenizer = Tokenizer.from_dir(config.model_dir)
@@ -159,7 +159,7 @@ def _add_routes(app: FastAPI, state: RouterState) -> None:
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        from nvfp4_serve.cli_help import version as package_version
+        from svc_common.cli_help import version as package_version
 
         return JSONResponse({"version": package_version()})
 

@@ -13,8 +13,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from nvfp4_serve.service_auth import API_KEY_ENV, SERVICE_TOKEN_ENV, resolve_service_token
-from nvfp4_serve.tls import TLSConfig
+from svc_common.service_auth import API_KEY_ENV, SERVICE_TOKEN_ENV, resolve_service_token
+from svc_common.tls import TLSConfig
 
 _SECRETS = ("api_key", "service_token")  # never printed: not in --help defaults, "<set>" in /server_info
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

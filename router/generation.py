@@ -82,8 +82,8 @@ class ChoiceSpec:
 class GenerationContext:
     config: RouterConfig
     pool: WorkerPool
-    tokenizer: Any  # engine.tokenizer.Tokenizer (duck-typed: the router must not import heavy engine code)
-    detokenizer_cls: Any  # engine.tokenizer.IncrementalDetokenizer
+    tokenizer: Any  # tokenization.tokenizer.Tokenizer (duck-typed: the router must not import heavy engine code)
+    detokenizer_cls: Any  # tokenization.tokenizer.IncrementalDetokenizer
     metrics: RouterMetrics
 
 

@@ -24,7 +24,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from nvfp4_serve.tls import open_channel
+from svc_common.tls import open_channel
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.config import RouterConfig
 from router.metrics import RouterMetrics

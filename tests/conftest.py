@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random-weight Qwen3-shaped checkpoint with a trained BPE tokenizer (HF format)."""
-    from engine.tiny_model import make_tiny_model
+    from offline.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0))
 

@@ -105,7 +105,7 @@ class Reference:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens or job.max_tokens)
 
     def text(self, job: Job, ids: list[int]) -> str:
-        from engine.tokenizer import IncrementalDetokenizer
+        from tokenization.tokenizer import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids=job.prompt, skip_special_tokens=True)
         return "".join(detok.push(t) for t in ids) + detok.flush()

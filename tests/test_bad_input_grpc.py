@@ -25,7 +25,7 @@ GENERATE, PREFILL = "/nvfp4serve.v1.Decode/Generate", "/nvfp4serve.v1.Prefill/Pr
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
-    from engine.tiny_model import make_tiny_model
+    from offline.tiny_model import make_tiny_model
 
     model = str(make_tiny_model(tmp_path_factory.mktemp("ctx256") / "model", max_position_embeddings=256))
     common = ("--model", model, "--device", "cpu", "--dtype", "float32", "--page-size", "4",

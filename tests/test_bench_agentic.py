@@ -346,7 +346,7 @@ def deployment(tiny_model_dir):
 
 
 def test_return_token_ids_gives_the_ids_behind_the_text(deployment, tiny_model_dir):
-    from engine.tokenizer import Tokenizer
+    from tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_model_dir)
     prompt = [int(x) for x in candidate_token_ids(tiny_model_dir, 512)[:20]]

@@ -11,11 +11,11 @@ import grpc
 import pytest
 import torch
 
-from engine.calibration import KVScales, calibrate, main
+from offline.calibration import KVScales, calibrate, main
 from engine.engine import Engine
 from engine.loader import model_fingerprint
-from engine.tiny_model import make_tiny_model
-from nvfp4_serve.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
+from offline.tiny_model import make_tiny_model
+from svc_common.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
 from tests.model_fixtures import read_checkpoint
 
 TEXT = (
@@ -75,7 +75,7 @@ def test_calibrate_records_the_amax_of_the_cached_k_and_v(tiny_model_dir):
     scales = calibrate(tiny_model_dir, TEXT, num_tokens=40, device="cpu", dtype="float32")
     assert scales.num_tokens == 40 and scales.model_fingerprint == model_fingerprint(tiny_model_dir)
     cfg = json.loads((Path(tiny_model_dir) / "config.json").read_text())
-    from engine.tokenizer import Tokenizer
+    from tokenization.tokenizer import Tokenizer
 
     ids = Tokenizer.from_dir(tiny_model_dir).encode(TEXT, add_special_tokens=False)[:40]
     w = {k: t.double() for k, t in read_checkpoint(tiny_model_dir).items()}

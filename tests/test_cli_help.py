@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nvfp4_serve.cli_help import HelpFormatter
+from svc_common.cli_help import HelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,9 +21,9 @@ COMMANDS = {
     "prefill": ("prefill_svc.__main__", "main"),
     "decode": ("decode_svc.__main__", "main"),
     "router": ("router.__main__", "main"),
-    "calibrate": ("engine.calibration", "main"),
-    "eval": ("engine.evaluation", "main"),
-    "make-model": ("engine.tiny_model", "main"),
+    "calibrate": ("offline.calibration", "main"),
+    "eval": ("offline.evaluation", "main"),
+    "make-model": ("offline.tiny_model", "main"),
     "bench": ("benchmarks.serving.__main__", "main"),
     "bench gen-trace": ("benchmarks.agentic.generate", "main"),
     "bench --trace": ("benchmarks.agentic.sweep", "main"),

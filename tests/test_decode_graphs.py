@@ -115,7 +115,7 @@ def test_cuda_graph_flags_are_validated(tiny_model_dir):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8_e4m3", "bf16"])
 def test_cuda_graph_decode_matches_eager_on_gpu(tmp_path, kv_dtype):
-    from engine.tiny_model import make_tiny_model
+    from offline.tiny_model import make_tiny_model
 
     model_dir = str(make_tiny_model(tmp_path / "m", num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=2,
                                     head_dim=128, intermediate_size=512, seed=1))
@@ -148,7 +148,7 @@ def test_cuda_graph_decode_matches_eager_on_gpu(tmp_path, kv_dtype):
 def test_cuda_graph_flags_reach_the_engine_config_and_the_children():
     import argparse
 
-    from nvfp4_serve.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
+    from svc_common.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -171,7 +171,7 @@ def test_cuda_graph_flags_reach_the_engine_config_and_the_children():
 def test_rows_sharing_prefix_pages_can_name_more_pages_than_the_pool_holds(tmp_path, kv_dtype):
     """A cached prefix shared by every row: the batch's page table names more entries than the pool has."""
     from benchmarks.engine.bench_decode_step import fill_pool_random
-    from engine.tiny_model import make_tiny_model
+    from offline.tiny_model import make_tiny_model
 
     model_dir = str(make_tiny_model(tmp_path / "m", num_layers=1, hidden_size=256, num_heads=8, num_kv_heads=2,
                                     head_dim=128, intermediate_size=512, seed=2))
@@ -192,7 +192,7 @@ def test_rows_sharing_prefix_pages_can_name_more_pages_than_the_pool_holds(tmp_p
 def test_no_decode_step_compiles_a_kernel_after_start_up(tmp_path):
     """The engine compiles the NVFP4 decode for every captured shape at start-up: a growing batch of growing
     sequences then never waits for a Triton compile (each used to stall the whole batch about a second)."""
-    from engine.tiny_model import make_tiny_model
+    from offline.tiny_model import make_tiny_model
     from kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
 
     def compiled() -> int:

@@ -112,7 +112,7 @@ def test_the_default_model_volume_exists_and_every_service_reads_the_same_model(
         assert mode == "ro" and target == "/model"
         model = (COMPOSE.parent / source).resolve()
         assert (model / "config.json").is_file() and (model / "tokenizer.json").is_file(), model
-        assert model == (ROOT / "nvfp4_serve" / "models" / "default").resolve()
+        assert model == (ROOT / "svc_common" / "models" / "default").resolve()
         assert "hf-cache:/var/cache/huggingface" in svc["volumes"]
         model_flag = "--model-dir" if name.startswith("router") else "--model"
         assert flag(svc, model_flag) == "/model"
@@ -191,8 +191,8 @@ def test_dockerignore_keeps_local_state_out_and_everything_the_images_copy_in():
     for junk in (".git/HEAD", ".venv/bin/python", ".gpu-carry/flashinfer.tar.xz", ".whl/x.whl", "dist/a.whl",
                  "engine/__pycache__/engine.cpython-311.pyc", "nvfp4_serve.egg-info/PKG-INFO", ".pytest_cache/v"):
         assert _ignored(junk, patterns), f"{junk} would enter the build context"
-    needed = {"pyproject.toml", "README.md", "nvfp4_serve/models/default/model.safetensors",
-              "nvfp4_serve/models/default/tokenizer.json", "proto/nvfp4_serve_proto/common.proto"}
+    needed = {"pyproject.toml", "README.md", "svc_common/models/default/model.safetensors",
+              "svc_common/models/default/tokenizer.json", "proto/nvfp4_serve_proto/common.proto"}
     for name in ("Dockerfile.cpu", "Dockerfile.gpu"):
         for kind, line in _instructions(name):
             if kind == "COPY":
@@ -220,7 +220,7 @@ def test_docker_compose_config_accepts_each_profile(profile):
     config = json.loads(r.stdout)
     assert set(config["services"]) == {f"{role}-{profile}" for role in ROLES}
     source = config["services"][f"prefill-{profile}"]["volumes"][0]["source"]
-    assert Path(source) == (ROOT / "nvfp4_serve" / "models" / "default").resolve()
+    assert Path(source) == (ROOT / "svc_common" / "models" / "default").resolve()
 
 
 def _daemon() -> None:

@@ -143,7 +143,7 @@ def test_nvfp4_pool_holds_16_9_the_tokens_of_fp8_for_the_same_bytes(tiny_model_d
 
 
 def test_bad_configs_fail_with_clear_messages(tmp_path):
-    from engine.tiny_model import make_tiny_model
+    from offline.tiny_model import make_tiny_model
 
     odd = make_tiny_model(tmp_path / "hd24", head_dim=24)
     with pytest.raises(ValueError, match="nvfp4 needs head_dim divisible by 16"):

@@ -36,7 +36,7 @@ def test_a_failing_command_is_logged_and_the_loop_lives_on(loop):
 
 
 def test_a_service_whose_engine_loop_died_stops_serving_and_raises():
-    from nvfp4_serve.grpc_server import build_server, start_and_wait
+    from svc_common.grpc_server import build_server, start_and_wait
 
     alive = threading.Event()
     alive.set()

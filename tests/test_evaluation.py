@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from engine.calibration import KVScales, calibrate
-from engine.evaluation import (
+from offline.calibration import KVScales, calibrate
+from offline.evaluation import (
     VARIANTS,
     ContextSpec,
     EvalConfig,
@@ -20,9 +20,9 @@ from engine.evaluation import (
     make_engine,
     teacher_forced_logprobs,
 )
-from engine.evaluation_report import render_markdown
+from offline.evaluation_report import render_markdown
 from engine.loader import model_fingerprint
-from engine.synthetic_kv import synthetic_attention_error, synthetic_kv
+from offline.synthetic_kv import synthetic_attention_error, synthetic_kv
 from kernels import nvfp4
 from kernels.backends.block_select import BlockSelectBackend
 from kernels.kv_layout import LayerKV
@@ -193,7 +193,7 @@ def test_eval_command_writes_the_files(tiny_model_dir, tiny_scales, tmp_path):
 
 
 def test_uncalibrated_variants_ignore_checkpoint_scales(tmp_path):
-    from engine.tiny_model import make_tiny_model
+    from offline.tiny_model import make_tiny_model
 
     ckpt = str(make_tiny_model(tmp_path / "m", kv_scales={"k": [0.5, 0.5], "v": [0.5, 0.5]}))
     scales = KVScales(model_fingerprint(ckpt), (2688.0, 2688.0), (2688.0, 2688.0))

@@ -1,4 +1,4 @@
-"""PageExporter / PageImporter (nvfp4_serve/kv_copy.py) against plain tensor indexing, on the CPU and, where
+"""PageExporter / PageImporter (svc_common/kv_copy.py) against plain tensor indexing, on the CPU and, where
 there is one, on a GPU (its side streams, pinned copies and gather kernels)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.kv_pool import KVPool
-from nvfp4_serve.kv_copy import PARTS, PageExporter, PageImporter
-from nvfp4_serve.kv_wire import decode_page_run
+from svc_common.kv_copy import PARTS, PageExporter, PageImporter
+from svc_common.kv_wire import decode_page_run
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -107,8 +107,8 @@ def test_an_inf_bf16_value_in_a_message_fails_the_write(device):
 
 @pytest.mark.parametrize("sizes", [(64, 8, 64, 8), (96, 0, 96, 0)])
 def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
-    from nvfp4_serve.kv_copy import message_from
-    from nvfp4_serve.kv_wire import encode_page_run, frame_page_run
+    from svc_common.kv_copy import message_from
+    from svc_common.kv_wire import encode_page_run, frame_page_run
     from nvfp4_serve_proto import prefill_pb2
 
     g = torch.Generator().manual_seed(3)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine.kv_pool import KVPool
-from nvfp4_serve.errors import TransferTimeout
-from nvfp4_serve.kv_copy import PageImporter
-from nvfp4_serve.kv_transfer import (
+from svc_common.errors import TransferTimeout
+from svc_common.kv_copy import PageImporter
+from svc_common.kv_transfer import (
     FALLBACK_REASONS,
     PATH_GRPC,
     PATH_IPC,
@@ -22,8 +22,8 @@ from nvfp4_serve.kv_transfer import (
     local_endpoint,
     select_path,
 )
-from nvfp4_serve.kv_transfer_ipc import Fence, check_share, describe_tensors, pool_view
-from nvfp4_serve.metrics import ServiceMetrics
+from svc_common.kv_transfer_ipc import Fence, check_share, describe_tensors, pool_view
+from svc_common.metrics import ServiceMetrics
 from nvfp4_serve_proto import common_pb2, prefill_pb2
 from prefill_svc.kv_share import TransferHolds
 
@@ -136,7 +136,7 @@ def test_copy_from_makes_destination_pages_byte_equal_to_the_source_pages(kv_dty
 
 
 def test_page_runs_split_where_either_side_jumps():
-    from nvfp4_serve.kv_transfer_ipc import page_runs as _runs
+    from svc_common.kv_transfer_ipc import page_runs as _runs
 
     assert _runs([9, 10, 2, 6, 7], [1, 2, 3, 40, 41]) == [(9, 1, 2), (2, 3, 1), (6, 40, 2)]
     assert _runs([3, 4, 5], [7, 8, 9]) == [(3, 7, 3)] and len(_runs(*SCATTERED)) == 20

@@ -24,7 +24,7 @@ GPU = ("--device", "cuda", "--max-total-tokens", "8192", "--page-size", "16")
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     """A tiny checkpoint with head_dim 128 (the GPU kernels' shape)."""
-    from engine.tiny_model import make_tiny_model
+    from offline.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("gpu128") / "m", num_layers=2, hidden_size=256, num_heads=8,
                                num_kv_heads=2, head_dim=128, intermediate_size=512, seed=3))

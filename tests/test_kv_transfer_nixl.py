@@ -21,7 +21,7 @@ import time
 import grpc
 import pytest
 
-from nvfp4_serve.grpc_server import build_server
+from svc_common.grpc_server import build_server
 from nvfp4_serve_proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.service_procs import free_port, start
 from tests.test_kv_transfer_gpu import generate, state

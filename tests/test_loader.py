@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from engine.loader import load_model, model_fingerprint
 from engine.model import causal_attention_no_cache
 from engine.model_config import ModelConfig
-from engine.tiny_model import make_tiny_model
+from offline.tiny_model import make_tiny_model
 from tests.model_fixtures import read_checkpoint, reference_logits
 
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,

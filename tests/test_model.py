@@ -11,7 +11,7 @@ from engine.loader import load_model
 from engine.model import CausalLM, causal_attention_no_cache
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
-from engine.tiny_model import make_tiny_model
+from offline.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nvfp4_serve.model_source import MODEL_FILE_PATTERNS, ModelSourceError, hub_id_of, resolve_model
+from svc_common.model_source import MODEL_FILE_PATTERNS, ModelSourceError, hub_id_of, resolve_model
 from tests.service_procs import Launched
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def hub(tmp_path_factory, tiny_model_dir):
 
 def _resolve_in(env: dict[str, str], spec: str) -> subprocess.CompletedProcess:
     """resolve_model in a fresh interpreter (huggingface_hub reads HF_HOME and HF_HUB_OFFLINE at import)."""
-    code = ("import sys; from nvfp4_serve.model_source import resolve_model, ModelSourceError\n"
+    code = ("import sys; from svc_common.model_source import resolve_model, ModelSourceError\n"
             "try: print(resolve_model(sys.argv[1]))\n"
             "except ModelSourceError as e: print(e, file=sys.stderr); sys.exit(3)")
     return subprocess.run([sys.executable, "-c", code, spec], check=False, env=env, cwd=ROOT, capture_output=True, text=True,
@@ -78,7 +78,7 @@ def test_a_hub_id_missing_from_the_cache_offline_says_how_to_get_it(hub):
 
 def test_directories_resolve_to_themselves_and_paths_that_are_no_directory_are_refused(tmp_path, tiny_model_dir):
     assert resolve_model(tiny_model_dir) == str(Path(tiny_model_dir).resolve())
-    assert resolve_model(None).endswith(os.path.join("nvfp4_serve", "models", "default"))
+    assert resolve_model(None).endswith(os.path.join("svc_common", "models", "default"))
     for spec in ("./no-such-dir", str(tmp_path / "missing"), "a/b/c", "~/nope"):
         with pytest.raises(ModelSourceError, match="no such directory"):
             resolve_model(spec)

@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 from engine.config import EngineConfig
 from engine.loader import load_model, model_fingerprint
 from engine.model import causal_attention_no_cache
-from engine.tiny_model import make_tiny_model
-from nvfp4_serve.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
+from offline.tiny_model import make_tiny_model
+from svc_common.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
 
 SCALES = {"k": [0.5, 1.5, 2.5, 3.5], "v": [0.25, 0.75, 1.25, 1.75]}
 
@@ -96,7 +96,7 @@ def test_flag_reaches_the_engine_config_and_the_child_services_argv(four_layers)
 
 
 def test_a_whole_model_scales_file_gives_its_first_n_layers(four_layers, tmp_path):
-    from engine.calibration import KVScales
+    from engine.kv_scales import KVScales
 
     full = KVScales(model_fingerprint(four_layers), (1.0, 2.0, 3.0, 4.0), (5.0, 6.0, 7.0, 8.0), 100, "test")
     path = tmp_path / "scales.json"

@@ -13,7 +13,7 @@ import threading
 import grpc
 import pytest
 
-from nvfp4_serve.kv_copy import PageImporter
+from svc_common.kv_copy import PageImporter
 from nvfp4_serve_proto import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.pd_harness import ChunkGate, services
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from decode_svc.peer_channels import PeerChannels
-from nvfp4_serve.tls import TLSConfig
+from svc_common.tls import TLSConfig
 
 
 def test_channels_are_reused_bounded_and_closed_when_idle():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from benchmarks.serving.server import parse_prometheus
 from engine.page_allocator import PageAllocator
 from engine.radix_cache import RadixCache
-from nvfp4_serve.metrics import ServiceMetrics
+from svc_common.metrics import ServiceMetrics
 
 S = 4
 

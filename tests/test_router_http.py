@@ -30,7 +30,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from engine.tiny_model import make_tiny_model
+    from offline.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), max_position_embeddings=256))
 

@@ -189,8 +189,8 @@ def test_sse_response_finishes_normally_and_releases_once():
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from engine.tiny_model import make_tiny_model
-    from engine.tokenizer import Tokenizer
+    from offline.tiny_model import make_tiny_model
+    from tokenization.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(make_tiny_model(tmp_path_factory.mktemp("tiny")))
 
@@ -201,7 +201,7 @@ def tokenizer(tmp_path_factory):
     ("no stop string in here at all", "zzz", "no stop string in here at all"),
 ])
 def test_stop_strings_across_token_boundaries_with_the_real_detokenizer(tokenizer, text, stop, expected):
-    from engine.tokenizer import IncrementalDetokenizer
+    from tokenization.tokenizer import IncrementalDetokenizer
 
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) > len(text) // 8  # many tokens: stop strings and characters span token boundaries

@@ -8,7 +8,7 @@ import random
 import grpc
 import pytest
 
-from nvfp4_serve.service_auth import SERVICE_TOKEN_ENV
+from svc_common.service_auth import SERVICE_TOKEN_ENV
 from router.admission import AdmissionGate
 from router.config import API_KEY_ENV, RouterConfig, build_arg_parser, config_from_args, model_limits
 from router.generation import map_grpc_error

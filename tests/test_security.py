@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from nvfp4_serve.tls import TLSConfig, tls_argv
+from svc_common.tls import TLSConfig, tls_argv
 from nvfp4_serve_proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from tests.service_procs import Launched
 

@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if model is None:
         import tempfile
 
-        from engine.tiny_model import make_tiny_model
+        from offline.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(tempfile.mkdtemp() + "/model", seed=0))
     report = run_soak(model, SoakPlan.full(seed=a.seed, num_requests=a.requests))

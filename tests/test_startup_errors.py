@@ -17,8 +17,8 @@ import torch
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.startup_error import StartupError
-from engine.tiny_model import make_tiny_model
-from nvfp4_serve.preflight import check_device, check_model
+from offline.tiny_model import make_tiny_model
+from svc_common.preflight import check_device, check_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_ONLY_TORCH = torch.version.cuda is None
@@ -228,7 +228,7 @@ def test_not_enough_gpu_memory_says_how_much_and_which_flags_to_change(tiny_mode
 
 
 def test_a_service_prints_a_start_up_error_as_one_line_and_exits_1(tiny_model_dir, capsys):
-    from nvfp4_serve.service_main import run_service
+    from svc_common.service_main import run_service
     from prefill_svc.config import build_arg_parser, config_from_args
 
     async def serve(config):
@@ -241,7 +241,7 @@ def test_a_service_prints_a_start_up_error_as_one_line_and_exits_1(tiny_model_di
 
 
 def test_a_bad_flag_value_is_one_line_not_the_usage(tiny_model_dir, capsys):
-    from nvfp4_serve.service_main import run_service
+    from svc_common.service_main import run_service
     from prefill_svc.config import build_arg_parser, config_from_args
 
     async def serve(config):  # never reached
@@ -253,7 +253,7 @@ def test_a_bad_flag_value_is_one_line_not_the_usage(tiny_model_dir, capsys):
 
 
 def test_prepare_engine_args_resolves_the_model_in_place(tiny_model_dir):
-    from nvfp4_serve.preflight import prepare_engine_args
+    from svc_common.preflight import prepare_engine_args
 
     a = SimpleNamespace(model=None, device="cpu", kv_cache_dtype="nvfp4", attention_backend="auto",
                         context_length=None)

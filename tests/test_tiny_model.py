@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.model_config import ModelConfig
-from engine.tiny_model import main, make_tiny_model
-from engine.tokenizer import Tokenizer
+from offline.tiny_model import main, make_tiny_model
+from tokenization.tokenizer import Tokenizer
 from tests.model_fixtures import read_checkpoint
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.tiny_model import make_tiny_model
-from engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from offline.tiny_model import make_tiny_model
+from tokenization.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 MULTIBYTE = "naïve café — 日本語の文 and emoji 🙂🚀 done"
 
@@ -152,5 +152,5 @@ def test_flush_releases_a_trailing_partial_character(tok):
 
 
 def test_tokenizer_module_does_not_import_torch():
-    code = "import sys, engine.tokenizer; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, tokenization.tokenizer; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

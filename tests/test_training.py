@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.corpus import SPLITS, split_of, stdlib_files
+from offline.corpus import SPLITS, split_of, stdlib_files
 from engine.loader import load_model
 from engine.model import causal_attention_no_cache
-from engine.train import (
+from offline.train import (
     ModelShape,
     TrainConfig,
     build_model,
@@ -22,7 +22,7 @@ from engine.train import (
     sdpa_attention,
     train,
 )
-from nvfp4_serve.default_model import DEFAULT_MODEL_DIR
+from svc_common.default_model import DEFAULT_MODEL_DIR
 
 TINY = ModelShape(
     vocab_size=320,
@@ -54,7 +54,7 @@ def test_corpus_splits_are_disjoint_and_depend_only_on_the_relative_path():
 def test_prepare_writes_token_ids_that_the_tokenizer_decodes_back(data_dir):
     manifest = json.loads((data_dir / "manifest.json").read_text())
     assert manifest["vocab_size"] == 320 and set(manifest["splits"]) == set(SPLITS)
-    from engine.tokenizer import Tokenizer
+    from tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(data_dir)
     ids = load_tokens(data_dir, "held_out")
@@ -124,7 +124,7 @@ def test_shipped_default_model_is_a_trained_python_model():
     mc = loaded.config
     assert mc.architecture == "Qwen3ForCausalLM" and mc.head_dim % 16 == 0 and mc.max_context_len >= 2048
     assert sum(p.numel() for p in loaded.model.parameters()) >= 10_000_000
-    from engine.tokenizer import Tokenizer
+    from tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(DEFAULT_MODEL_DIR)
     ids = tok.encode(stdlib_files("held_out")[1].path.read_text(encoding="utf-8"))[:256]

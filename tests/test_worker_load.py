@@ -1,5 +1,5 @@
 """GetLoad answers while the engine loop is inside a long step (a first-use JIT compile takes ~25 s), so the
-router keeps a busy worker healthy; a loop stalled past the limit is reported as failing (nvfp4_serve/load.py)."""
+router keeps a busy worker healthy; a loop stalled past the limit is reported as failing (svc_common/load.py)."""
 
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ def loop(cpu_engine_loop):
 
 
 def _reporter(loop, **kw):
-    from nvfp4_serve.layout import layout_of
-    from nvfp4_serve.load import LoadReporter
-    from nvfp4_serve.metrics import ServiceMetrics
+    from svc_common.layout import layout_of
+    from svc_common.load import LoadReporter
+    from svc_common.metrics import ServiceMetrics
 
     return LoadReporter(loop, "decode", layout_of(loop.engine), ServiceMetrics("decode"), **kw)
 
 
 def test_a_busy_loop_answers_the_last_snapshot_and_a_stalled_one_fails(loop):
-    from nvfp4_serve.load import EngineStalled
+    from svc_common.load import EngineStalled
 
     rep = _reporter(loop, fresh_wait_s=0.2, max_stall_s=1.5)
     fresh = asyncio.run(rep.load())

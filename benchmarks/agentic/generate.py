@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.agentic.trace import SessionTrace, Trace, Turn, save
-from nvfp4_serve.cli_help import HelpFormatter
+from svc_common.cli_help import HelpFormatter
 
 
 def _opt(help_text: str) -> dict[str, str]:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nvfp4_serve.cli_help import HelpFormatter
+from svc_common.cli_help import HelpFormatter
 
 FALLOFF = 0.9
 AHEAD = 1.1

@@ -42,7 +42,7 @@ from benchmarks.serving.launch import LaunchedDeployment
 from benchmarks.serving.report import write_json
 from benchmarks.serving.runner import BenchError, Session, run_benchmark
 from benchmarks.serving.server import describe_deployment, flag_value, gpu_name
-from nvfp4_serve.cli_help import HelpFormatter
+from svc_common.cli_help import HelpFormatter
 
 SCHEMA = "nvfp4-serve/bench-agentic/1"
 KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4")  # as kernels.kv_layout.KV_DTYPES (not imported: it pulls in torch)

@@ -41,7 +41,7 @@ from benchmarks.serving.runner import (
     sweep_configs,
 )
 from benchmarks.serving.server import describe_deployment, flag_value, max_concurrency
-from nvfp4_serve.cli_help import HelpFormatter
+from svc_common.cli_help import HelpFormatter
 
 LAUNCH_FLAG = "--launch"
 _KEY_ENVS = ("NVFP4_SERVE_API_KEY", "OPENAI_API_KEY")

@@ -40,7 +40,7 @@ from benchmarks.serving.launch import LaunchedDeployment
 from benchmarks.serving.report import write_json
 from benchmarks.serving.runner import Session, run_point
 from benchmarks.serving.server import describe_deployment, flag_value, gpu_name
-from nvfp4_serve.cli_help import HelpFormatter
+from svc_common.cli_help import HelpFormatter
 
 SCHEMA = "nvfp4-serve/bench-experiments/1"
 KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4")  # kernels.kv_layout.KV_DTYPES (not imported: no torch here)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serving.report import fmt_number, write_json
-from nvfp4_serve.cli_help import HelpFormatter
+from svc_common.cli_help import HelpFormatter
 
 DTYPE_ORDER = ("bf16", "fp8_e4m3", "nvfp4")
 # Gains of NVFP4 over FP8 decode throughput reported for this design elsewhere (the reference column), for comparison.

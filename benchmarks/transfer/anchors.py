@@ -26,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def raw_grpc(message_bytes: int, total_bytes: int, channels: tuple[int, ...], log_dir: Path,
              timeout_s: float = 300.0, keep_freed: bool = False) -> list[dict[str, Any]]:
     """GB/s of raw grpcio, one client process per channel count against one server process; ``keep_freed``:
-    both processes with the services' heap setting (``nvfp4_serve/host_malloc.py``)."""
+    both processes with the services' heap setting (``svc_common/host_malloc.py``)."""
     env = {**os.environ, "NVFP4_KEEP_FREED_BLOCKS": "1" if keep_freed else "0"}
     log = (log_dir / f"raw-grpc-server{'-heap' if keep_freed else ''}.log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "benchmarks.transfer.raw_grpc", "serve"], cwd=REPO_ROOT,

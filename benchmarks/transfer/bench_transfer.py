@@ -85,7 +85,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def prepare_model(a: argparse.Namespace) -> Path:
     if a.model:
         return Path(a.model)
-    from engine.tiny_model import make_tiny_model
+    from offline.tiny_model import make_tiny_model
 
     out = Path(a.model_cache) / f"qwen3-8b-shape-{a.layers}l"
     if not (out / "config.json").exists():

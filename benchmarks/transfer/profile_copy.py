@@ -1,5 +1,5 @@
 """Where a KV transfer's time goes, one component at a time, in one process (no gRPC): the pool-side pieces
-of both paths (``nvfp4_serve/kv_copy.py``), each against the device or host operation it is made of.
+of both paths (``svc_common/kv_copy.py``), each against the device or host operation it is made of.
 
     python -m benchmarks.transfer.profile_copy [--pages 2048] [--layers 8] [--out docs/benchmarks/transfer_profile.json]
 
@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from engine.kv_pool import KVPool
-from nvfp4_serve.host_malloc import keep_freed_blocks
-from nvfp4_serve.kv_copy import PARTS, PageExporter, PageImporter
-from nvfp4_serve.kv_transfer_ipc import export_share, open_share
-from nvfp4_serve.kv_wire import decode_page_run
+from svc_common.host_malloc import keep_freed_blocks
+from svc_common.kv_copy import PARTS, PageExporter, PageImporter
+from svc_common.kv_transfer_ipc import export_share, open_share
+from svc_common.kv_wire import decode_page_run
 from nvfp4_serve_proto import prefill_pb2
 
 
@@ -82,7 +82,7 @@ def main() -> None:
 
     mv0 = memoryview(torch.ones(1 << 20, dtype=torch.uint8).numpy())
     row("bytes(memoryview) 1 MiB x200, default heap", _time(lambda: [bytes(mv0) for _ in range(200)], 3) / 200, 1 << 20)
-    keep_freed_blocks()  # as the services do (nvfp4_serve/host_malloc.py): every row below runs with it
+    keep_freed_blocks()  # as the services do (svc_common/host_malloc.py): every row below runs with it
     row("bytes(memoryview) 1 MiB x200, services' heap setting",
         _time(lambda: [bytes(mv0) for _ in range(200)], 3) / 200, 1 << 20)
     contiguous = list(range(n))

@@ -71,8 +71,8 @@ async def client(address: str, total_bytes: int, message_bytes: int, channels: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    if os.environ.get("NVFP4_KEEP_FREED_BLOCKS") == "1":  # the services' heap setting (nvfp4_serve/host_malloc.py)
-        from nvfp4_serve.host_malloc import keep_freed_blocks
+    if os.environ.get("NVFP4_KEEP_FREED_BLOCKS") == "1":  # the services' heap setting (svc_common/host_malloc.py)
+        from svc_common.host_malloc import keep_freed_blocks
 
         keep_freed_blocks()
     p = argparse.ArgumentParser("raw_grpc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -2,7 +2,7 @@
 
 ``prepare_engine_args`` runs once where the user's flags arrive (``nvfp4-serve up``, each service's main):
 it resolves ``--model`` to a directory (a hub id is downloaded or taken from the cache,
-``nvfp4_serve.model_source``) and refuses, as a ``ValueError``, what would otherwise fail deep inside start-up
+``svc_common.model_source``) and refuses, as a ``ValueError``, what would otherwise fail deep inside start-up
 with a traceback: ``--device cuda`` where PyTorch has no CUDA, a directory without config.json, weights or
 tokenizer, an architecture or head_dim the kernels do not support, a ``--context-length`` past the model's.
 """
@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from engine.model_config import ModelConfig
-from nvfp4_serve.model_source import resolve_model
+from svc_common.model_source import resolve_model
 
 TORCH_PIN = "torch==2.13.0"
 

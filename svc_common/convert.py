@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.sampling import SamplingParams
-from nvfp4_serve.errors import InvalidRequest
+from svc_common.errors import InvalidRequest
 from nvfp4_serve_proto import common_pb2
 
 

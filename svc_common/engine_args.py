@@ -12,7 +12,7 @@ from kernels.kv_layout import KV_DTYPES
 
 
 def default_model_dir() -> str:
-    from nvfp4_serve.default_model import default_model_dir as d
+    from svc_common.default_model import default_model_dir as d
 
     return d()
 
@@ -76,7 +76,7 @@ def kv_scales_for(path: str, model_dir: str, kv_dtype: str,
 
     The file is calibrated on the whole checkpoint; with ``num_layers`` its first N layers' scales are kept
     (layer i's K/V depend only on layers < i, so they are the truncated model's own scales)."""
-    from engine.calibration import KVScales
+    from engine.kv_scales import KVScales
     from engine.loader import model_fingerprint
 
     scales = KVScales.load(path, model_fingerprint(model_dir)).cache_scales(kv_dtype)

@@ -17,7 +17,7 @@ import grpc
 
 from engine.engine_loop import EngineLoop
 from engine.host_pool import HostTierStats
-from nvfp4_serve.metrics import ServiceMetrics
+from svc_common.metrics import ServiceMetrics
 from nvfp4_serve_proto import common_pb2
 
 

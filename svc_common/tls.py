@@ -10,7 +10,7 @@ the same files serve both roles:
                                    authenticates its callers or ``--tls-any-client`` says it is meant
     client side (router, decode):  verifies the server against the CA (the system roots without one) and
                                    presents cert/key as its client certificate
-    both:                          the service token (``nvfp4_serve/service_auth.py``) in every call's metadata
+    both:                          the service token (``svc_common/service_auth.py``) in every call's metadata
 
 No flag: plaintext gRPC, no token (the default, for loopback deployments). Certificates are read once at
 start-up, and checked then: files that do not load (a key that is not the certificate's, a CA that is not
@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from nvfp4_serve.service_auth import SERVICE_TOKEN_ENV, client_interceptors, resolve_service_token
+from svc_common.service_auth import SERVICE_TOKEN_ENV, client_interceptors, resolve_service_token
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ import torch
 
 from engine.fence import Fence
 from engine.kv_pool import KVPool
-from nvfp4_serve.kv_transfer_ipc import page_runs
-from nvfp4_serve.kv_wire import Frame, PageRunView, encode_page_run, frame_page_run
+from svc_common.kv_transfer_ipc import page_runs
+from svc_common.kv_wire import Frame, PageRunView, encode_page_run, frame_page_run
 
 PARTS = ("k", "k_sf", "v", "v_sf")
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # (NULL, n): an uninitialized bytes object of n bytes

@@ -14,7 +14,7 @@ The tokenizer is a byte-level BPE trained on a few Python standard-library sourc
 every machine; the merges follow that Python version's sources) with the Qwen special tokens
 ``<|endoftext|>`` (0), ``<|im_start|>`` (1), ``<|im_end|>`` (2) and a ChatML template.
 
-CLI: ``python -m engine.tiny_model OUT_DIR [--preset qwen3-8b] [--layers N --hidden H --heads A
+CLI: ``python -m offline.tiny_model OUT_DIR [--preset qwen3-8b] [--layers N --hidden H --heads A
 --kv-heads K --head-dim D --intermediate I --vocab V --arch qwen3|qwen2|llama|mistral --seed S
 --shard-mb M --device cpu|cuda --dry-run]`` (also ``nvfp4-serve make-model``); explicit flags
 override the preset's values.
@@ -338,8 +338,8 @@ _FLAGS = (("--arch", "arch", str), ("--layers", "num_layers", int), ("--hidden",
 _NOT_CONFIG = ("seed", "shard_size_bytes", "kv_scales", "device")  # make_tiny_model keywords make_config lacks
 
 
-def build_arg_parser(prog: str = "python -m engine.tiny_model") -> argparse.ArgumentParser:
-    from nvfp4_serve.cli_help import HelpFormatter
+def build_arg_parser(prog: str = "python -m offline.tiny_model") -> argparse.ArgumentParser:
+    from svc_common.cli_help import HelpFormatter
 
     parser = argparse.ArgumentParser(prog, formatter_class=HelpFormatter, description="Write a random-weight HF checkpoint for tests/benchmarks "
                                                        "(explicit flags override the --preset's values).")
@@ -387,7 +387,7 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m engine.tiny_model") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m offline.tiny_model") -> int:
     """Write the checkpoint and print its path (``--dry-run``: print its config and size instead)."""
     args = build_arg_parser(prog).parse_args(argv)
     kwargs = model_kwargs(args)

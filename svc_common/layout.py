@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nvfp4_serve.errors import LayoutMismatch
+from svc_common.errors import LayoutMismatch
 from nvfp4_serve_proto import common_pb2
 
 _FIELDS = ("kv_dtype", "page_size", "num_layers", "num_kv_heads", "head_dim", "model_fingerprint")

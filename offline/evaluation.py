@@ -2,7 +2,7 @@
 
 For each context length and each KV variant (bf16, fp8_e4m3 and nvfp4, each with global scales 1.0 or
 calibrated, and nvfp4 with per-block scale selection), a FRESH ``Engine`` runs windows of held-out
-tokens (default: the held-out split of the stdlib corpus, see ``engine.corpus``):
+tokens (default: the held-out split of the stdlib corpus, see ``offline.corpus``):
 
     window = [ context (C tokens) | continuation (M tokens) ]
     teacher forcing: path 1 prefill of the context (FP8 attention for fp8/nvfp4, K/V quantized into the
@@ -11,8 +11,8 @@ tokens (default: the held-out split of the stdlib corpus, see ``engine.corpus``)
     greedy: ``Engine.generate`` of G tokens from the context; agreement = common prefix with bf16's / G
 
 plus the relative error of attention outputs when synthetic outlier-heavy K/V are stored in each format
-(``engine.synthetic_kv``). ``nvfp4-serve eval`` writes the JSON and the markdown report
-(``engine.evaluation_report``).
+(``offline.synthetic_kv``). ``nvfp4-serve eval`` writes the JSON and the markdown report
+(``offline.evaluation_report``).
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from typing import Any
 import torch
 
 from engine.attention_paths import ExtendSeq
-from engine.calibration import AmaxRecorder, KVScales
+from engine.kv_scales import KVScales
+from offline.calibration import AmaxRecorder
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
-from engine.evaluation_report import mean_se, render_markdown
+from offline.evaluation_report import mean_se, render_markdown
 from engine.model import AttnFn
 from engine.sampling import SamplingParams
-from engine.synthetic_kv import synthetic_attention_error
+from offline.synthetic_kv import synthetic_attention_error
 
 
 @dataclass(frozen=True)
@@ -271,10 +272,10 @@ def evaluate(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Every context of ``cfg`` on ``text`` (default: the held-out stdlib split) and the synthetic errors."""
-    from engine.corpus import split_text
+    from offline.corpus import split_text
     from engine.loader import model_fingerprint
     from engine.model_config import ModelConfig
-    from engine.tokenizer import Tokenizer
+    from tokenization.tokenizer import Tokenizer
 
     mc = ModelConfig.from_dir(cfg.model_dir)
     fingerprint = model_fingerprint(cfg.model_dir)
@@ -284,7 +285,7 @@ def evaluate(
             f"not for {cfg.model_dir} ({fingerprint})"
         )
     if text is None:
-        text, text_source = split_text("held_out"), "stdlib held-out split (engine.corpus)"
+        text, text_source = split_text("held_out"), "stdlib held-out split (offline.corpus)"
     ids = Tokenizer.from_dir(cfg.model_dir).encode(text, add_special_tokens=False)
     contexts = []
     for spec in cfg.contexts:
@@ -326,7 +327,7 @@ def evaluate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nvfp4_serve.cli_help import HelpFormatter, add_version
+    from svc_common.cli_help import HelpFormatter, add_version
 
     p = argparse.ArgumentParser(
         "nvfp4-serve eval", description=__doc__, formatter_class=HelpFormatter
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="model weights and activations")
     a = p.parse_args(argv)
-    from nvfp4_serve.model_source import resolve_model
+    from svc_common.model_source import resolve_model
 
     try:
         a.model = resolve_model(a.model)  # a hub id becomes its cached snapshot; None the embedded model
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
 
             scales = KVScales.load(a.kv_scales, model_fingerprint(a.model))
         else:
-            from engine.calibration import calibrate
+            from offline.calibration import calibrate
 
             print(f"no --kv-scales: calibrating on {a.calibration_tokens} tokens of the stdlib train split")
             scales = calibrate(a.model, num_tokens=a.calibration_tokens, device=a.device, dtype=a.dtype)

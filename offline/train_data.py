@@ -1,10 +1,10 @@
 """Stage 1 of training the default model: a BPE tokenizer and the token ids of each corpus split.
 
-``prepare(OUT)`` trains a byte-level BPE (``tokenizers``) on the train split of ``engine.corpus`` and
+``prepare(OUT)`` trains a byte-level BPE (``tokenizers``) on the train split of ``offline.corpus`` and
 writes ``OUT/{train,validation,held_out}.bin`` (int16 little-endian token ids, the files of a split
 joined by ``<|endoftext|>``), ``tokenizer.json`` + ``tokenizer_config.json`` (the Qwen special tokens
 and a ChatML template) and ``manifest.json`` (Python version, file and token counts, sha256 of each
-.bin). The outputs are plain files, so the GPU machine that trains (``engine.train``) needs neither this
+.bin). The outputs are plain files, so the GPU machine that trains (``offline.train``) needs neither this
 Python's standard library nor ``tokenizers``.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from engine.corpus import DOC_SEPARATOR, SPLITS, read_texts, stdlib_files
-from engine.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS
+from offline.corpus import DOC_SEPARATOR, SPLITS, read_texts, stdlib_files
+from offline.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 MAX_INT16_VOCAB = 32767  # token ids are stored as int16
 

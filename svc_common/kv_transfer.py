@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import Counter
 
-from nvfp4_serve.metrics import ServiceMetrics
+from svc_common.metrics import ServiceMetrics
 from nvfp4_serve_proto import common_pb2
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.scheduler import RequestRejected
-from nvfp4_serve.errors import ServiceError
-from nvfp4_serve.service_auth import server_interceptors
-from nvfp4_serve.tls import TLSConfig
+from svc_common.errors import ServiceError
+from svc_common.service_auth import server_interceptors
+from svc_common.tls import TLSConfig
 
 log = logging.getLogger(__name__)
 

@@ -2,11 +2,11 @@
 
 Two stages, so that the tokenizer and token ids are made once on one machine and the GPU only trains:
 
-    python -m engine.train prepare --out DATA            # BPE tokenizer + token ids of each split (CPU)
-    python -m engine.train train --data DATA --out MODEL --device cuda --steps N
-    python -m engine.train all --out MODEL               # both, on one machine
+    python -m offline.train prepare --out DATA            # BPE tokenizer + token ids of each split (CPU)
+    python -m offline.train train --data DATA --out MODEL --device cuda --steps N
+    python -m offline.train all --out MODEL               # both, on one machine
 
-``prepare`` (``engine.train_data``) makes the tokenizer and the token ids of each corpus split.
+``prepare`` (``offline.train_data``) makes the tokenizer and the token ids of each corpus split.
 ``train`` builds ``engine.model.CausalLM`` itself (the serving definition, so the checkpoint cannot
 drift from what the engine runs) with trainable fp32 weights, trains with AdamW under bf16 autocast
 on random windows of the train tokens, keeps the weights of the best validation loss and writes an HF
@@ -14,7 +14,7 @@ checkpoint (config.json, model.safetensors in bf16, tokenizer with a ChatML temp
 ``training_log.json``). ``--time-budget-s`` fixes the step count from the measured speed of the first
 steps and prints it: rerun with ``--steps N`` (same seed, same data) to reproduce the schedule.
 
-The shipped default model (``nvfp4_serve/models/default``) is ``prepare`` on CPython 3.11.7 followed by
+The shipped default model (``svc_common/models/default``) is ``prepare`` on CPython 3.11.7 followed by
 ``train --device cuda --steps 700`` with the defaults below: 94 s on one H200 at ~0.97M tokens/s,
 best validation loss 1.951 at step 600 (its ``training_log.json`` has the curve). GPU kernels are not
 bit-deterministic, so a rerun matches the curve, not the bytes.
@@ -40,8 +40,8 @@ import torch.nn.functional as F
 
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
-from engine.tiny_model import SPECIAL_TOKENS
-from engine.train_data import MAX_INT16_VOCAB, load_tokens, prepare
+from offline.tiny_model import SPECIAL_TOKENS
+from offline.train_data import MAX_INT16_VOCAB, load_tokens, prepare
 
 
 @dataclass(frozen=True)
@@ -376,7 +376,7 @@ def _configs(a: argparse.Namespace, vocab: int) -> tuple[ModelShape, TrainConfig
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        "python -m engine.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        "python -m offline.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_prep = sub.add_parser("prepare", help="tokenizer + token ids of the stdlib corpus")
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=a.steps,
         time_budget_s=a.time_budget_s,
         device=a.device,
-        command="python -m engine.train " + " ".join(argv if argv is not None else sys.argv[1:]),
+        command="python -m offline.train " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
     return 0
 

@@ -3,7 +3,7 @@
 Every entry point (``up``, each service, the router's ``--model-dir``) calls ``resolve_model`` on what
 the user gave and passes the directory on, so every process reads the same files:
 
-- nothing given -> the embedded default model (``nvfp4_serve/models/default``);
+- nothing given -> the embedded default model (``svc_common/models/default``);
 - an existing directory -> its absolute path;
 - ``org/name`` (or ``name``) that is no directory here -> ``huggingface_hub.snapshot_download`` of the
   config, tokenizer and safetensors files only (``MODEL_FILE_PATTERNS``), into the hub cache
@@ -29,7 +29,7 @@ class ModelSourceError(ValueError):
 def resolve_model(spec: str | None) -> str:
     """The local directory of ``spec`` (see the module docstring); the same directory for every caller."""
     if not spec:
-        from nvfp4_serve.default_model import default_model_dir
+        from svc_common.default_model import default_model_dir
 
         return default_model_dir()
     path = Path(spec).expanduser()

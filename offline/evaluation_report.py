@@ -1,4 +1,4 @@
-"""The accuracy report: markdown tables and plain findings from ``engine.evaluation``'s results."""
+"""The accuracy report: markdown tables and plain findings from ``offline.evaluation``'s results."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine.synthetic_kv import SYNTHETIC_FORMATS
+from offline.synthetic_kv import SYNTHETIC_FORMATS
 
 
 def mean_se(per_window: torch.Tensor) -> tuple[float, float]:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from engine.kv_pool import KVPool
-from nvfp4_serve.kv_transfer_ipc import check_share, describe_tensors, page_runs, pool_rows
+from svc_common.kv_transfer_ipc import check_share, describe_tensors, page_runs, pool_rows
 from nvfp4_serve_proto import prefill_pb2
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from nvfp4_serve.cli_help import HelpFormatter, add_version
+from svc_common.cli_help import HelpFormatter, add_version
 
 
 def run_service(parser: argparse.ArgumentParser, to_config: Callable, serve: Callable,
@@ -18,7 +18,7 @@ def run_service(parser: argparse.ArgumentParser, to_config: Callable, serve: Cal
     serve. A user mistake (bad flag value, unusable model, no CUDA, too little GPU memory) exits with one line
     on stderr, ``<prog>: error: <what to change>``: 2 before start-up, 1 when the engine refuses to start."""
     from engine.startup_error import StartupError
-    from nvfp4_serve.preflight import prepare_engine_args
+    from svc_common.preflight import prepare_engine_args
 
     parser.add_argument("--log-level", default=os.environ.get("NVFP4_LOG_LEVEL", "info"),
                         help="critical, error, warning, info or debug (default: $NVFP4_LOG_LEVEL, else info)")
