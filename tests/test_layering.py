@@ -66,7 +66,7 @@ def test_the_allowed_imports_have_no_cycle():
         assert seen.get(p) != 1, " -> ".join((*path, p))
         if p not in seen:
             seen[p] = 1
-            for q in ALLOWED[p]:
+            for q in ALLOWED[p] & ALLOWED.keys():  # benchmarks (used by the CLI only) is not layered
                 visit(q, (*path, p))
             seen[p] = 2
     for p in ALLOWED:
