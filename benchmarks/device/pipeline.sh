@@ -76,6 +76,24 @@ stage issue9x2 400 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0
 stage issue9x2 600 python3 -m nvfp4_serve.cli bench run --input-len 32768 --output-len 256 --concurrency 8 \
   --num-prompts 16 --no-progress --out docs/benchmarks/serving_two_gpu.json --launch-log $R/two_gpu.launch.log \
   --launch --model /tmp/q8b --num-layers 8 --prefill-gpus 0 --decode-gpus 1 --mem-fraction-static 0.5
+# NIXL between two processes on the H200 (UCX's CUDA transports). The nixl-cu13 wheel (56 MiB) exceeds one call's
+# carry: its parts travel over consecutive calls (benchmarks/device/carry_parts.sh, whose header says how); this
+# stage runs once every part has arrived. NIXL_WHEEL names it.
+if want nixl; then
+  NIXL_WHEEL=${NIXL_WHEEL:-nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl}
+  bash benchmarks/device/carry_parts.sh collect >/dev/null
+  mkdir -p /tmp/nixlwhl && cp -f /tmp/carry-parts/nixl-*.whl /tmp/nixlwhl/ 2>/dev/null
+  if bash benchmarks/device/carry_parts.sh join "$NIXL_WHEEL" /tmp/nixlwhl; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/nixlwhl/*.whl
+    stage nixl 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kv_transfer_gpu.py
+    stage nixl 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
+      --num-layers 8 --lengths 32768 --paths grpc cuda-ipc nixl --log-dir $R/logs_nixl
+    stage nixl 600 python3 -m nvfp4_serve.cli bench pd --input-len 32768 --output-len 256 --concurrency 16 \
+      --num-prompts 32 --deployments pd-ipc pd-nixl --out docs/benchmarks/pd_nixl.json \
+      --report docs/benchmarks/pd_nixl.md --log-dir $R/logs_pd_nixl --launch --model /tmp/q8b --num-layers 8 \
+      --max-total-tokens 1048576 --workspace-tokens 262144 --chunked-prefill-size 8192
+  fi
+fi
 stage tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS
 echo "=== ALL DONE $(date +%T)"
 touch $R/DONE

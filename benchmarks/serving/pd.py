@@ -11,6 +11,7 @@ Each deployment is ``nvfp4-serve up`` with the shared args plus its own (one at 
     pd-grpc       --num-prefill 1 --kv-transfer grpc --kv-cache-dtype nvfp4
     pd-grpc-fp8   --num-prefill 1 --kv-transfer grpc --kv-cache-dtype fp8_e4m3
     pd-ipc-unpaced  as pd-ipc with --shared-gpu-decode-interval-ms 0 (on one GPU: what pacing the decode buys)
+    pd-nixl       --num-prefill 1 --kv-transfer nixl --kv-cache-dtype nvfp4  (asked for by name: needs the nixl extra)
 
 One point each (the workload above, random prompts, warm-up first); per deployment TTFT mean / median /
 p99, ITL p50 / p99, input and output tok/s, and from the decode's metrics the transfer bytes, the time
@@ -42,7 +43,9 @@ DEPLOYMENTS: dict[str, list[str]] = {
     # what pacing the decode on a shared GPU buys: the cuda-ipc deployment with it off
     "pd-ipc-unpaced": ["--num-prefill", "1", "--kv-transfer", "cuda-ipc", "--kv-cache-dtype", "nvfp4",
                        "--shared-gpu-decode-interval-ms", "0"],
+    "pd-nixl": ["--num-prefill", "1", "--kv-transfer", "nixl", "--kv-cache-dtype", "nvfp4"],
 }
+DEFAULT_DEPLOYMENTS = [d for d in DEPLOYMENTS if d != "pd-nixl"]  # nixl is an optional extra
 _OWN_FLAGS = ("--num-prefill", "--kv-transfer", "--kv-cache-dtype", "--shared-gpu-decode-interval-ms")
 
 
@@ -53,7 +56,7 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, required=True)
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per deployment first")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=list(DEPLOYMENTS))
+    p.add_argument("--deployments", nargs="+", default=DEFAULT_DEPLOYMENTS, choices=list(DEPLOYMENTS))
     p.add_argument("--launch-timeout", type=float, default=900.0)
     p.add_argument("--log-dir", default=None, help="launcher logs (default: beside --out)")
     p.add_argument("--out", default="docs/benchmarks/pd.json")
