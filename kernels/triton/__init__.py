@@ -1,1 +1,1 @@
-"""Triton kernels (@triton.jit code only); typed wrappers live in kernels/backends/triton_backend.py."""
+"""Triton kernels (@triton.jit code only); typed wrappers: kernels/backends/triton_nvfp4.py, triton_decode.py."""

@@ -8,7 +8,7 @@ An int16 element holds 4 E2M1 codes (2 packed bytes, even element in the LOW nib
 ``e2m1x4(w, MODE)`` returns four fp16 tensors, output k = E2M1[nibble k] * UNIT, exactly, with UNIT = 2**-14
 for modes 0 and 1 and UNIT = 1 for mode 2. The fp16 with bits ``(c & 8) << 12 | (c & 7) << 9`` equals
 E2M1[c] * 2**-14 (0.5 lands on an fp16 subnormal); callers fold 1/UNIT into sm_scale (K) and into the
-output scale (V) (``triton_backend.e2m1_fold``).
+output scale (V) (``kernels.backends.triton_decode.e2m1_fold``).
 
 Three implementations of the same elementwise function, picked by the constexpr ``MODE``:
   0  plain Triton integer ops (any target, also the CPU interpreter)

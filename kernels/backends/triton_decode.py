@@ -1,0 +1,183 @@
+"""The Triton NVFP4 decode part: split-KV geometry, per-plan buffers, the fused decode and LSE merge launches.
+
+``TritonNvfp4Decode`` plans every decode of the Triton backend (``plan``: the checks and ``DecodeState``, for
+any pool dtype) and decodes NVFP4 pools: out[b,h] = softmax(q[b,h] . K[b]^T * sm_scale) . V[b] with K, V read
+from NVFP4 pages by ``nvfp4_decode_kernel``, then ``merge_kernel`` over the splits.
+
+CUDA graphs. ``plan`` sizes everything from the plan alone (B, page_table.shape[1], heads): the split size,
+the number of splits, the partial-output buffers and the grids. ``decode`` launches exactly those grids,
+reads the sequence lengths and page ids from device memory and allocates nothing, so an engine captures one
+graph per batch-size bucket with a fixed ``max_pages`` (a page table of that width) and replays it for any
+lengths <= max_pages * page_size; there is no host-side refresh.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+
+from kernels.backends.base import DecodeOptions, DecodePlan
+from kernels.backends.triton_nvfp4 import check_nvfp4_layer, u8
+from kernels.kv_layout import LayerKV
+from kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
+
+_LOG2E = math.log2(math.e)
+_MIN_SPLIT_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiling of the NVFP4 decode kernel: NW warp slices of BW tokens per loop step."""
+
+    num_warps: int = 4
+    block_w: int = 32
+    num_stages: int = 2
+    programs_per_sm: int = 8  # split-KV target: about this many programs per SM when sequences are long
+
+    def __post_init__(self) -> None:
+        if self.block_w < 16 or self.block_w & (self.block_w - 1):
+            raise ValueError(f"block_w must be a power of two >= 16 (tensor-core N dim), got {self.block_w}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
+
+    @property
+    def block_n(self) -> int:
+        return self.num_warps * self.block_w
+
+
+def default_decode_config(head_dim: int) -> DecodeConfig:
+    """Measured on H200 (docs/benchmarks/kernel-notes.md); D=256 halves the slice to stay in registers."""
+    return DecodeConfig(4, 16 if head_dim > 128 else 32, 2, 8)
+
+
+def e2m1_mode(device: torch.device) -> int:
+    """Decode implementation for ``device``: 0 = interpreter (CPU), 1 = software (SM < 100), 2 = cvt (SM100+)."""
+    if device.type != "cuda":
+        return 0
+    major, _ = torch.cuda.get_device_capability(device)
+    return 2 if major >= 10 else 1
+
+
+def e2m1_fold(mode: int) -> float:
+    """The factor the decoded E2M1 values lack: the software decode yields E2M1 * 2**-14."""
+    return 1.0 if mode == 2 else 2.0**14
+
+
+@dataclass
+class DecodeState:
+    """Per-batch buffers and launch geometry of the NVFP4 decode (depends only on the plan)."""
+
+    config: DecodeConfig
+    chunk_tokens: int
+    num_splits: int
+    o_part: torch.Tensor  # [B, Hq, num_splits, D] fp32
+    lse_part: torch.Tensor  # [B, Hq, num_splits] fp32
+    fallback: object = None  # (FlashInferDecode, (kv_dtype, sm_scale)) for fp8/bf16 pools with flashinfer
+    fallback_args: tuple | None = None  # plan arguments after (page_table, seq_lens), for refresh_decode_plan
+
+
+def split_geometry(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, num_sms: int,
+                   programs_per_sm: int = 8) -> tuple[int, int]:
+    """(chunk_tokens, num_splits): enough programs to fill the GPU, each at least ``_MIN_SPLIT_TOKENS`` long."""
+    base = max(1, batch * num_kv_heads)
+    want = max(1, math.ceil(programs_per_sm * num_sms / base))
+    cap = max(1, math.ceil(max_tokens / _MIN_SPLIT_TOKENS))
+    splits = min(want, cap)
+    chunk = triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
+    return chunk, triton.cdiv(max_tokens, chunk)
+
+
+class TritonNvfp4Decode:
+    """Plans every decode of the backend; decodes NVFP4 pools with the fused split-KV kernel."""
+
+    name = "triton-nvfp4-decode"
+
+    def __init__(self, decode_config: DecodeConfig | None = None) -> None:
+        self.decode_config = decode_config  # None: default_decode_config(head_dim) per plan
+
+    def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
+             head_dim: int, page_size: int) -> DecodePlan:
+        if page_table.dtype != torch.int32 or page_table.dim() != 2 or seq_lens.dtype != torch.int32:
+            raise ValueError("plan_decode needs page_table [B, max_pages] int32 and seq_lens [B] int32, got "
+                             f"{page_table.dtype} {tuple(page_table.shape)} / {seq_lens.dtype}")
+        if num_qo_heads % num_kv_heads != 0:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        plan = DecodePlan(page_table, seq_lens, num_qo_heads, num_kv_heads, head_dim, page_size)
+        batch, max_pages = page_table.shape
+        cfg = self.decode_config or default_decode_config(head_dim)
+        dev = page_table.device
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        chunk, splits = split_geometry(batch, num_kv_heads, max(1, max_pages * page_size), cfg.block_n, num_sms,
+                                       cfg.programs_per_sm)
+        st = DecodeState(
+            cfg, chunk, splits,
+            torch.empty(batch, num_qo_heads, splits, head_dim, dtype=torch.float32, device=dev),
+            torch.empty(batch, num_qo_heads, splits, dtype=torch.float32, device=dev))
+        plan.backend_state = st
+        return plan
+
+    def prepare(self, plan: DecodePlan, options: DecodeOptions) -> None:
+        """Nothing beyond ``plan``: the kernel reads lengths and pages from device memory."""
+
+    def refresh(self, plan: DecodePlan, page_table: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Nothing on the host before a replay (see the module docstring)."""
+
+    def warm(self, layer: LayerKV, shapes: list[tuple[int, int]], num_qo_heads: int,
+             q_dtype: torch.dtype, sm_scale: float, fill_page: int) -> int:
+        """Triton specializes the NVFP4 decode and merge kernels on values that follow the plan's shape (the
+        split count, via SPLITS_P2 and the partial buffers' strides; the table's row stride): a new shape
+        compiles a variant (about a second), which stalled every running request the first time a serving
+        batch grew into it. Running each shape once here moves those compiles to start-up."""
+        if layer.k.device.type != "cuda" or not shapes:
+            return 0
+        dev = layer.k.device
+        most = max(b * w for b, w in shapes)
+        table_flat = torch.full((most,), fill_page, dtype=torch.int32, device=dev)
+        lens = torch.ones(max(b for b, _ in shapes), dtype=torch.int32, device=dev)
+        q = torch.zeros(lens.numel(), num_qo_heads, layer.head_dim, dtype=q_dtype, device=dev)
+        for b, w in shapes:
+            table = table_flat[: b * w].view(b, w)  # contiguous: the row stride a captured table has
+            plan = self.plan(table, lens[:b], num_qo_heads, layer.num_kv_heads, layer.head_dim, layer.page_size)
+            self.decode(plan, q[:b], layer, sm_scale)
+        torch.cuda.synchronize(dev)
+        return len(shapes)
+
+    def decode(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> torch.Tensor:
+        st = plan.backend_state
+        if not isinstance(st, DecodeState):
+            raise TypeError("decode needs a plan from TritonBackend.plan_decode")
+        check_nvfp4_layer(layer)
+        batch, hq, d = q.shape
+        hk = layer.num_kv_heads
+        if (hq, hk, d, layer.page_size) != (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size):
+            raise ValueError(f"q {tuple(q.shape)} / layer (Hk={hk}, S={layer.page_size}) do not match the plan "
+                             f"(Hq={plan.num_qo_heads}, Hk={plan.num_kv_heads}, D={plan.head_dim}, "
+                             f"S={plan.page_size})")
+        if q.dtype not in (torch.bfloat16, torch.float16) or q.stride(2) != 1 or batch != plan.page_table.shape[0]:
+            raise ValueError(f"q must be bf16/fp16 [B={plan.page_table.shape[0]}, Hq, D] with a contiguous last dim,"
+                             f" got {q.dtype} {tuple(q.shape)} strides {q.stride()}")
+        group = hq // hk
+        mode = e2m1_mode(q.device)
+        fold = e2m1_fold(mode)
+        cfg = st.config
+        qk_scale = float(sm_scale) * float(layer.k_scale) * fold * _LOG2E
+        out_scale = float(layer.v_scale) * fold
+        pt, op, lse = plan.page_table, st.o_part, st.lse_part
+        nvfp4_decode_kernel[(hk, st.num_splits, batch)](
+            q, layer.k.view(torch.int16), u8(layer.k_sf), layer.v.view(torch.int16), u8(layer.v_sf),
+            pt, plan.seq_lens, op, lse,
+            qk_scale, out_scale, q.stride(0), q.stride(1), pt.stride(0),
+            op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), st.chunk_tokens,
+            HK=hk, G=group, GP=max(16, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
+            NW=cfg.num_warps, BW=cfg.block_w, MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        out = torch.empty_like(q)
+        merge_kernel[(batch, hq)](
+            op, lse, out, st.num_splits, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), D=d, SPLITS_P2=triton.next_power_of_2(st.num_splits))
+        return out
