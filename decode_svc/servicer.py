@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from decode_svc.worker import DecodeWorker
 from engine.integrity import IntegrityError
 from svc_common.load import LoadReporter
@@ -13,7 +11,6 @@ from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, worker: DecodeWorker):
         self.worker = worker
-        self.loop = worker.loop
         self.reporter = LoadReporter(worker.loop, "decode", worker.layout, worker.metrics)
 
     async def Generate(self, request, context):
@@ -28,15 +25,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return common_pb2.MetricsResponse(prometheus_text=self.worker.metrics.text())
 
     async def FlushCache(self, request, context):
-        def flush() -> tuple[int, bool]:
-            return self.loop.scheduler.flush_cache(), self.loop.scheduler.num_active == 0
-
-        freed, idle = await asyncio.wrap_future(self.loop.call(flush))
+        freed, idle = await self.worker.flush_cache()
         return decode_pb2.FlushCacheResponse(num_pages_freed=freed, flushed=idle)
 
     async def CheckIntegrity(self, request, context):
         try:
-            r = await asyncio.wrap_future(self.loop.call(self.loop.scheduler.check_integrity))
+            r = await self.worker.check_integrity()
         except IntegrityError as e:
             return decode_pb2.IntegrityReport(ok=False, message=str(e))
         return decode_pb2.IntegrityReport(ok=True, message="ok", num_total=r.num_total, num_free=r.num_free,

@@ -61,7 +61,7 @@ class PoolIdentity(NamedTuple):
 
 
 class HostTierStats(NamedTuple):
-    """Counters since start (read through ``Scheduler.host_tier_stats``; metrics and GetLoad report them)."""
+    """Counters since start (read through ``Scheduler.stats().host_tier``; metrics and GetLoad report them)."""
 
     num_pages: int
     num_used_pages: int

@@ -2,7 +2,8 @@
 
 Every edge of the tree is a whole number of pages: a node's ``key`` holds ``len(pages) * page_size``
 token ids and ``pages[i]`` holds the K/V of ``key[i*S:(i+1)*S]``. Only full pages are cached; a
-sequence's trailing partial page stays with its request.
+sequence's trailing partial page stays with its request. The node type and the walks that only read the tree
+(matching a page, the evictable count, the structural check) are ``engine.radix_node``'s.
 
     root
      └─ [t0..t7 | p0 p1] ── [t8..t11 | p2]          two sequences that share 2 pages,
@@ -44,6 +45,16 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from engine.page_allocator import PageAllocator
+from engine.radix_node import (
+    Node,
+    device_children,
+    evictable,
+    num_matching_pages,
+    page_key,
+    tree_problems,
+    walk,
+)
+from engine.radix_node import num_pages as node_pages
 
 if TYPE_CHECKING:
     from engine.host_pool import HostPool
@@ -56,20 +67,6 @@ class PrefixMatch(NamedTuple):
 
     page_ids: list[int]
     num_tokens: int
-
-
-class _Node:
-    __slots__ = ("children", "host_pages", "key", "last_access", "pages", "parent", "seq")
-
-    def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None, seq: int) -> None:
-        self.key = key
-        self.pages = pages  # device page ids ([] when the node is on the host only)
-        self.host_pages: list[int] = []  # host page ids ([] when the node is not on the host)
-        # Children are keyed by the token ids of their first page.
-        self.children: dict[tuple[int, ...], _Node] = {}
-        self.parent = parent
-        self.last_access = 0
-        self.seq = seq  # creation order: breaks LRU ties deterministically
 
 
 class RadixCache:
@@ -86,7 +83,7 @@ class RadixCache:
         self._locked: set[int] = set()  # seq of host nodes a load_from_host is reading: never host-evicted
         self._seq = itertools.count()
         self._clock = 0
-        self._root = _Node((), [], None, next(self._seq))
+        self._root = Node((), [], None, next(self._seq))
         self._cached: set[int] = set()  # == the pages of all nodes; one allocator reference each
         # Since start, flushes included: pages and tokens dropped by evict(); pages dropped by flush() alone.
         self.num_evictions = 0
@@ -105,22 +102,22 @@ class RadixCache:
 
     def num_evictable_pages(self) -> int:
         """Pages ``evict`` could free right now (``flush()`` would free exactly this many)."""
-        return self._evictable(self._root)[0]
+        return evictable(self._root, self.allocator.refcount)[0]  # one tree walk
 
     def host_pages(self) -> list[int]:
         """Every host page the tree holds, one entry per node page (a repeat would be a bug)."""
-        return [h for node in self._nodes() for h in node.host_pages]
+        return [h for node in walk(self._root) for h in node.host_pages]
 
     def residency(self, tokens: Sequence[int]) -> list[str]:
         """Where each cached whole page of ``tokens``'s longest cached prefix lives: "device", "host" or "both".
         Reads only (LRU times unchanged)."""
         S, out, node, pos = self.page_size, [], self._root, 0
-        while (child := node.children.get(self._page_key(tokens, pos))) is not None:
-            n = self._num_matching_pages(child, tokens, pos)
+        while (child := node.children.get(page_key(tokens, pos, self.page_size))) is not None:
+            n = num_matching_pages(child, tokens, pos, S)
             tier = "both" if child.pages and child.host_pages else "device" if child.pages else "host"
             out += [tier] * n
             pos += n * S
-            if n < _num_pages(child, S):
+            if n < node_pages(child, S):
                 break
             node = child
         return out
@@ -138,10 +135,10 @@ class RadixCache:
         pos = 0
         while True:
             node.last_access = self._clock
-            child = node.children.get(self._page_key(tokens, pos))
+            child = node.children.get(page_key(tokens, pos, self.page_size))
             if child is None or not child.pages:  # a host-only node: load_from_host brings it back first
                 break
-            n = self._num_matching_pages(child, tokens, pos)
+            n = num_matching_pages(child, tokens, pos, self.page_size)
             pages.extend(child.pages[:n])
             pos += n * self.page_size
             if n < len(child.pages):
@@ -170,11 +167,11 @@ class RadixCache:
         pos = 0
         while pos < num_pages * S:
             node.last_access = self._clock
-            child = node.children.get(self._page_key(tokens, pos))
+            child = node.children.get(page_key(tokens, pos, self.page_size))
             if child is None:
                 break
-            n = self._num_matching_pages(child, tokens, pos, limit=num_pages - pos // S)
-            if n < _num_pages(child, S):
+            n = num_matching_pages(child, tokens, pos, S, limit=num_pages - pos // S)
+            if n < node_pages(child, S):
                 child = self._split(child, n)
             if not child.pages and not self._adopt(child, page_ids[pos // S:pos // S + n]):
                 return pos  # nothing below a node that stays off the device may go on it
@@ -191,7 +188,7 @@ class RadixCache:
                     "pages or reuse cached pages for other tokens"
                 )
             self.allocator.incref(new_pages)
-            leaf = _Node(tuple(tokens[pos:num_pages * S]), new_pages, node, next(self._seq))
+            leaf = Node(tuple(tokens[pos:num_pages * S]), new_pages, node, next(self._seq))
             leaf.last_access = self._clock
             node.children[leaf.key[:S]] = leaf
             self._cached.update(new_pages)
@@ -207,7 +204,7 @@ class RadixCache:
         """
         if self.host is not None:
             return self._evict_tiered(num_pages, store=True)
-        leaves = [(n.last_access, n.seq, n) for n in self._nodes() if not n.children and n is not self._root]
+        leaves = [(n.last_access, n.seq, n) for n in walk(self._root) if not n.children and n is not self._root]
         heapq.heapify(leaves)
         freed: list[int] = []
         while leaves and len(freed) < num_pages:
@@ -240,7 +237,7 @@ class RadixCache:
             num_freed = len(self.evict(len(self._cached)))
         else:
             num_freed = len(self._evict_tiered(len(self._cached), store=False))
-            for node in self._nodes():
+            for node in walk(self._root):
                 if node.host_pages and node.seq not in self._locked:
                     self._drop_host_copy(node)
         self.num_flushed_pages += num_freed
@@ -262,10 +259,10 @@ class RadixCache:
         node, pos, path_pages = self._root, 0, []
         while True:  # the device part of the match
             node.last_access = self._clock
-            child = node.children.get(self._page_key(tokens, pos))
+            child = node.children.get(page_key(tokens, pos, self.page_size))
             if child is None:
                 return 0
-            n = self._num_matching_pages(child, tokens, pos)
+            n = num_matching_pages(child, tokens, pos, S)
             if not child.pages:
                 break
             path_pages += child.pages[:n]
@@ -273,14 +270,14 @@ class RadixCache:
             if n < len(child.pages):
                 return 0
             node = child
-        chain: list[_Node] = []  # host-only nodes of the match (their descendants are host-only too)
-        while child is not None and not child.pages and (n := self._num_matching_pages(child, tokens, pos)):
-            if n < _num_pages(child, S):
+        chain: list[Node] = []  # host-only nodes of the match (their descendants are host-only too)
+        while child is not None and not child.pages and (n := num_matching_pages(child, tokens, pos, S)):
+            if n < node_pages(child, S):
                 child = self._split(child, n)
             child.last_access = self._clock
             chain.append(child)
             pos += n * S
-            child = child.children.get(self._page_key(tokens, pos))
+            child = child.children.get(page_key(tokens, pos, self.page_size))
         if not chain:
             return 0
         self.allocator.incref(path_pages)  # the device part must survive the room made below
@@ -324,7 +321,7 @@ class RadixCache:
         """``evict`` with a host tier: LRU device leaves lose their evictable tail, which goes to the host
         (``store``) unless it is there already; returns the freed device pages in eviction order."""
         S = self.page_size
-        leaves = [(n.last_access, n.seq, n) for n in self._nodes() if n.pages and not _device_children(n)]
+        leaves = [(n.last_access, n.seq, n) for n in walk(self._root) if n.pages and not device_children(n)]
         heapq.heapify(leaves)
         freed: list[int] = []
         to_dev: list[int] = []
@@ -351,7 +348,7 @@ class RadixCache:
             if not node.host_pages:  # nowhere to keep it: drop it with its host-only subtree
                 self._remove_subtree(node)
             freed.extend(reversed(pages))
-            if parent is not self._root and parent.pages and not _device_children(parent):
+            if parent is not self._root and parent.pages and not device_children(parent):
                 heapq.heappush(leaves, (parent.last_access, parent.seq, parent))
         if to_dev:
             assert self.host is not None
@@ -369,7 +366,7 @@ class RadixCache:
         if n > host.num_pages:
             return None
         if host.num_free < n:
-            cands = [(x.last_access, x.seq, x) for x in self._nodes() if self._host_evictable(x)]
+            cands = [(x.last_access, x.seq, x) for x in walk(self._root) if self._host_evictable(x)]
             heapq.heapify(cands)
             while cands and host.num_free < n:
                 _, _, x = heapq.heappop(cands)
@@ -383,12 +380,12 @@ class RadixCache:
                 return None
         return host.allocate(n)
 
-    def _host_evictable(self, x: _Node) -> bool:
+    def _host_evictable(self, x: Node) -> bool:
         """A host copy may go when no load reads it and the node stays reachable: it is on the device
         too, or it is a host-only leaf."""
         return bool(x.host_pages) and x.seq not in self._locked and (bool(x.pages) or not x.children)
 
-    def _drop_host_copy(self, x: _Node) -> None:
+    def _drop_host_copy(self, x: Node) -> None:
         if x.pages:
             assert self.host is not None
             self.host.free(x.host_pages)
@@ -396,10 +393,10 @@ class RadixCache:
         else:
             self._remove_subtree(x)
 
-    def _remove_subtree(self, top: _Node) -> None:
+    def _remove_subtree(self, top: Node) -> None:
         """Unlink ``top`` and free the host pages of its subtree; its nodes hold no device page (callers see
         to that: below a node that is off the device nothing is on it)."""
-        for x in self._nodes(top):
+        for x in walk(top):
             assert not x.pages or x is top
             if x.host_pages:
                 assert self.host is not None
@@ -410,11 +407,11 @@ class RadixCache:
         if parent.children.get(top.key[:self.page_size]) is top:
             del parent.children[top.key[:self.page_size]]
 
-    def _adopt(self, node: _Node, page_ids: Sequence[int]) -> bool:
+    def _adopt(self, node: Node, page_ids: Sequence[int]) -> bool:
         """MUTATES: put a host-only node back on the device with a request's own pages for its tokens (the
         request computed them); False (nothing changed) when those pages are cached elsewhere."""
         pages = [int(p) for p in page_ids]
-        if len(pages) != _num_pages(node, self.page_size) or len(set(pages)) != len(pages) or \
+        if len(pages) != node_pages(node, self.page_size) or len(set(pages)) != len(pages) or \
                 any(p in self._cached for p in pages):
             return False
         self.allocator.incref(pages)
@@ -425,56 +422,15 @@ class RadixCache:
     # -- structural self-check (used by engine.integrity) ---------------------------------------
     def tree_problems(self) -> list[str]:
         """Descriptions of broken tree invariants (empty when the tree is sound)."""
-        problems: list[str] = []
-        seen: dict[int, int] = {}
-        count = 0
-        for node in self._nodes():
-            if node is self._root:
-                continue
-            if not node.pages and not node.host_pages:
-                problems.append(f"node {node.seq}: {len(node.key)} tokens for 0 pages on either tier")
-            if node.pages and len(node.key) != len(node.pages) * self.page_size:
-                problems.append(f"node {node.seq}: {len(node.key)} tokens for {len(node.pages)} pages")
-            if node.host_pages and len(node.key) != len(node.host_pages) * self.page_size:
-                problems.append(f"node {node.seq}: {len(node.key)} tokens for {len(node.host_pages)} host pages")
-            if node.pages and node.parent is not None and node.parent is not self._root and not node.parent.pages:
-                problems.append(f"node {node.seq}: on the device under a parent that is not")
-            parent = node.parent
-            if parent is None or parent.children.get(node.key[:self.page_size]) is not node:
-                problems.append(f"node {node.seq}: not reachable from its parent under its first page")
-            for p in node.pages:
-                seen[p] = seen.get(p, 0) + 1
-            count += len(node.pages)
-        dup = sorted(p for p, c in seen.items() if c > 1)
-        if dup:
-            problems.append(f"pages cached in more than one place: {dup[:16]}")
-        if count != len(self._cached) or set(seen) != self._cached:
-            problems.append(
-                f"the cache's page set ({len(self._cached)} pages) differs from the tree's {count} pages"
-            )
-        return problems
+        return tree_problems(self._root, self._cached, self.page_size)
 
     # -- helpers -------------------------------------------------------------------------------
-    def _page_key(self, tokens: Sequence[int], pos: int) -> tuple[int, ...]:
-        return tuple(tokens[pos:pos + self.page_size])
-
-    def _num_matching_pages(self, node: _Node, tokens: Sequence[int], pos: int, limit: int | None = None) -> int:
-        """Whole pages of ``node`` equal to ``tokens[pos:]`` (capped at ``limit`` pages)."""
-        S = self.page_size
-        n_max = min(_num_pages(node, S), (len(tokens) - pos) // S)
-        if limit is not None:
-            n_max = min(n_max, limit)
-        n = 0
-        while n < n_max and tuple(tokens[pos + n * S:pos + (n + 1) * S]) == node.key[n * S:(n + 1) * S]:
-            n += 1
-        return n
-
-    def _split(self, node: _Node, n: int) -> _Node:
+    def _split(self, node: Node, n: int) -> Node:
         """Split ``node`` after its first ``n`` pages; return the new parent holding those pages."""
         S = self.page_size
         parent = node.parent
-        assert parent is not None and 0 < n < _num_pages(node, S)
-        head = _Node(node.key[:n * S], node.pages[:n], parent, next(self._seq))
+        assert parent is not None and 0 < n < node_pages(node, S)
+        head = Node(node.key[:n * S], node.pages[:n], parent, next(self._seq))
         head.host_pages = node.host_pages[:n]
         head.last_access = node.last_access
         parent.children[head.key[:S]] = head
@@ -486,41 +442,3 @@ class RadixCache:
         node.parent = head
         head.children[node.key[:S]] = node
         return head
-
-    def _evictable(self, top: _Node) -> tuple[int, bool]:
-        """(evictable pages in the subtree of ``top``, whether that whole subtree is evictable)."""
-        result: dict[int, tuple[int, bool]] = {}
-        for node in reversed(self._nodes(top)):  # children before their parent
-            total = 0
-            all_children = True
-            for child in node.children.values():
-                n, full = result.pop(id(child))
-                total += n
-                all_children &= full
-            tail = 0
-            if all_children:
-                for p in reversed(node.pages):
-                    if self.allocator.refcount(p) != 1:
-                        break
-                    tail += 1
-            result[id(node)] = (total + tail, all_children and tail == len(node.pages))
-        return result[id(top)]
-
-    def _nodes(self, top: _Node | None = None) -> list[_Node]:
-        """Nodes of the subtree at ``top`` (default: root) in pre-order: parents before children."""
-        out: list[_Node] = []
-        stack = [self._root if top is None else top]
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out
-
-
-def _num_pages(node: _Node, page_size: int) -> int:
-    """Pages of a node's tokens (on whichever tier holds them)."""
-    return len(node.key) // page_size
-
-
-def _device_children(node: _Node) -> bool:
-    return any(c.pages for c in node.children.values())

@@ -1,11 +1,13 @@
-"""WorkerLoad snapshots, taken on the engine loop thread so they see a consistent scheduler.
+"""WorkerLoad snapshots from the scheduler's stats record (``EngineLoop.stats()``: taken on the engine loop thread
+between two steps, so its numbers are those of one moment; this module reads nothing else of the engine's state).
 
 A snapshot waits for the loop to finish its current step or command. When that takes longer than
 ``fresh_wait_s`` (a first-use JIT compile of a FlashInfer kernel takes ~25 s) the report answers the last
 snapshot instead (before the first snapshot it waits, within the RPC's deadline), so the router does not mark
 a busy worker unhealthy and turn clients away; a loop that has not started a new iteration for
 ``max_stall_s`` is reported as failing (a hung engine must not look healthy).
-Invariant: at most one snapshot command is queued on the loop at a time.
+Invariant: at most one snapshot command is queued on the loop at a time; the record is turned into the WorkerLoad
+(and the gauges) on the loop thread, as it is taken, so ``_last`` is always the newest record.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import grpc
 
 from engine.engine_loop import EngineLoop
 from engine.host_pool import HostTierStats
+from engine.scheduler_stats import SchedulerStats
 from svc_common.metrics import ServiceMetrics
 from nvfp4_serve_proto import common_pb2
 
@@ -32,28 +35,38 @@ class LoadReporter:
         self.fresh_wait_s, self.max_stall_s = fresh_wait_s, max_stall_s
         self._last: common_pb2.WorkerLoad | None = None
         self._pending: Future | None = None
+        # fixed for the process: read once here
+        self._model_path, self._attention_backend = loop.engine.config.model_dir, loop.engine.backend.name
 
-    def _snapshot(self) -> common_pb2.WorkerLoad:  # on the loop thread
-        s = self.loop.scheduler
-        self.metrics.update_pool(s)
-        host = s.host_tier_stats()
-        self.metrics.update_host_tier(host)
-        outstanding = sum(r.prompt_len - r.kv_len + max(r.sampling.max_tokens - len(r.output_ids), 0)
-                          for r in s.requests.values())
-        cached = s.cache.num_evictable_pages()
+    def _snapshot(self) -> Future:
+        """A future WorkerLoad: the stats record is taken between steps and published (``_publish``) by the loop
+        thread as soon as it is taken."""
+        out: Future = Future()
+
+        def publish(taken: Future) -> None:  # on the loop thread, right after Scheduler.stats()
+            try:
+                out.set_result(self._publish(taken.result()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                out.set_exception(e)
+
+        self.loop.stats().add_done_callback(publish)
+        return out
+
+    def _publish(self, st: SchedulerStats) -> common_pb2.WorkerLoad:
+        self.metrics.update_pool(st)
+        self.metrics.update_host_tier(st.host_tier)
         self._last = common_pb2.WorkerLoad(
-            role=self.role, num_running=s.num_active, num_waiting=len(s.waiting), outstanding_tokens=outstanding,
-            pool_pages_total=s.allocator.num_pages, pool_pages_free=s.allocator.num_free,
-            pool_pages_cached=cached, pool_pages_in_use=s.allocator.num_pages - s.allocator.num_free - cached,
-            page_size=s.page_size, max_total_tokens=s.allocator.num_pages * s.page_size, layout=self.layout,
-            model_path=self.loop.engine.config.model_dir, host_cache=_host_cache(host),
-            attention_backend=self.loop.engine.backend.name)
+            role=self.role, num_running=st.num_active, num_waiting=st.num_waiting,
+            outstanding_tokens=st.outstanding_tokens, pool_pages_total=st.pages_total, pool_pages_free=st.pages_free,
+            pool_pages_cached=st.pages_cached, pool_pages_in_use=st.pages_in_use, page_size=st.page_size,
+            max_total_tokens=st.max_total_tokens, layout=self.layout, model_path=self._model_path,
+            host_cache=_host_cache(st.host_tier), attention_backend=self._attention_backend)
         return self._last
 
     async def load(self) -> common_pb2.WorkerLoad:
         """A fresh snapshot, or the last one while the loop is busy (raises EngineStalled past max_stall_s)."""
         if self._pending is None or self._pending.done():
-            self._pending = self.loop.call(self._snapshot)
+            self._pending = self._snapshot()
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._pending)), self.fresh_wait_s)
         except TimeoutError:

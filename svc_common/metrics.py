@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+if TYPE_CHECKING:
+    from engine.host_pool import HostTierStats
+    from engine.scheduler_stats import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -61,21 +67,20 @@ class ServiceMetrics:
         if seconds > 0:
             self.transfer_gbps.set(num_bytes / seconds / 1e9)
 
-    def update_pool(self, scheduler) -> None:
-        """Refresh the pool gauges (call on the engine loop thread or with its state quiescent)."""
-        alloc, cache = scheduler.allocator, scheduler.cache
-        self.pages_total.set(alloc.num_pages)
-        self.pages_used.set(alloc.num_pages - alloc.num_free)
-        self.pages_cached.set(cache.num_evictable_pages())
-        self.evictions.set(cache.num_evictions)
-        self.evicted_tokens.set(cache.num_evicted_tokens)
-        self.flushed_pages.set(cache.num_flushed_pages)
-        self.retractions.set(scheduler.num_retractions)
-        self.queue_length.set(len(scheduler.waiting))
-        self.running.set(scheduler.num_active)
+    def update_pool(self, st: SchedulerStats) -> None:
+        """Refresh the pool and scheduler gauges from one stats record (``Scheduler.stats()``; any thread)."""
+        self.pages_total.set(st.pages_total)
+        self.pages_used.set(st.pages_total - st.pages_free)
+        self.pages_cached.set(st.pages_cached)
+        self.evictions.set(st.num_evicted_pages)
+        self.evicted_tokens.set(st.num_evicted_tokens)
+        self.flushed_pages.set(st.num_flushed_pages)
+        self.retractions.set(st.num_retractions)
+        self.queue_length.set(st.num_waiting)
+        self.running.set(st.num_active)
 
-    def update_host_tier(self, st) -> None:
-        """Refresh the host tier gauges from ``Scheduler.host_tier_stats()`` (None: no host tier)."""
+    def update_host_tier(self, st: HostTierStats | None) -> None:
+        """Refresh the host tier gauges from ``SchedulerStats.host_tier`` (None: no host tier)."""
         if st is None:
             return
         self.host_pages_total.set(st.num_pages)

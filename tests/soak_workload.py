@@ -112,17 +112,17 @@ class Reference:
 
     def fresh(self, jobs: list[Job]) -> dict[int, str]:
         """Path 1 for every prompt (unique prompts, one batch, never chunked)."""
-        self.engine.scheduler.flush_cache()
+        self.engine.cache.flush()
         outs = self.engine.generate([j.prompt for j in jobs], [self._sampling(j) for j in jobs])
         return {j.index: self.text(j, o.token_ids) for j, o in zip(jobs, outs, strict=True)}
 
     def cached_prefix(self, job: Job) -> str:
         """The output when the prompt's full pages are already cached (what a prefill that kept the prompt of a
         failed attempt computes on the retry)."""
-        self.engine.scheduler.flush_cache()
+        self.engine.cache.flush()
         self.engine.generate([job.prompt], [self._sampling(job, max_tokens=1)])  # caches the prompt's pages
         out = self.engine.generate([job.prompt], [self._sampling(job)])[0]
-        self.engine.scheduler.flush_cache()
+        self.engine.cache.flush()
         return self.text(job, out.token_ids)
 
 

@@ -47,9 +47,9 @@ def _record_step_starts(loop: EngineLoop) -> list[float]:
     starts: list[float] = []
     step = loop.scheduler.step
 
-    def timed_step():
+    def timed_step(*args, **kwargs):
         starts.append(time.perf_counter())
-        return step()
+        return step(*args, **kwargs)
     loop.scheduler.step = timed_step
     return starts
 

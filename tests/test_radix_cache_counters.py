@@ -3,11 +3,13 @@ that publish them (what `nvfp4-serve bench --trace` reads before and after each 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import torch
 
 from benchmarks.serving.server import parse_prometheus
+from engine.config import SchedulerConfig
 from engine.page_allocator import PageAllocator
 from engine.radix_cache import RadixCache
+from engine.scheduler import Scheduler
 from svc_common.metrics import ServiceMetrics
 
 S = 4
@@ -39,8 +41,9 @@ def test_decode_metrics_publish_the_counters_as_since_start_gauges():
     c.evict(1)
     c.flush()
     metrics = ServiceMetrics("decode")
-    scheduler = SimpleNamespace(allocator=c.allocator, cache=c, num_retractions=3, waiting=[], num_active=0)
-    metrics.update_pool(scheduler)
+    scheduler = Scheduler(None, c.allocator, c, S, SchedulerConfig(), 64, 64, frozenset(), torch.device("cpu"))
+    scheduler.num_retractions = 3
+    metrics.update_pool(scheduler.stats())
     parsed = parse_prometheus(metrics.text())
     assert parsed["evicted_pages"] == 6 and parsed["evicted_tokens"] == 6 * S
     assert parsed["flushed_pages"] == 5 and parsed["retractions"] == 3
