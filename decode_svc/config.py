@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from svc_common.engine_args import add_engine_args, engine_config_from_args
+from svc_common.fault_injection import FaultInjection, add_fault_args, faults_from_args
 from svc_common.kv_transfer import TRANSFER_MODES, check_address, check_mode
 from svc_common.service_main import add_server_args
 from svc_common.tls import TLSConfig, add_tls_args, tls_from_args
@@ -43,8 +44,7 @@ class DecodeConfig:
     # While prompts are pulled, decode-only steps start at least this far apart (a prefill on the same GPU gets
     # the time between them); 0: never paced. ``nvfp4-serve up`` sets it where a prefill shares the GPU.
     decode_interval_while_pulling_s: float = 0.0
-    # Fault injection for tests only: stall the engine loop this long after each token it produces.
-    debug_token_delay_s: float = 0.0
+    faults: FaultInjection = field(default_factory=FaultInjection)  # tests only (svc_common/fault_injection.py)
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 64 * 1024:
@@ -55,8 +55,6 @@ class DecodeConfig:
         if not 0 <= self.decode_interval_while_pulling_s <= 1:
             raise ValueError(f"--decode-interval-while-pulling-ms must be in [0, 1000], got "
                              f"{self.decode_interval_while_pulling_s * 1e3:g}")
-        if self.debug_token_delay_s < 0:
-            raise ValueError(f"--debug-token-delay-s must be >= 0, got {self.debug_token_delay_s}")
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -85,10 +83,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="longest wait between two messages of a KV transfer")
     g.add_argument("--between-tokens-timeout", type=float, default=t.between_tokens_s,
                    help="longest wait between two generated tokens")
-    p.add_argument("--debug-token-delay-s", type=float, default=0.0,
-                   help="testing only: stall the engine loop after each token it produces (to trip token deadlines)")
     add_tls_args(p)
     add_engine_args(p)
+    add_fault_args(p, "decode")
     return p
 
 
@@ -97,6 +94,6 @@ def config_from_args(a: argparse.Namespace) -> DecodeConfig:
                  a.between_tokens_timeout)
     return DecodeConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
                         max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port, timeouts=t,
-                        tls=tls_from_args(a), debug_token_delay_s=a.debug_token_delay_s, kv_transfer=a.kv_transfer,
+                        tls=tls_from_args(a), faults=faults_from_args(a), kv_transfer=a.kv_transfer,
                         decode_interval_while_pulling_s=a.decode_interval_while_pulling_ms / 1e3,
                         prefill_addresses=tuple(a.prefill_addresses))

@@ -61,7 +61,8 @@ class DecodeWorker:
         self.receiver = KVReceiver(self.engine.pool, self.layout, metrics, config.timeouts,
                                    config.max_message_bytes, self.engine.model_config.vocab_size, config.tls,
                                    config.kv_transfer)
-        self.debug_token_delay = config.debug_token_delay_s
+        # tests only (svc_common/fault_injection.py): the engine callback itself unless a token delay is set
+        self._with_faults = config.faults.stall_after_tokens
         self._in_flight: set[str] = set()  # request ids between submit and the end of their stream
         self.max_sequence_len = min(self.engine.max_context_len, self.engine.capacity().max_tokens)
         self.grammars = GrammarCompiler(self.engine.config.model_dir, self.engine.model_config.vocab_size,
@@ -116,10 +117,8 @@ class DecodeWorker:
 
         def on_output(ev: StepOutput | PullStart) -> None:  # on the engine loop thread
             aio_loop.call_soon_threadsafe(events.put_nowait, ev)
-            if self.debug_token_delay and isinstance(ev, StepOutput) and ev.new_token_ids and not ev.finish_reason:
-                time.sleep(self.debug_token_delay)  # test-only fault: the whole loop stalls after this token
 
-        self.loop.submit(req, on_output)
+        self.loop.submit(req, self._with_faults(on_output))
         self.metrics.prompt_tokens.inc(req.prompt_len)
         t0 = last = time.perf_counter()
         get = pull = None

@@ -3,9 +3,57 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from engine.host_cache_size import HostCacheSize, host_cache_size_arg
 from kernels.kv_layout import KV_DTYPES
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_DEFAULT_TOKENS = 65536
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one config field is spelled on the command line: the only place each engine flag is declared.
+
+    ``svc_common/engine_args.py`` generates from these the argparse flags, the config built from parsed flags and
+    the argv the launcher passes to its child services. Type and default come from the field unless given here.
+    """
+
+    help: str
+    name: str = ""  # default: --<field-name>
+    aliases: tuple[str, ...] = ()
+    dest: str = ""  # the parsed attribute; default: the name without its dashes
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None  # a callable is asked when the parser is built
+    metavar: str | None = None
+    parse: Callable[[str], Any] | None = None  # default: the field's type (int, float, str; bool: a switch)
+    default: Any = None  # with has_default: the flag's default; else the field's (None for a required field)
+    has_default: bool = False
+    # The parsed value as config fields (default: the field itself); {} when the caller derives them.
+    to_fields: Callable[[Any], dict[str, Any]] | None = None
+    is_path: bool = False  # passed on to child services as an absolute path
+    forward_default: bool = True  # passed on to child services when the value is the default (None never is)
+
+    def attr(self, field_name: str) -> str:
+        """The attribute of the parsed namespace that holds this flag's value."""
+        return self.dest or (self.name[2:].replace("-", "_") if self.name else field_name)
+
+
+def flag(help_text: str, **kw: Any) -> dict[str, Flag]:
+    """Field metadata declaring the field's command-line flag."""
+    return {"flag": Flag(help_text, **kw)}
+
+
+def _attention_backends() -> tuple[str, ...]:
+    from kernels.backends.registry import available_backends  # torch: asked only when a parser is built
+
+    return ("auto", *available_backends())
+
+
+def _host_cache_fields(size: HostCacheSize) -> dict[str, int]:
+    return {"host_cache_bytes": size.num_bytes, "host_cache_tokens": size.num_tokens}
 
 
 @dataclass(frozen=True)
@@ -17,23 +65,35 @@ class CacheConfig:
     defaults to ``cpu_default_tokens``.
     """
 
-    kv_dtype: str = "nvfp4"
-    page_size: int = 16
-    max_total_tokens: int | None = None
-    mem_fraction_static: float = 0.88
-    cpu_default_tokens: int = 65536
-    # Rows of the ONE pair of workspace buffers (FP8, or BF16 for a bf16 cache) shared by all layers.
-    # Bounds prefix + chunk of every extend batch; None -> min(model context, pool capacity).
-    workspace_tokens: int | None = None
+    kv_dtype: str = field(default="nvfp4", metadata=flag(
+        "KV pool format: nvfp4 (9 bytes per 16 values), fp8_e4m3, bf16", name="--kv-cache-dtype", choices=KV_DTYPES))
     # Per-layer global scales (None -> 1.0): pool format scales and the FP8 workspace/attention scales.
-    k_scales: tuple[float, ...] | None = None
+    # --kv-scales names the file they come from; svc_common.engine_args reads it (it needs the model and dtype).
+    k_scales: tuple[float, ...] | None = field(default=None, metadata=flag(
+        "per-layer K/V global scales from `nvfp4-serve calibrate` (nvfp4 pools take its nvfp4 scales and its fp8 "
+        "scales for the FP8 workspace, fp8_e4m3 pools its fp8 scales); default: the checkpoint's k_scale/v_scale, "
+        "else 1.0", name="--kv-scales", parse=str, metavar="FILE", to_fields=lambda path: {}, is_path=True))
     v_scales: tuple[float, ...] | None = None
     ws_k_scales: tuple[float, ...] | None = None
     ws_v_scales: tuple[float, ...] | None = None
+    page_size: int = field(default=16, metadata=flag("tokens per KV page"))
+    max_total_tokens: int | None = field(default=None, metadata=flag(
+        f"KV pool capacity in tokens; default: from --mem-fraction-static on CUDA, {CPU_DEFAULT_TOKENS} on CPU"))
+    mem_fraction_static: float = field(default=0.88, metadata=flag(
+        "fraction of GPU memory for weights + KV pool (GPU only)"))
+    cpu_default_tokens: int = CPU_DEFAULT_TOKENS
     # The host tier (--host-cache-size, engine/host_cache_size.py): evicted pages wait in host memory (pinned on
     # CUDA) until a request's prefix needs them again. At most one of the two is set; both 0: no host tier.
-    host_cache_bytes: int = 0
+    host_cache_bytes: int = field(default=0, metadata=flag(
+        "host tier for evicted KV pages (pinned memory on CUDA), in bytes (8GiB, 500MB) or tokens (200000tokens); a "
+        "request whose prefix was evicted loads it back instead of prefilling it again; 0: off",
+        name="--host-cache-size", parse=host_cache_size_arg, default=HostCacheSize(), has_default=True, metavar="SIZE",
+        to_fields=_host_cache_fields, forward_default=False))
     host_cache_tokens: int = 0
+    # Rows of the ONE pair of workspace buffers (FP8, or BF16 for a bf16 cache) shared by all layers.
+    # Bounds prefix + chunk of every extend batch; None -> min(model context, pool capacity).
+    workspace_tokens: int | None = field(default=None, metadata=flag(
+        "rows of the shared extend workspace (default: the context length, capped by the pool)"))
 
     def __post_init__(self) -> None:
         if self.host_cache_bytes < 0 or self.host_cache_tokens < 0 or (self.host_cache_bytes and self.host_cache_tokens):
@@ -56,15 +116,19 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits."""
 
-    max_running_requests: int = 256
-    chunk_size: int = 2048  # prompt tokens per extend batch (chunked prefill)
-    max_waiting_requests: int = 4096
+    chunk_size: int = field(default=2048, metadata=flag(
+        "prompt tokens per extend batch (chunked prefill)", name="--chunked-prefill-size", aliases=("--chunk-size",),
+        dest="chunk_size"))
+    max_running_requests: int = field(default=256, metadata=flag("requests in the running batch at once"))
+    max_waiting_requests: int = field(default=4096, metadata=flag(
+        "requests queued for admission; beyond: RESOURCE_EXHAUSTED (HTTP 429)"))
     # A request is admitted only if the pool keeps this many free tokens per running request
     # for their decode growth; when growth still runs out, the newest request is retracted.
     decode_reserve_tokens: int = 16
     # Decode service policy: a request whose prompt is cached here at least this fraction runs the
     # extend path locally; otherwise its missing pages are pulled from the prefill service.
-    local_extend_min_cached_ratio: float = 0.5
+    local_extend_min_cached_ratio: float = field(default=0.5, metadata=flag(
+        "decode: extend locally when at least this fraction of the prompt is cached here"))
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -82,26 +146,43 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_dir: str
-    device: str = "auto"  # auto -> cuda if available else cpu
-    dtype: str = "auto"  # model compute dtype: auto -> bfloat16 on cuda, float32 on cpu
-    attention_backend: str = "auto"
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    seed: int = 0
-    # Serve only the first N decoder layers (quick benchmark runs of a large checkpoint); None -> all.
-    num_layers: int | None = None
-    # Decode under CUDA graphs (CUDA only): batches up to cuda_graph_max_bs rows replay captured graphs.
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 256
+    # Flags are generated in field order (svc_common/engine_args.py): --help lists them in this order.
+    model_dir: str = field(metadata=flag(
+        "Hugging Face checkpoint directory, or a hub id such as Qwen/Qwen3-8B (config, tokenizer and safetensors "
+        "downloaded into the hub cache, $HF_HOME; HF_HUB_OFFLINE=1 uses the cache only); default: the embedded model",
+        name="--model", aliases=("--model-path",)))
+    device: str = field(default="auto", metadata=flag(  # auto -> cuda if available else cpu
+        "cuda, cuda:N, cpu, or auto (cuda when PyTorch sees a GPU)"))
+    dtype: str = field(default="auto", metadata=flag(  # model compute dtype: auto -> bfloat16 on cuda, float32 on cpu
+        "weights and activations; auto: bfloat16 on CUDA, float32 on CPU", choices=DTYPES))
+    attention_backend: str = field(default="auto", metadata=flag(
+        "auto: triton on CUDA, reference on CPU; reference: pure PyTorch; reference-block-select: pure PyTorch with "
+        "the per-block NVFP4 scale choice (amax/6 or amax/4); triton: the fused NVFP4 kernels (FlashInfer for "
+        "fp8/bf16 and prefill when installed); triton-block-select: triton with that per-block scale choice in its "
+        "quantize-on-write kernel (CUDA)", choices=_attention_backends))
     # Longest prompt + output served (--context-length); None -> the model's own (config.json, capped by a
     # sliding window). Larger than the model's is refused at start-up.
-    context_length: int | None = None
+    context_length: int | None = field(default=None, metadata=flag(
+        "longest prompt + output in tokens; default: the model's (config.json); at most that",
+        aliases=("--max-model-len",)))
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = field(default=0, metadata=flag(
+        "accepted for SGLang compatibility; unused: a request seeds its own sampling with its 'seed' field"))
+    # Serve only the first N decoder layers (quick benchmark runs of a large checkpoint); None -> all.
+    num_layers: int | None = field(default=None, metadata=flag(
+        "serve only the first N decoder layers of the checkpoint (quick benchmark runs; the KV layout and model "
+        "fingerprint say N, so every service must get the same N)", metavar="N"))
+    # Decode under CUDA graphs (CUDA only): batches up to cuda_graph_max_bs rows replay captured graphs.
+    disable_cuda_graph: bool = field(default=False, metadata=flag(
+        "decode eagerly on CUDA (default: decode batches up to --cuda-graph-max-bs replay CUDA graphs)"))
+    cuda_graph_max_bs: int = field(default=256, metadata=flag(
+        "largest decode batch run under a CUDA graph; larger batches run eagerly"))
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")

@@ -44,7 +44,7 @@ from svc_common.preflight import check_device, prepare_engine_args
 from svc_common.service_auth import API_KEY_ENV, SERVICE_TOKEN_ENV
 from nvfp4_serve.supervisor import RESTART_POLICIES, Child, stop_all, supervise
 from nvfp4_serve.supervisor import spawn as _spawn
-from svc_common.tls import add_tls_args, check_handshake, tls_argv, tls_from_args
+from svc_common.tls import TLSConfig, add_tls_args, check_handshake, tls_argv, tls_from_args
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -219,8 +219,9 @@ def _metrics_argv(base: int | None, i: int) -> list[str]:
     return [] if base is None else ["--metrics-port", str(base + i)]
 
 
-def up(argv: list[str] | None = None) -> int:
-    a = build_arg_parser().parse_args(argv)
+def _check_args(a: argparse.Namespace) -> tuple[bool, dict[str, list[str]], TLSConfig]:
+    """Every flag checked once, before any child starts (SystemExit with one line): whether the services run on a
+    GPU, each kind's extra flags (``--prefill-args`` ...) and the TLS links. ``a.model`` is resolved in place."""
     if a.num_decode < 1:
         raise SystemExit("--num-decode must be >= 1")
     if a.num_prefill < 0:
@@ -241,6 +242,65 @@ def up(argv: list[str] | None = None) -> int:
             check_handshake(links, "127.0.0.1")
     except ValueError as e:
         raise SystemExit(f"nvfp4-serve up: {e}") from None
+    return on_gpu, extra, links
+
+
+def _prefill_argv(a: argparse.Namespace, common: list[str]) -> list[str]:
+    """The engine flags of every prefill service: no host tier (it is the decodes' cache), its own pool size."""
+    prefill_argv = _drop_flag(common, "--host-cache-size")
+    pool = prefill_pool_tokens(a.prefill_max_total_tokens, a.workspace_tokens,
+                               a.context_length or _context_len(a.model), a.chunk_size)
+    if pool is not None:
+        prefill_argv = [*_drop_flag(prefill_argv, "--max-total-tokens"), "--max-total-tokens", str(pool)]
+    return prefill_argv
+
+
+def _start_prefills(a: argparse.Namespace, argv: list[str], envs: list[dict[str, str]],
+                    extra: list[str]) -> tuple[list[Child], list[int]]:
+    """The prefill services, started (not yet ready), and their ports."""
+    names = ["prefill"] if a.num_prefill == 1 else [f"prefill-{i}" for i in range(a.num_prefill)]
+    ports = [free_port() for _ in names]
+    prefills = [_spawn(name, ["-m", "prefill_svc", "--port", str(port), *argv,
+                              *_metrics_argv(a.prefill_metrics_port, i), *extra], envs[i])
+                for i, (name, port) in enumerate(zip(names, ports, strict=True))]
+    return prefills, ports
+
+
+def _pacing_argv(a: argparse.Namespace, shared: bool) -> list[str]:
+    """``--decode-interval-while-pulling-ms`` for a decode on the GPU of a prefill (``shared``), or nothing."""
+    if shared and a.shared_gpu_decode_interval_ms:
+        return ["--decode-interval-while-pulling-ms", f"{a.shared_gpu_decode_interval_ms:g}"]
+    return []
+
+
+def _router_argv(a: argparse.Namespace, decodes: list[Child], prefills: list[Child], tls: list[str],
+                 extra: list[str]) -> list[str]:
+    router_argv = ["-m", "router", "--host", a.host, "--port", str(a.port), "--model-dir", a.model,
+                   "--decode-addresses", *[d.address for d in decodes],
+                   "--max-concurrent-requests", str(a.max_running_requests * a.num_decode),
+                   "--log-level", a.log_level, *tls]
+    if prefills:
+        router_argv += ["--prefill-addresses", *[p.address for p in prefills]]
+    if a.metrics_open:
+        router_argv.append("--metrics-open")
+    if a.served_model_name:
+        router_argv += ["--served-model-name", a.served_model_name]
+    if a.context_length:
+        router_argv += ["--max-model-len", str(a.context_length)]
+    return router_argv + extra
+
+
+def _ready_line(a: argparse.Namespace, url: str, prefills: list[Child]) -> str:
+    prefill_text = (f"{len(prefills)} prefill ({', '.join(p.address for p in prefills)})" if prefills
+                    else "no prefill: decode runs the prompts")
+    layers_text = "" if a.num_layers is None else f", --num-layers {a.num_layers}"
+    return (f"nvfp4-serve ready: {url}/v1  (model {a.model}, kv {a.kv_cache_dtype}{layers_text}, "
+            f"{a.num_decode} decode, {prefill_text}); Ctrl-C stops")
+
+
+def up(argv: list[str] | None = None) -> int:
+    a = build_arg_parser().parse_args(argv)
+    on_gpu, extra, links = _check_args(a)
     tls = tls_argv(links)  # the same certificate files for every child (server and client)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if links.service_token:  # through the environment: flags show in `ps`
@@ -253,16 +313,7 @@ def up(argv: list[str] | None = None) -> int:
     try:
         deadline = time.monotonic() + a.startup_timeout
         prefill_envs, decode_envs = gpu_envs(env, a.prefill_gpus, a.decode_gpus, a.num_decode, a.num_prefill)
-        prefill_argv = _drop_flag(common, "--host-cache-size")  # the host tier is the decodes' (their cache)
-        pool = prefill_pool_tokens(a.prefill_max_total_tokens, a.workspace_tokens,
-                                   a.context_length or _context_len(a.model), a.chunk_size)
-        if pool is not None:
-            prefill_argv = [*_drop_flag(prefill_argv, "--max-total-tokens"), "--max-total-tokens", str(pool)]
-        names = ["prefill"] if a.num_prefill == 1 else [f"prefill-{i}" for i in range(a.num_prefill)]
-        ports = [free_port() for _ in names]
-        prefills = [_spawn(name, ["-m", "prefill_svc", "--port", str(port), *prefill_argv,
-                                  *_metrics_argv(a.prefill_metrics_port, i), *extra["prefill"]], prefill_envs[i])
-                    for i, (name, port) in enumerate(zip(names, ports, strict=True))]
+        prefills, ports = _start_prefills(a, _prefill_argv(a, common), prefill_envs, extra["prefill"])
         children += prefills
         # On a GPU the decodes size their pools from what the prefills left free, so they start once the
         # prefills are ready; on the CPU nothing is shared and every service starts at once.
@@ -271,40 +322,18 @@ def up(argv: list[str] | None = None) -> int:
             _wait_ready(prefills, deadline)
         addresses = [f"127.0.0.1:{port}" for port in ports] if parallel else [p.address for p in prefills]
         allowed = ["--prefill-addresses", *addresses] if prefills else []
-        def pacing(i: int) -> list[str]:
-            shared = on_gpu and prefills and shares_gpu(decode_envs[i], prefill_envs)
-            return ["--decode-interval-while-pulling-ms", f"{a.shared_gpu_decode_interval_ms:g}"] \
-                if shared and a.shared_gpu_decode_interval_ms else []
-
+        shared = [on_gpu and bool(prefills) and shares_gpu(e, prefill_envs) for e in decode_envs]
         decodes = [_spawn(f"decode-{i}", ["-m", "decode_svc", "--port", str(free_port()), *common, *allowed,
-                                          *pacing(i), *_metrics_argv(a.decode_metrics_port, i), *extra["decode"]],
-                          decode_envs[i]) for i in range(a.num_decode)]
+                                          *_pacing_argv(a, shared[i]), *_metrics_argv(a.decode_metrics_port, i),
+                                          *extra["decode"]], decode_envs[i]) for i in range(a.num_decode)]
         children += decodes
         _wait_ready(prefills + decodes, deadline)
-        router_argv = ["-m", "router", "--host", a.host, "--port", str(a.port), "--model-dir", a.model,
-                       "--decode-addresses", *[d.address for d in decodes],
-                       "--max-concurrent-requests", str(a.max_running_requests * a.num_decode),
-                       "--log-level", a.log_level, *tls]
-        if prefills:
-            router_argv += ["--prefill-addresses", *[p.address for p in prefills]]
-        if a.metrics_open:
-            router_argv.append("--metrics-open")
-        if a.served_model_name:
-            router_argv += ["--served-model-name", a.served_model_name]
-        if a.context_length:
-            router_argv += ["--max-model-len", str(a.context_length)]
-        router_argv += extra["router"]
-        if a.api_key:
-            env = {**env, API_KEY_ENV: a.api_key}
-        router = _spawn("router", router_argv, env)
+        router = _spawn("router", _router_argv(a, decodes, prefills, tls, extra["router"]),
+                        {**env, API_KEY_ENV: a.api_key} if a.api_key else env)
         children.append(router)
         url = f"http://{a.host}:{a.port}"
         _wait_health(url, router, deadline)
-        prefill_text = (f"{len(prefills)} prefill ({', '.join(p.address for p in prefills)})" if prefills
-                        else "no prefill: decode runs the prompts")
-        layers_text = "" if a.num_layers is None else f", --num-layers {a.num_layers}"
-        print(f"nvfp4-serve ready: {url}/v1  (model {a.model}, kv {a.kv_cache_dtype}{layers_text}, "
-              f"{a.num_decode} decode, {prefill_text}); Ctrl-C stops", flush=True)
+        print(_ready_line(a, url, prefills), flush=True)
         return supervise(children, stop, a.restart)
     except (RuntimeError, TimeoutError) as e:
         print(f"nvfp4-serve: {e}", file=sys.stderr, flush=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from svc_common.engine_args import add_engine_args, engine_config_from_args
+from svc_common.fault_injection import FaultInjection, add_fault_args, faults_from_args
 from svc_common.kv_transfer import TRANSFER_MODES, check_mode
 from svc_common.service_main import add_server_args
 from svc_common.tls import TLSConfig, add_tls_args, tls_from_args
@@ -27,9 +28,7 @@ class PrefillConfig:
     # the write's launches) that the engine thread of the same process waits on; fewer, larger messages
     # leave it more of the GIL (the transfer benchmark's raw grpcio anchor runs at the same message size).
     kv_message_bytes: int = 4 << 20
-    # Fault injection for tests only: sleep this long before the transfer header / before each KV page message.
-    debug_header_delay_s: float = 0.0
-    debug_transfer_delay_s: float = 0.0
+    faults: FaultInjection = field(default_factory=FaultInjection)  # tests only (svc_common/fault_injection.py)
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 64 * 1024:
@@ -39,10 +38,6 @@ class PrefillConfig:
             raise ValueError(f"--kv-message-bytes must be >= 1, got {self.kv_message_bytes}")
         if not self.kv_hold_timeout_s > 0:
             raise ValueError(f"--kv-hold-timeout must be > 0 seconds, got {self.kv_hold_timeout_s}")
-        for flag, value in (("--debug-header-delay-s", self.debug_header_delay_s),
-                            ("--debug-transfer-delay-s", self.debug_transfer_delay_s)):
-            if value < 0:
-                raise ValueError(f"{flag} must be >= 0, got {value}")
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -58,12 +53,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "the decode has not released them")
     p.add_argument("--kv-message-bytes", type=int, default=PrefillConfig.kv_message_bytes,
                    help="grpc path: page bytes per message (at least one page; capped by --max-message-bytes)")
-    p.add_argument("--debug-header-delay-s", type=float, default=0.0,
-                   help="testing only: sleep before the transfer header (to trip the decode's first-message deadline)")
-    p.add_argument("--debug-transfer-delay-s", type=float, default=0.0,
-                   help="testing only: sleep before each KV page message (to kill a prefill mid-transfer)")
     add_tls_args(p)
     add_engine_args(p)
+    add_fault_args(p, "prefill")
     return p
 
 
@@ -73,6 +65,6 @@ def config_from_args(a: argparse.Namespace) -> PrefillConfig:
     engine = replace(engine_config_from_args(a), disable_cuda_graph=True)
     return PrefillConfig(engine=engine, host=a.host, port=a.port,
                          max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port, tls=tls_from_args(a),
-                         debug_header_delay_s=a.debug_header_delay_s, debug_transfer_delay_s=a.debug_transfer_delay_s,
+                         faults=faults_from_args(a),
                          kv_transfer=a.kv_transfer, kv_hold_timeout_s=a.kv_hold_timeout,
                          kv_message_bytes=a.kv_message_bytes)

@@ -21,9 +21,8 @@ async def serve(config: PrefillConfig) -> None:
     keep_freed_blocks()  # page messages reuse freed heap pages (svc_common/host_malloc.py)
     loop = EngineLoop(engine).start()
     metrics = ServiceMetrics("prefill")
-    worker = PrefillWorker(loop, config.max_message_bytes, metrics, config.debug_transfer_delay_s,
-                           config.debug_header_delay_s, config.kv_transfer, config.kv_hold_timeout_s,
-                           config.kv_message_bytes)
+    worker = PrefillWorker(loop, config.max_message_bytes, metrics, config.faults, config.kv_transfer,
+                           config.kv_hold_timeout_s, config.kv_message_bytes)
     server = build_server(config.max_message_bytes, config.tls)
     add_to_server(PrefillServicer(worker), server)
     try:

@@ -25,6 +25,7 @@ from engine.engine_loop import EngineLoop
 from engine.fence import Fence
 from engine.request import PrefillProgress, Request, StepOutput
 from svc_common.convert import check_token_ids, sampling_from_proto
+from svc_common.fault_injection import FaultInjection
 from svc_common.errors import InvalidRequest, check_request_id, engine_error
 from svc_common.kv_copy import PageExporter
 from svc_common.kv_transfer import PATH_NIXL, TRANSFER_MODES, TransferMetrics, by_reference
@@ -40,11 +41,11 @@ _MESSAGES_PER_EXPORT = 8  # messages gathered and copied to host at once (one ga
 
 class PrefillWorker:
     def __init__(self, loop: EngineLoop, max_message_bytes: int, metrics: ServiceMetrics,
-                 debug_transfer_delay_s: float = 0.0, debug_header_delay_s: float = 0.0,
+                 faults: FaultInjection = FaultInjection(),
                  kv_transfer: str = "auto", kv_hold_timeout_s: float = 60.0, kv_message_bytes: int = 4 << 20):
         self.loop = loop
-        self.debug_delay = debug_transfer_delay_s
-        self.debug_header_delay = debug_header_delay_s
+        self.debug_delay = faults.transfer_delay_s  # tests only (svc_common/fault_injection.py); 0 in a deployment
+        self.debug_header_delay = faults.header_delay_s
         # Engine request ids are made unique here: callers are independent decode services whose ids may collide.
         self._seq = itertools.count()
         self.engine = loop.engine

@@ -136,7 +136,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_routes(app: FastAPI, state: RouterState) -> None:
-    config, pool = state.config, state.pool
+    _add_generation_routes(app, state)
+    _add_info_routes(app, state)
+    _add_operation_routes(app, state)
+
+
+def _add_generation_routes(app: FastAPI, state: RouterState) -> None:
+    """OpenAI's completions and chat completions, SGLang's /generate, vLLM's /tokenize and /detokenize."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -145,6 +151,27 @@ def _add_routes(app: FastAPI, state: RouterState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.chat_completions(state, request)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:  # SGLang native
+        return await sglang_native.generate(state, request)
+
+    @app.get("/health_generate")
+    async def health_generate() -> JSONResponse:
+        return await sglang_native.health_generate(state)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:  # vLLM's shape
+        return JSONResponse(await serving.tokenize(state, request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await serving.detokenize(state, request))
+
+
+def _add_info_routes(app: FastAPI, state: RouterState) -> None:
+    """What is served: the model, the version, the deployment's state."""
+    config, pool = state.config, state.pool
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -169,21 +196,22 @@ def _add_routes(app: FastAPI, state: RouterState) -> None:
                              "is_generation": True, "served_model_name": config.model_name,
                              "max_model_len": state.context_len()})
 
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:  # SGLang native
-        return await sglang_native.generate(state, request)
+    @app.get("/server_info")
+    async def server_info() -> JSONResponse:
+        await pool.check_all()  # fresh GetLoad of every worker
+        return JSONResponse({
+            "config": config.public_dict(), "model": config.model_name, "context_len": state.context_len(),
+            "model_context_len": state.limits.context_len, "vocab_size": state.limits.vocab_size,
+            "num_active_requests": state.gate.num_active, "num_queued_requests": state.gate.num_queued,
+            "prefix_tree_tokens": pool.policy.tree_sizes(),
+            "num_layers": served_layers(config.model_dir, pool.decode),
+            "decode": [w.describe() for w in pool.decode], "prefill": [w.describe() for w in pool.prefill],
+        })
 
-    @app.get("/health_generate")
-    async def health_generate() -> JSONResponse:
-        return await sglang_native.health_generate(state)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> JSONResponse:  # vLLM's shape
-        return JSONResponse(await serving.tokenize(state, request))
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> JSONResponse:
-        return JSONResponse(await serving.detokenize(state, request))
+def _add_operation_routes(app: FastAPI, state: RouterState) -> None:
+    """Health, metrics and the cache flush."""
+    config, pool = state.config, state.pool
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -201,18 +229,6 @@ def _add_routes(app: FastAPI, state: RouterState) -> None:
     async def metrics() -> Response:
         body = await render_deployment(state.metrics, pool.workers, config.health_check_timeout_s)
         return Response(body, media_type=CONTENT_TYPE)
-
-    @app.get("/server_info")
-    async def server_info() -> JSONResponse:
-        await pool.check_all()  # fresh GetLoad of every worker
-        return JSONResponse({
-            "config": config.public_dict(), "model": config.model_name, "context_len": state.context_len(),
-            "model_context_len": state.limits.context_len, "vocab_size": state.limits.vocab_size,
-            "num_active_requests": state.gate.num_active, "num_queued_requests": state.gate.num_queued,
-            "prefix_tree_tokens": pool.policy.tree_sizes(),
-            "num_layers": served_layers(config.model_dir, pool.decode),
-            "decode": [w.describe() for w in pool.decode], "prefill": [w.describe() for w in pool.prefill],
-        })
 
     @app.post("/flush_cache")
     async def flush_cache() -> JSONResponse:

@@ -25,6 +25,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop
 from engine.sampling import SamplingParams
+from svc_common.fault_injection import FaultInjection
 from svc_common.grpc_server import build_server
 from svc_common.kv_transfer_ipc import check_share, describe_tensors, pool_view
 from svc_common.metrics import ServiceMetrics
@@ -96,8 +97,8 @@ async def services(model_dir: str, kv_dtype: str = "nvfp4", hold_timeout_s: floa
                    transfer_delay_s: float = 0.0, opener=None):
     pe, de = engine(model_dir, kv_dtype), engine(model_dir, kv_dtype)
     ploop, dloop = EngineLoop(pe).start(), EngineLoop(de).start()
-    prefill = PrefillWorker(ploop, 16 << 20, ServiceMetrics("prefill"), transfer_delay_s, 0.0, "cuda-ipc",
-                            hold_timeout_s)
+    prefill = PrefillWorker(ploop, 16 << 20, ServiceMetrics("prefill"),
+                            FaultInjection(transfer_delay_s=transfer_delay_s), "cuda-ipc", hold_timeout_s)
     prefill.share = KVShareSource(pe.pool, prefill.layout, "cuda-ipc", hold_timeout_s, prefill.transfer_metrics,
                                   PREFILL_EP, describe_tensors)  # metadata only: no handles on a CPU
     ps, ds = build_server(16 << 20), build_server(16 << 20)
