@@ -97,7 +97,6 @@ def _is_triton_jit(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     return False
 
 
-@pytest.mark.xfail(strict=True, reason="being reworked: the offenders are listed when it runs")
 def test_serving_functions_and_classes_stay_small():
     long = []
     for package in SERVING:
