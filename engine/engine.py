@@ -23,8 +23,10 @@ from engine.decode_graphs import DecodeGraphRunner, max_width_pages
 from engine.host_pool import make_host_pool
 from engine.integrity import IntegrityReport
 from engine.kv_pool import KVPool, PoolCapacity
+from engine.kv_rotation import rotation_matrix
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
+from engine.outcome import FinishReason
 from engine.page_allocator import PageAllocator
 from engine.radix_cache import RadixCache
 from engine.request import Request, StepOutput
@@ -46,7 +48,7 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_cached_tokens: int
 
 
@@ -85,7 +87,8 @@ class Engine:
         self.cache = RadixCache(cc.page_size, self.allocator, self.host_pool)
         self.backend = get_backend(config.attention_backend, self.device)
         self.paths = AttentionPaths(self.pool, self.backend, ws_tokens, mc.num_attention_heads,
-                                    mc.head_dim ** -0.5, self.device)
+                                    mc.head_dim ** -0.5, self.device,
+                                    rotation_matrix(cc.kv_rotation, mc.head_dim, self.device))
         graphs = None
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             graphs = DecodeGraphRunner(self.model, self.paths, self.device,
@@ -99,6 +102,7 @@ class Engine:
             except Exception:  # an optimisation only: without it kernels compile on first use, as before
                 log.warning("decode kernel warm-up failed; kernels compile on first use", exc_info=True)
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids or ())
+        self.eos_token_ids = eos  # the tokenizer's and the model config's
         self.runner = ModelRunner(self.model, self.paths, self.device, graphs, eos)
         self.scheduler = Scheduler(self.runner, self.allocator, self.cache, cc.page_size, config.scheduler,
                                    self.max_context_len, ws_tokens, eos, self.device, mc.vocab_size)

@@ -5,10 +5,11 @@ the loop applies between steps. Outputs reach callers through the callback they 
 on the loop thread (services hop back to their event loop with ``call_soon_threadsafe``).
 
 Streaming overlaps the GPU: a step's outputs are handed to the callbacks once the *next* decode step's
-device work is queued, or before the next extend batch (``Scheduler.on_device_wait``), so the services'
-per-token work runs while the GPU computes instead of between steps. Invariants: a request's outputs
-reach its callback in step order, and outputs never wait past the end of the next step (or past the
-moment the loop goes idle).
+device work is queued, or before the next extend batch (the loop hands ``Scheduler.step`` its ``on_device_wait``),
+so the services' per-token work runs while the GPU computes instead of between steps. A step's PullStart events
+go out as soon as the step returns: the pull overlaps the next step. Invariants: a request's outputs reach its
+callback in step order, and outputs never wait past the end of the next step (or past the moment the loop goes
+idle).
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine.engine import Engine
+from engine.integrity import IntegrityReport
+from engine.outcome import Failure, FailureKind, FinishReason, failure_of
 from engine.request import PrefillProgress, PullStart, Request, StepOutput
+from engine.scheduler_stats import SchedulerStats
 from engine.step_stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -52,7 +56,6 @@ class EngineLoop:
         self.decode_interval_while_pulling_s = decode_interval_while_pulling_s
         self._next_decode_at = 0.0  # perf_counter time before which a paced decode-only step waits
         self.scheduler = engine.scheduler
-        self.scheduler.on_device_wait = self._flush_pending
         self._pending: list[Event] = []  # the last step's outputs, not yet handed to their callbacks
         self._stats_interval_s = stats_interval_s
         self._beat = time.monotonic()  # when the loop last began an iteration (idle iterations last <= 0.5 s)
@@ -83,9 +86,9 @@ class EngineLoop:
             self._callbacks[req.rid] = on_output
             try:
                 self.scheduler.submit(req)
-            except Exception as e:  # noqa: BLE001 - reported through the callback
+            except Exception as e:  # noqa: BLE001 - reported through the callback (QueueFull: OVERLOADED)
                 self._callbacks.pop(req.rid, None)
-                on_output(StepOutput(req.rid, [], "abort", req.prompt_len, 0, error=f"{type(e).__name__}: {e}"))
+                on_output(StepOutput(req.rid, [], FinishReason.ABORT, req.prompt_len, 0, failure=failure_of(e)))
 
         self._post(cmd)
 
@@ -119,6 +122,21 @@ class EngineLoop:
         self._post(cmd)
         return fut
 
+    # -- inspection (any thread): each runs on the loop thread between steps, so it sees one consistent
+    # scheduler; the caller gets a future (nothing here reads scheduler state off the loop thread) --------------
+    def stats(self) -> Future[SchedulerStats]:
+        """The scheduler's stats record (``Scheduler.stats``), taken between two steps."""
+        return self.call(self.scheduler.stats)
+
+    def flush_cache(self) -> Future[tuple[int, bool]]:
+        """Evict every cached page no request holds: (pages freed, whether no request was active, so that nothing
+        cached stayed behind for a request)."""
+        return self.call(lambda: (self.engine.cache.flush(), self.scheduler.num_active == 0))
+
+    def check_integrity(self) -> Future[IntegrityReport]:
+        """``Scheduler.check_integrity`` between two steps (the future raises its IntegrityError)."""
+        return self.call(self.scheduler.check_integrity)
+
     def _post(self, cmd: Callable[[], None]) -> None:
         self._commands.put(cmd)
         self._wake.set()
@@ -147,13 +165,14 @@ class EngineLoop:
                 continue
             t0, tokens0 = time.perf_counter(), self.scheduler.num_decode_tokens
             try:
-                outputs = self.scheduler.step()
+                outputs = self.scheduler.step(on_device_wait=self._flush_pending)
             except Exception as e:  # a failing batch must not take the service down
                 log.exception("engine step failed; aborting the requests of this step")
-                outputs = self._abort_all(f"engine error: {e}")
+                outputs = self._abort_all(Failure(FailureKind.INTERNAL, f"engine error: {e}"))
             self._flush_pending()  # when this step ran no decode, the last step's outputs are still here
-            self._pending = outputs
-            self._dispatch_pull_starts()
+            starts = [o for o in outputs if isinstance(o, PullStart)]
+            self._pending = [o for o in outputs if not isinstance(o, PullStart)] if starts else outputs
+            self._dispatch(starts)  # pulls start now, not after the next step's launch
             now = time.perf_counter()
             if self.scheduler.num_decode_tokens > tokens0:
                 self._next_decode_at = t0 + self.decode_interval_while_pulling_s
@@ -180,13 +199,6 @@ class EngineLoop:
             outputs, self._pending = self._pending, []
             self._dispatch(outputs)
 
-    def _dispatch_pull_starts(self) -> None:
-        for req in self.scheduler.pull_starts:
-            cb = self._callbacks.get(req.rid)
-            if cb is not None:
-                cb(PullStart(req.rid, tuple(req.page_ids), req.kv_len, req.prompt_len))
-        self.scheduler.pull_starts.clear()
-
     def busy_for_s(self) -> float:
         """Seconds since the loop began its current iteration: how long one step or command has held it."""
         return time.monotonic() - self._beat
@@ -209,7 +221,7 @@ class EngineLoop:
     def _dispatch(self, outputs: list[Event]) -> None:
         for out in outputs:
             cb = self._callbacks.get(out.rid)
-            if isinstance(out, StepOutput) and out.finish_reason and out.finish_reason != "prefill":
+            if isinstance(out, StepOutput) and out.finish_reason not in (None, FinishReason.PREFILLED):
                 self._callbacks.pop(out.rid, None)
             if cb is not None:
                 try:
@@ -217,12 +229,13 @@ class EngineLoop:
                 except Exception:
                     log.exception("output callback failed for %s", out.rid)
 
-    def _abort_all(self, message: str) -> list[StepOutput]:
+    def _abort_all(self, failure: Failure) -> list[StepOutput]:
         outs = []
         for rid in list(self.scheduler.requests):
             req = self.scheduler.abort(rid)
             if req is not None:
-                outs.append(StepOutput(rid, [], "abort", req.prompt_len, req.num_cached_tokens, error=message))
+                outs.append(StepOutput(rid, [], FinishReason.ABORT, req.prompt_len, req.num_cached_tokens,
+                                       failure=failure))
         return outs
 
     def _idle_check(self) -> None:

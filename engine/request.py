@@ -20,6 +20,7 @@ import torch
 
 from engine.fence import Fence
 from engine.logprobs import TokenLogprob
+from engine.outcome import Failure, FinishReason
 from engine.sampling import SamplingParams
 
 
@@ -45,10 +46,9 @@ class Request:
     kv_len: int = 0
     num_cached_tokens: int = 0
     status: Status = Status.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     num_retractions: int = 0
-    error: str | None = None
     grammar: Any = None  # engine.grammar.Matcher of a structured-output request
     # with sampling.logprobs: one per output id; with sampling.prompt_logprobs: one per prompt id from the second
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -87,10 +87,10 @@ class StepOutput:
 
     rid: str
     new_token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    error: str | None = None
+    failure: Failure | None = None  # set on a request that failed (its finish_reason is ABORT)
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # with the request's first token, when asked for
 

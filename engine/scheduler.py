@@ -5,7 +5,10 @@ page table; the radix cache holds one on every page it caches. Requests only eve
 past their cached prefix, so shared prefix pages are read-only.
 
 Each ``step()`` admits what fits, runs at most one extend batch (chunk_size prompt tokens spread
-over the extending requests, FIFO) and then one decode step for every running request.
+over the extending requests, FIFO) and then one decode step for every running request; what it produced is
+what it returns (``step()`` is the scheduler's only output channel). The pages a request gets at admission and
+gives back are ``engine.request_pages``'s; ``stats()`` is the one record services report from
+(``engine.scheduler_stats``).
 """
 
 from __future__ import annotations
@@ -19,19 +22,19 @@ import torch
 
 from engine.config import SchedulerConfig
 from engine.fence import Fence
-from engine.host_pool import HostTierStats
 from engine.integrity import IntegrityReport, check_integrity
 from engine.model_runner import ModelRunner
+from engine.outcome import Failure, FailureKind, FinishReason, QueueFull, RequestRejected, failure_of
 from engine.page_allocator import PageAllocator
 from engine.radix_cache import RadixCache
-from engine.request import PrefillProgress, Request, Status, StepOutput
+from engine.request import PrefillProgress, PullStart, Request, Status, StepOutput
+from engine.request_pages import RequestPages
 from engine.sampling import make_generator
+from engine.scheduler_stats import SchedulerStats
 
 log = logging.getLogger(__name__)
 
-
-class RequestRejected(ValueError):
-    """The request can never be served with this configuration (the message says why)."""
+StepEvent = StepOutput | PrefillProgress | PullStart  # what one step() returns, in order
 
 
 class Scheduler:
@@ -59,17 +62,14 @@ class Scheduler:
         self.num_retractions = 0
         self.num_decode_tokens = 0  # tokens produced by decode steps (extends' first tokens not counted)
         self.num_prompt_cache_hit_tokens = 0
-        # Called before the step blocks on the device: after a decode step is launched (ModelRunner.decode)
-        # and before an extend batch (which can take 100+ ms), so the outputs of the previous step never wait.
-        self.on_device_wait: Callable[[], None] | None = None
-        self.pull_starts: list[Request] = []  # admitted into PULLING during the last step
+        self.pages = RequestPages(allocator, cache, page_size, config)
 
     # -- submission -----------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
         """Raise RequestRejected when the request can never run here."""
         n = req.prompt_len
         if n == 0:
-            raise RequestRejected("the prompt is empty")
+            raise RequestRejected("the prompt is empty", FailureKind.INVALID)
         if n >= self.max_context_len:
             raise RequestRejected(
                 f"prompt of {n} tokens does not fit the model context of {self.max_context_len} tokens")
@@ -84,10 +84,10 @@ class Scheduler:
 
     def submit(self, req: Request) -> None:
         if req.rid in self.requests:
-            raise RequestRejected(f"duplicate request id {req.rid!r}")
+            raise RequestRejected(f"duplicate request id {req.rid!r}", FailureKind.INVALID)
         self.validate(req)
         if len(self.waiting) >= self.config.max_waiting_requests:
-            raise OverflowError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
+            raise QueueFull(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
         if req.sampling.seed is not None:
             req.generator = make_generator(req.sampling.seed, self.device)
         self.requests[req.rid] = req
@@ -102,85 +102,46 @@ class Scheduler:
         return len(self.extending) + len(self.pulling) + len(self.running)
 
     # -- one step -------------------------------------------------------------------------------
-    def step(self) -> list[StepOutput | PrefillProgress]:
-        """One scheduling step; its outputs in order (a prefill-only request's progress before its end)."""
-        outputs: list[StepOutput | PrefillProgress] = []
+    def step(self, on_device_wait: Callable[[], None] | None = None) -> list[StepEvent]:
+        """One scheduling step; everything it produced, in order: the PullStart of each request admitted into
+        PULLING, then each request's outputs (a prefill-only request's progress before its end). The step's only
+        output channel. ``on_device_wait`` is called before the step blocks on the device: after the decode step
+        is launched (ModelRunner.decode) and before an extend batch (which can take 100+ ms), so that the caller
+        can hand out the previous step's outputs while the device computes."""
+        outputs: list[StepEvent] = []
         self._admit(outputs)
         if self.extending:
-            self._run_extend(outputs)
+            self._run_extend(outputs, on_device_wait)
         if self.running:
-            self._run_decode(outputs)
+            self._run_decode(outputs, on_device_wait)
         return outputs
 
     # -- admission ------------------------------------------------------------------------------
-    def _reserve_pages(self) -> int:
-        per_req = math.ceil(self.config.decode_reserve_tokens / self.page_size)
-        return per_req * (len(self.running) + len(self.pulling) + len(self.extending))
-
     def _admit(self, outputs: list) -> None:
+        """Admit waiting requests, FIFO, while they fit (``RequestPages.admit``); a remote-prefill one's PullStart
+        (its pages, to fill from a prefill service) goes to ``outputs``."""
         while self.waiting and self.num_active < self.config.max_running_requests:
             req = self.waiting[0]
-            target = req.extend_target_len
-            self._load_from_host(req, target)
-            match = self.cache.match_prefix(req.tokens[:target])
-            cached = match.num_tokens
-            if req.sampling.prompt_logprobs is not None and not req.output_ids:
-                cached = 0  # every prompt position's logits are needed
-            if not req.output_ids and not req.remote_prefill:
-                # keep at least one prompt token to compute: its logits give the first output token
-                cached = min(cached, (target - 1) // self.page_size * self.page_size)
-            if req.remote_prefill and cached >= self.config.local_extend_min_cached_ratio * req.prompt_len:
-                # the cache holds most of the prompt: extend locally instead of pulling
-                req.remote_prefill = False
-                cached = min(cached, (target - 1) // self.page_size * self.page_size)
-            prefix_pages = list(match.page_ids[: cached // self.page_size])
-            total_pages = math.ceil(max(target, 1) / self.page_size)
-            if not req.prefill_only and not req.remote_prefill and target % self.page_size == 0:
-                total_pages += 1  # the first decode token starts a new page
-            need = total_pages - len(prefix_pages)
-            self.allocator.incref(prefix_pages)  # protect the matched prefix from eviction
-            reserve = self._reserve_pages() if self.num_active else 0
-            if not self._make_room(need + reserve):
-                self.allocator.decref(prefix_pages)
+            if not self.pages.admit(req, self.num_active):
                 break
             self.waiting.popleft()
-            req.page_ids = prefix_pages + self.allocator.allocate(need)
-            req.kv_len = cached
+            cached = req.kv_len
             if req.num_retractions == 0:
                 req.num_cached_tokens = cached
                 self.num_prompt_cache_hit_tokens += cached
             if req.remote_prefill:
                 req.status = Status.PULLING
                 self.pulling[req.rid] = req
-                self.pull_starts.append(req)
-            elif cached == target:
+                outputs.append(PullStart(req.rid, tuple(req.page_ids), req.kv_len, req.prompt_len))
+            elif cached == req.extend_target_len:
                 req.status = Status.RUNNING
                 self.running.append(req)
             else:
                 req.status = Status.EXTENDING
                 self.extending.append(req)
 
-    def _load_from_host(self, req: Request, target: int) -> None:
-        """With a host tier: the host part of the prefix this admission can use comes back onto the device (one
-        batched copy, ordered before the request's extend reads it) so that the match below finds it; it then
-        serves as cached tokens instead of being prefilled or pulled again."""
-        if self.cache.host is None or (req.sampling.prompt_logprobs is not None and not req.output_ids):
-            return
-        self.cache.load_from_host(req.tokens[:(target - 1) // self.page_size * self.page_size])
-
-    def host_tier_stats(self) -> HostTierStats | None:
-        """The host tier's counters (None without one): what metrics and GetLoad report."""
-        return self.cache.host.stats() if self.cache.host is not None else None
-
-    def _make_room(self, num_pages: int) -> bool:
-        """Evict unreferenced cached pages until ``num_pages`` are free; True when they are."""
-        short = num_pages - self.allocator.num_free
-        if short > 0:
-            self.cache.evict(short)
-        return self.allocator.can_allocate(num_pages)
-
     # -- extend (paths 1 and 2) -----------------------------------------------------------------
-    def _run_extend(self, outputs: list) -> None:
+    def _run_extend(self, outputs: list, on_device_wait: Callable[[], None] | None) -> None:
         budget, ws_left = self.config.chunk_size, self.workspace_tokens
         batch, lens = [], []
         for req in self.extending:
@@ -195,8 +156,8 @@ class Scheduler:
                 break
         if not batch:
             return
-        if self.on_device_wait is not None:
-            self.on_device_wait()
+        if on_device_wait is not None:
+            on_device_wait()
         sample_mask = [r.kv_len + n == r.extend_target_len and not r.output_ids for r, n in zip(batch, lens)]
         try:
             tokens = self.runner.extend(batch, lens, sample_mask)
@@ -218,7 +179,7 @@ class Scheduler:
             req.output_ids.append(tok)
             if req.prefill_only:
                 req.status = Status.FINISHED
-                req.finish_reason = "prefill"
+                req.finish_reason = FinishReason.PREFILLED
                 self.held[req.rid] = req
                 outputs.append(self._output(req, [tok]))
                 continue
@@ -230,13 +191,13 @@ class Scheduler:
                 self._finish(req)
 
     # -- decode (path 3) ------------------------------------------------------------------------
-    def _run_decode(self, outputs: list) -> None:
+    def _run_decode(self, outputs: list, on_device_wait: Callable[[], None] | None) -> None:
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue
             if req.kv_len == len(req.page_ids) * self.page_size:
-                while not self._make_room(1):
-                    victim = self._retraction_victim(exclude=req)
+                while not self.pages.make_room(1):
+                    victim = _retraction_victim(self.running, exclude=req)
                     if victim is None:
                         break
                     self._retract(victim)
@@ -248,7 +209,7 @@ class Scheduler:
         if not batch:
             return
         try:
-            tokens = self.runner.decode(batch, self.on_device_wait)
+            tokens = self.runner.decode(batch, on_device_wait)
         except Exception:  # noqa: BLE001 - find the request(s) that fail, and fail only those
             batch, tokens = self._decode_isolating(batch, outputs)
         self.num_decode_tokens += len(batch)
@@ -271,7 +232,7 @@ class Scheduler:
                 ok.append(req)
             except Exception as e:  # noqa: BLE001 - this request's own failure
                 log.warning("request %s failed its decode step and is ended: %s: %s", req.rid, type(e).__name__, e)
-                self._fail(req, outputs, f"engine error in this request's decode step: {type(e).__name__}: {e}")
+                self._fail(req, outputs, failure_of(e, "engine error in this request's decode step: "))
         return ok, tokens
 
     def _extend_isolating(self, batch: list[Request], lens: list[int], sample_mask: list[bool],
@@ -286,12 +247,12 @@ class Scheduler:
                 ok_lens.append(n)
             except Exception as e:  # noqa: BLE001 - this request's own failure
                 log.warning("request %s failed its prefill chunk and is ended: %s: %s", req.rid, type(e).__name__, e)
-                self._fail(req, outputs, f"engine error in this request's prefill: {type(e).__name__}: {e}")
+                self._fail(req, outputs, failure_of(e, "engine error in this request's prefill: "))
         return ok, ok_lens, tokens
 
-    def _fail(self, req: Request, outputs: list, message: str) -> None:
-        """End ``req`` with an error: its pages go back to the pool without entering the prefix cache (their
-        content is not to be trusted), and its caller gets ``message``."""
+    def _fail(self, req: Request, outputs: list, failure: Failure) -> None:
+        """End ``req`` with ``failure``: its pages go back to the pool without entering the prefix cache (their
+        content is not to be trusted), and its caller gets the failure."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.EXTENDING:
@@ -300,18 +261,15 @@ class Scheduler:
             del self.pulling[req.rid]
         self.allocator.decref(req.page_ids)
         req.page_ids, req.kv_len = [], 0
-        req.status, req.finish_reason = Status.FINISHED, "abort"
+        req.status, req.finish_reason = Status.FINISHED, FinishReason.ABORT
         self.requests.pop(req.rid, None)
-        outputs.append(StepOutput(req.rid, [], "abort", req.prompt_len, req.num_cached_tokens, error=message))
-
-    def _retraction_victim(self, exclude: Request) -> Request | None:
-        candidates = [r for r in self.running if r is not exclude and r.status is Status.RUNNING]
-        return candidates[-1] if candidates else None
+        outputs.append(StepOutput(req.rid, [], FinishReason.ABORT, req.prompt_len, req.num_cached_tokens,
+                                  failure=failure))
 
     def _retract(self, req: Request) -> None:
         """Give back a running request's pages (its computed prefix stays in the cache) and requeue it."""
         self.running.remove(req)
-        self._release_pages(req)
+        self.pages.release(req)
         req.status = Status.WAITING
         req.remote_prefill = False  # it resumes with the local extend path over prompt + outputs
         req.num_retractions += 1
@@ -323,22 +281,15 @@ class Scheduler:
         tok = req.output_ids[-1]
         sp = req.sampling
         if (not sp.ignore_eos and tok in self.eos_token_ids) or tok in sp.stop_token_ids:
-            req.finish_reason = "stop"
+            req.finish_reason = FinishReason.STOP
         elif len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.max_context_len:
-            req.finish_reason = "length"
+            req.finish_reason = FinishReason.LENGTH
 
     def _finish(self, req: Request) -> None:
         self.running.remove(req)
-        self._release_pages(req)
+        self.pages.release(req)
         req.status = Status.FINISHED
         self.requests.pop(req.rid, None)
-
-    def _release_pages(self, req: Request) -> None:
-        if req.kv_len >= self.page_size:
-            self.cache.insert(req.tokens[:req.kv_len], req.page_ids)
-        self.allocator.decref(req.page_ids)
-        req.page_ids = []
-        req.kv_len = 0
 
     def _output(self, req: Request, tokens: list[int]) -> StepOutput:
         sp, lps = req.sampling, req.output_logprobs
@@ -349,7 +300,7 @@ class Scheduler:
                           logprobs=logprobs, prompt_logprobs=prompt_lps)
 
     # -- external control (services) ----------------------------------------------------------------
-    def abort(self, rid: str, reason: str = "abort") -> Request | None:
+    def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         """Stop a request wherever it is and free everything it holds. Returns it, or None if unknown."""
         req = self.requests.pop(rid, None)
         if req is None:
@@ -358,16 +309,18 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is Status.EXTENDING:
             self.extending.remove(req)
-            self._release_pages(req)
+            self.pages.release(req)
         elif req.status is Status.PULLING:
             del self.pulling[req.rid]
             self.allocator.decref(req.page_ids)
             req.page_ids = []
         elif req.status is Status.RUNNING:
             self.running.remove(req)
-            self._release_pages(req)
-        elif req.rid in self.held:
-            self._release_held(req)
+            self.pages.release(req)
+        elif req.rid in self.held:  # its prompt's pages are exported: they stay cached
+            del self.held[req.rid]
+            req.kv_len = req.prompt_len
+            self.pages.release(req)
         req.status = Status.FINISHED
         req.finish_reason = req.finish_reason or reason
         return req
@@ -377,8 +330,9 @@ class Scheduler:
         vocabulary (a broken peer) ends only this request, with an error."""
         if self.vocab_size is not None and not 0 <= first_token < self.vocab_size:
             failed: list[StepOutput] = []
-            self._fail(self.pulling[rid], failed, f"the prefill's first token {first_token} is outside the "
-                                                  f"vocabulary [0, {self.vocab_size})")
+            # the receiver checks the token before it gets here: this is a broken invariant, not bad input
+            why = f"the prefill's first token {first_token} is outside the vocabulary [0, {self.vocab_size})"
+            self._fail(self.pulling[rid], failed, Failure(FailureKind.INTERNAL, why))
             return failed[0]
         req = self.pulling.pop(rid)
         req.kv_len = req.prompt_len
@@ -392,16 +346,30 @@ class Scheduler:
             self._finish(req)
         return out
 
-    def _release_held(self, req: Request) -> None:
-        del self.held[req.rid]
-        req.kv_len = req.prompt_len
-        self._release_pages(req)
-
-    def flush_cache(self) -> int:
-        """Evict every cached page no request holds; returns the number of pages freed."""
-        return self.cache.flush()
+    # -- inspection ---------------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        """The scheduler's counts as one record (one radix-tree walk). Call it where ``step()`` runs, between
+        steps (services: ``EngineLoop.stats()``), so that the numbers are those of one moment."""
+        alloc, cache = self.allocator, self.cache
+        outstanding = sum(r.prompt_len - r.kv_len + max(r.sampling.max_tokens - len(r.output_ids), 0)
+                          for r in self.requests.values())
+        return SchedulerStats(
+            page_size=self.page_size, pages_total=alloc.num_pages, pages_free=alloc.num_free,
+            pages_cached=cache.num_evictable_pages(), num_cached_pages=cache.num_cached_pages,
+            num_waiting=len(self.waiting), num_extending=len(self.extending), num_pulling=len(self.pulling),
+            num_running=len(self.running), num_held=len(self.held), outstanding_tokens=outstanding,
+            num_retractions=self.num_retractions, num_decode_tokens=self.num_decode_tokens,
+            num_prompt_cache_hit_tokens=self.num_prompt_cache_hit_tokens, num_evicted_pages=cache.num_evictions,
+            num_evicted_tokens=cache.num_evicted_tokens, num_flushed_pages=cache.num_flushed_pages,
+            host_tier=cache.host.stats() if cache.host is not None else None)
 
     def check_integrity(self) -> IntegrityReport:
         tables = [r.page_ids for r in (*self.extending, *self.pulling.values(), *self.running,
                                        *self.held.values())]
         return check_integrity(self.allocator, self.cache, tables)
+
+
+def _retraction_victim(running: list[Request], exclude: Request) -> Request | None:
+    """The request a decode step retracts to make room for ``exclude``'s next page: the newest running one."""
+    candidates = [r for r in running if r is not exclude and r.status is Status.RUNNING]
+    return candidates[-1] if candidates else None

@@ -25,25 +25,27 @@ _sym_db = _symbol_database.Default()
 from nvfp4_serve_proto import common_pb2 as nvfp4__serve__proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1envfp4_serve_proto/decode.proto\x12\rnvfp4serve.v1\x1a\x1envfp4_serve_proto/common.proto\"\x82\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.nvfp4serve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\"\xfe\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.nvfp4serve.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.nvfp4serve.v1.TokenLogprob\"\x13\n\x11\x46lushCacheRequest\">\n\x12\x46lushCacheResponse\x12\x17\n\x0fnum_pages_freed\x18\x01 \x01(\x03\x12\x0f\n\x07\x66lushed\x18\x02 \x01(\x08\"\x17\n\x15\x43heckIntegrityRequest\"{\n\x0fIntegrityReport\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tnum_total\x18\x03 \x01(\x03\x12\x10\n\x08num_free\x18\x04 \x01(\x03\x12\x12\n\nnum_cached\x18\x05 \x01(\x03\x12\x12\n\nnum_in_use\x18\x06 \x01(\x03\x32\x94\x03\n\x06\x44\x65\x63ode\x12M\n\x08Generate\x12\x1e.nvfp4serve.v1.GenerateRequest\x1a\x1f.nvfp4serve.v1.GenerateResponse0\x01\x12\x43\n\x07GetLoad\x12\x1d.nvfp4serve.v1.GetLoadRequest\x1a\x19.nvfp4serve.v1.WorkerLoad\x12Q\n\nFlushCache\x12 .nvfp4serve.v1.FlushCacheRequest\x1a!.nvfp4serve.v1.FlushCacheResponse\x12V\n\x0e\x43heckIntegrity\x12$.nvfp4serve.v1.CheckIntegrityRequest\x1a\x1e.nvfp4serve.v1.IntegrityReport\x12K\n\nGetMetrics\x12\x1d.nvfp4serve.v1.MetricsRequest\x1a\x1e.nvfp4serve.v1.MetricsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1envfp4_serve_proto/decode.proto\x12\rnvfp4serve.v1\x1a\x1envfp4_serve_proto/common.proto\"\x82\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.nvfp4serve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\"\xa1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x32\n\rfinish_reason\x18\t \x01(\x0e\x32\x1b.nvfp4serve.v1.FinishReason\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.nvfp4serve.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.nvfp4serve.v1.TokenLogprobJ\x04\x08\x05\x10\x06\"\x13\n\x11\x46lushCacheRequest\">\n\x12\x46lushCacheResponse\x12\x17\n\x0fnum_pages_freed\x18\x01 \x01(\x03\x12\x0f\n\x07\x66lushed\x18\x02 \x01(\x08\"\x17\n\x15\x43heckIntegrityRequest\"{\n\x0fIntegrityReport\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tnum_total\x18\x03 \x01(\x03\x12\x10\n\x08num_free\x18\x04 \x01(\x03\x12\x12\n\nnum_cached\x18\x05 \x01(\x03\x12\x12\n\nnum_in_use\x18\x06 \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x94\x03\n\x06\x44\x65\x63ode\x12M\n\x08Generate\x12\x1e.nvfp4serve.v1.GenerateRequest\x1a\x1f.nvfp4serve.v1.GenerateResponse0\x01\x12\x43\n\x07GetLoad\x12\x1d.nvfp4serve.v1.GetLoadRequest\x1a\x19.nvfp4serve.v1.WorkerLoad\x12Q\n\nFlushCache\x12 .nvfp4serve.v1.FlushCacheRequest\x1a!.nvfp4serve.v1.FlushCacheResponse\x12V\n\x0e\x43heckIntegrity\x12$.nvfp4serve.v1.CheckIntegrityRequest\x1a\x1e.nvfp4serve.v1.IntegrityReport\x12K\n\nGetMetrics\x12\x1d.nvfp4serve.v1.MetricsRequest\x1a\x1e.nvfp4serve.v1.MetricsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nvfp4_serve_proto.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_FINISHREASON']._serialized_start=741
+  _globals['_FINISHREASON']._serialized_end=861
   _globals['_GENERATEREQUEST']._serialized_start=82
   _globals['_GENERATEREQUEST']._serialized_end=212
   _globals['_GENERATERESPONSE']._serialized_start=215
-  _globals['_GENERATERESPONSE']._serialized_end=469
-  _globals['_FLUSHCACHEREQUEST']._serialized_start=471
-  _globals['_FLUSHCACHEREQUEST']._serialized_end=490
-  _globals['_FLUSHCACHERESPONSE']._serialized_start=492
-  _globals['_FLUSHCACHERESPONSE']._serialized_end=554
-  _globals['_CHECKINTEGRITYREQUEST']._serialized_start=556
-  _globals['_CHECKINTEGRITYREQUEST']._serialized_end=579
-  _globals['_INTEGRITYREPORT']._serialized_start=581
-  _globals['_INTEGRITYREPORT']._serialized_end=704
-  _globals['_DECODE']._serialized_start=707
-  _globals['_DECODE']._serialized_end=1111
+  _globals['_GENERATERESPONSE']._serialized_end=504
+  _globals['_FLUSHCACHEREQUEST']._serialized_start=506
+  _globals['_FLUSHCACHEREQUEST']._serialized_end=525
+  _globals['_FLUSHCACHERESPONSE']._serialized_start=527
+  _globals['_FLUSHCACHERESPONSE']._serialized_end=589
+  _globals['_CHECKINTEGRITYREQUEST']._serialized_start=591
+  _globals['_CHECKINTEGRITYREQUEST']._serialized_end=614
+  _globals['_INTEGRITYREPORT']._serialized_start=616
+  _globals['_INTEGRITYREPORT']._serialized_end=739
+  _globals['_DECODE']._serialized_start=864
+  _globals['_DECODE']._serialized_end=1268
 # @@protoc_insertion_point(module_scope)

@@ -23,10 +23,11 @@ from collections.abc import AsyncIterator
 
 from engine.engine_loop import EngineLoop
 from engine.fence import Fence
+from engine.outcome import Failure, FailureKind, FinishReason
 from engine.request import PrefillProgress, Request, StepOutput
 from svc_common.convert import check_token_ids, sampling_from_proto
 from svc_common.fault_injection import FaultInjection
-from svc_common.errors import InvalidRequest, check_request_id, engine_error
+from svc_common.errors import InvalidRequest, check_request_id, service_error
 from svc_common.kv_copy import PageExporter
 from svc_common.kv_transfer import PATH_NIXL, TRANSFER_MODES, TransferMetrics, by_reference
 from svc_common.layout import check_layout, layout_of
@@ -104,8 +105,11 @@ class PrefillWorker:
             while out is None:
                 ev = await _latest(events)
                 if isinstance(ev, StepOutput):
-                    if ev.error or ev.finish_reason != "prefill":
-                        raise engine_error(ev.error or f"prefill ended with {ev.finish_reason}")
+                    if ev.failure is not None:
+                        raise service_error(ev.failure)
+                    if ev.finish_reason is not FinishReason.PREFILLED:
+                        why = f"prefill ended with {ev.finish_reason.value if ev.finish_reason else 'no finish reason'}"
+                        raise service_error(Failure(FailureKind.INTERNAL, why))
                     self.metrics.ttft.observe(time.perf_counter() - t0)
                     out, ready, fence = ev, end_page, None  # the first token's sampling synchronised the device
                 else:

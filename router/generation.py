@@ -7,9 +7,10 @@
                                                                          ChoiceFinished events
 
 Retries happen only while no token of the attempt came back (so the client never sees text twice), at most
-``max_retries`` times, on UNAVAILABLE, CANCELLED, an "abort" finish (the worker or its prefill died or gave
-up) and RESOURCE_EXHAUSTED (that worker's queue is full: only to a worker not tried yet). Every exit path
-cancels the gRPC call and releases the workers' load counts.
+``max_retries`` times, on UNAVAILABLE, CANCELLED, a FINISH_REASON_ABORT finish (the worker or its prefill died
+or gave up) and RESOURCE_EXHAUSTED (that worker's queue is full: only to a worker not tried yet); the gRPC status
+alone decides (``GRPC_ANSWERS``), never its details. Every exit path cancels the gRPC call and releases the
+workers' load counts.
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ from router.metrics import RouterMetrics
 from router.openai_protocol import OpenAIError, SamplingOptions
 from router.stop_strings import StopStringMatcher
 from router.workers import Dispatch, WorkerPool
-
-# RESOURCE_EXHAUSTED whose message contains one of these is a prompt that can never fit: 400, not 429.
-NEVER_FITS_MARKERS = ("never fit", "can never", "larger than the pool", "exceeds the pool")
 
 
 class TokenLogprob(NamedTuple):
@@ -112,30 +110,47 @@ def sampling_proto(options: SamplingOptions, seed: int | None) -> common_pb2.Sam
     return params
 
 
+@dataclass(frozen=True)
+class StatusAnswer:
+    """What a Generate that failed with one gRPC status becomes. ``message`` is formatted with ``where``
+    ("decode worker ADDRESS"), ``address``, ``code`` (the status's name) and ``details`` (the worker's message,
+    shown to the client, never read); ``bare`` replaces it when the worker sent no details."""
+
+    http_status: int
+    kind: str  # the failures / retries metric label
+    retryable: bool  # before the first token, on another try
+    message: str
+    code: str | None = None  # the OpenAI error code
+    headers: tuple[tuple[str, str], ...] = ()
+    bare: str | None = None
+
+
+# The one table from a failed Generate's gRPC status to the HTTP answer (tests/test_failure_tables.py checks that
+# every status the services send is in it). A prompt that can never fit is INVALID_ARGUMENT (400), distinct from
+# RESOURCE_EXHAUSTED (a full queue: 429, retried on a worker not tried yet).
+GRPC_ANSWERS: dict[grpc.StatusCode, StatusAnswer] = {
+    grpc.StatusCode.INVALID_ARGUMENT: StatusAnswer(400, "invalid_argument", False, "{details}",
+                                                   bare="{where} rejected the request"),
+    grpc.StatusCode.FAILED_PRECONDITION: StatusAnswer(500, "failed_precondition", False, "{where}: {details}"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: StatusAnswer(429, "resource_exhausted", True, "{where} is overloaded: {details}",
+                                                     code="overloaded", headers=(("Retry-After", "1"),)),
+    grpc.StatusCode.UNAVAILABLE: StatusAnswer(503, "unavailable", True, "{where} unavailable: {details}"),
+    grpc.StatusCode.CANCELLED: StatusAnswer(503, "cancelled", True, "{where} cancelled the request: {details}"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: StatusAnswer(504, "timeout", False, "{where}: deadline exceeded: {details}"),
+    grpc.StatusCode.UNIMPLEMENTED: StatusAnswer(502, "unimplemented", False, "{address} does not implement "
+                                                "Decode.Generate (is it a decode service?): {details}"),
+}
+OTHER_STATUS = StatusAnswer(502, "internal", False, "{where} failed: {code}: {details}")  # INTERNAL and the rest
+
+
 def map_grpc_error(exc: grpc.aio.AioRpcError, address: str) -> _AttemptFailed:
-    """The OpenAI error, failure kind and retryability of a failed Generate."""
+    """The OpenAI error, failure kind and retryability of a failed Generate, from its status alone."""
     code, details = exc.code(), exc.details() or ""
-    where = f"decode worker {address}"
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return _AttemptFailed(OpenAIError(400, details or f"{where} rejected the request"), "invalid_argument", False)
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return _AttemptFailed(OpenAIError(500, f"{where}: {details}"), "failed_precondition", False)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        if any(m in details.lower() for m in NEVER_FITS_MARKERS):
-            return _AttemptFailed(OpenAIError(400, details, code="context_length_exceeded"),
-                                  "prompt_too_large", False)
-        err = OpenAIError(429, f"{where} is overloaded: {details}", code="overloaded", headers={"Retry-After": "1"})
-        return _AttemptFailed(err, "resource_exhausted", True)
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return _AttemptFailed(OpenAIError(503, f"{where} unavailable: {details}"), "unavailable", True)
-    if code == grpc.StatusCode.CANCELLED:
-        return _AttemptFailed(OpenAIError(503, f"{where} cancelled the request: {details}"), "cancelled", True)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return _AttemptFailed(OpenAIError(504, f"{where}: deadline exceeded: {details}"), "timeout", False)
-    if code == grpc.StatusCode.UNIMPLEMENTED:
-        return _AttemptFailed(OpenAIError(502, f"{address} does not implement Decode.Generate (is it a decode "
-                                               f"service?): {details}"), "unimplemented", False)
-    return _AttemptFailed(OpenAIError(502, f"{where} failed: {code.name}: {details}"), "internal", False)
+    answer = GRPC_ANSWERS.get(code, OTHER_STATUS)
+    template = answer.bare if answer.bare is not None and not details else answer.message
+    message = template.format(where=f"decode worker {address}", address=address, code=code.name, details=details)
+    error = OpenAIError(answer.http_status, message, code=answer.code, headers=dict(answer.headers) or None)
+    return _AttemptFailed(error, answer.kind, answer.retryable)
 
 
 async def generate_choice(ctx: GenerationContext, spec: ChoiceSpec, arrival: float) -> AsyncIterator[ChoiceEvent]:
@@ -188,47 +203,97 @@ class _Attempt:
     num_tokens: int = 0  # tokens received: once > 0 the attempt can no longer be retried
 
 
+class _ChoiceText:
+    """One attempt's text so far: token ids -> detokenized text, cut at the first stop string (counted only from
+    min_tokens on, as vLLM)."""
+
+    def __init__(self, ctx: GenerationContext, spec: ChoiceSpec) -> None:
+        self.opts = spec.options
+        self.detok = ctx.detokenizer_cls(ctx.tokenizer, prompt_ids=list(spec.prompt_ids),
+                                         skip_special_tokens=self.opts.skip_special_tokens)
+        self.stopper = StopStringMatcher(self.opts.stop)
+        self.output: list[int] = []
+        self.stopped = False
+        self.stop_reason: int | str | None = None
+
+    def push(self, token_ids: Sequence[int]) -> tuple[str, list[int]]:
+        """The text of ``token_ids`` and the ids it came from (those up to a stop string)."""
+        pieces, new_ids = [], []
+        for token in token_ids:
+            self.output.append(token)
+            new_ids.append(token)
+            delta = self.detok.push(token)
+            if len(self.output) < self.opts.min_tokens:
+                pieces.append(delta)
+                continue
+            result = self.stopper.push(delta)
+            pieces.append(result.text)
+            if result.stopped:
+                self._stop()
+                pieces.append(self._matched_suffix())
+                break
+        return "".join(pieces), new_ids
+
+    def tail(self) -> str:
+        """At the worker's finish: the detokenizer's partial-character tail, then the stop matcher's held-back
+        text (cut at a stop string completed by the tail)."""
+        result = self.stopper.push(self.detok.flush())
+        if result.stopped:
+            self._stop()
+            return result.text + self._matched_suffix()
+        return result.text + self.stopper.flush()
+
+    def _stop(self) -> None:
+        self.stopped, self.stop_reason = True, self.stopper.matched
+
+    def _matched_suffix(self) -> str:
+        return self.stopper.matched if self.opts.include_stop_str_in_output and self.stopper.matched else ""
+
+
+async def _next_message(ctx: GenerationContext, call: grpc.aio.UnaryStreamCall, address: str,
+                        waiting_for_first: bool) -> decode_pb2.GenerateResponse:
+    """The attempt's next message within its deadline. Raises _AttemptFailed (the stream's status, a deadline,
+    an end without a finish reason)."""
+    timeout = ctx.config.first_token_timeout_s if waiting_for_first else ctx.config.inter_token_timeout_s
+    try:
+        msg = await asyncio.wait_for(call.read(), timeout)
+    except TimeoutError:
+        what = "the first token (admission + prefill)" if waiting_for_first else "the next token"
+        raise _AttemptFailed(OpenAIError(504, f"decode worker {address} sent nothing for {timeout:g}s while "
+                                              f"waiting for {what}"), "timeout", False) from None
+    except grpc.aio.AioRpcError as exc:
+        raise map_grpc_error(exc, address) from None
+    if msg is grpc.aio.EOF:
+        raise _AttemptFailed(OpenAIError(502, f"decode worker {address} ended the stream without a finish "
+                                              f"reason"), "protocol", True)
+    return msg
+
+
 async def _read_attempt(ctx: GenerationContext, spec: ChoiceSpec, call: grpc.aio.UnaryStreamCall,
                         state: _Attempt, arrival: float) -> AsyncIterator[ChoiceEvent]:
     """One Generate attempt's events. Raises _AttemptFailed."""
-    cfg, metrics, address = ctx.config, ctx.metrics, state.address
-    opts = spec.options
-    detok = ctx.detokenizer_cls(ctx.tokenizer, prompt_ids=list(spec.prompt_ids),
-                                skip_special_tokens=opts.skip_special_tokens)
-    stopper = StopStringMatcher(opts.stop)
-    stop_reason: int | str | None = None
-    output: list[int] = []
+    metrics, address, opts = ctx.metrics, state.address, spec.options
+    text = _ChoiceText(ctx, spec)
+    output = text.output
     cached_tokens = -1  # from the first message
     last = arrival
     while True:
-        timeout = cfg.inter_token_timeout_s if output else cfg.first_token_timeout_s
-        try:
-            msg = await asyncio.wait_for(call.read(), timeout)
-        except TimeoutError:
-            what = "the next token" if output else "the first token (admission + prefill)"
-            raise _AttemptFailed(OpenAIError(504, f"decode worker {address} sent nothing for {timeout:g}s while "
-                                                  f"waiting for {what}"), "timeout", False) from None
-        except grpc.aio.AioRpcError as exc:
-            raise map_grpc_error(exc, address) from None
-        if msg is grpc.aio.EOF:
-            raise _AttemptFailed(OpenAIError(502, f"decode worker {address} ended the stream without a finish "
-                                                  f"reason"), "protocol", True)
+        msg = await _next_message(ctx, call, address, waiting_for_first=not output)
+        finished = msg.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED
         now = time.perf_counter()
         if cached_tokens < 0:
             cached_tokens = msg.cached_tokens
             state.dispatch.prefill_done()
             yield ChoiceStarted(spec.index, cached_tokens, logprobs_from_proto(msg.prompt_logprobs))
-        if msg.finish_reason == "abort":
+        if msg.finish_reason == decode_pb2.FINISH_REASON_ABORT:
             raise _AttemptFailed(OpenAIError(503, f"decode worker {address} aborted the request"), "abort", True)
         if opts.drop_output:  # echo with max_tokens 0: the one generated token is not part of the answer
-            if msg.finish_reason:
+            if finished:
                 metrics.prompt_tokens.inc(len(spec.prompt_ids))
                 metrics.cached_prompt_tokens.inc(cached_tokens)
                 yield ChoiceFinished(spec.index, "length", 0)
                 return
             continue
-        stopped = False
-        lps = logprobs_from_proto(msg.logprobs)
         if msg.token_ids:
             if output:
                 gap = (now - last) / len(msg.token_ids)
@@ -237,44 +302,23 @@ async def _read_attempt(ctx: GenerationContext, spec: ChoiceSpec, call: grpc.aio
             else:
                 metrics.ttft.observe(now - arrival)
             last = now
-            pieces, new_ids = [], []
-            for token in msg.token_ids:
-                output.append(token)
-                new_ids.append(token)
-                delta = detok.push(token)
-                if len(output) < opts.min_tokens:  # stop strings count only from min_tokens on (as vLLM)
-                    pieces.append(delta)
-                    continue
-                result = stopper.push(delta)
-                pieces.append(result.text)
-                if result.stopped:
-                    stopped, stop_reason = True, stopper.matched
-                    if opts.include_stop_str_in_output and stopper.matched:
-                        pieces.append(stopper.matched)
-                    break
+            lps = logprobs_from_proto(msg.logprobs)
+            piece, new_ids = text.push(msg.token_ids)
             state.num_tokens = len(output)
-            metrics.generated_tokens.inc(len(pieces))
-            text = "".join(pieces)
-            yield ChoiceText(spec.index, text, tuple(new_ids), lps[:len(new_ids)] if lps else ())
-        if not (stopped or msg.finish_reason):
+            metrics.generated_tokens.inc(len(new_ids))
+            yield ChoiceText(spec.index, piece, tuple(new_ids), lps[:len(new_ids)] if lps else ())
+        if not (text.stopped or finished):
             continue
-        if not stopped:  # the detokenizer's partial-character tail, then the stop matcher's held-back text
-            result = stopper.push(detok.flush())
-            stopped = result.stopped
-            tail = result.text if stopped else result.text + stopper.flush()
-            if stopped:
-                stop_reason = stopper.matched
-                if opts.include_stop_str_in_output and stopper.matched:
-                    tail += stopper.matched
-            if tail:
-                yield ChoiceText(spec.index, tail)
+        if not text.stopped and (tail := text.tail()):
+            yield ChoiceText(spec.index, tail)
         metrics.prompt_tokens.inc(len(spec.prompt_ids))
         metrics.cached_prompt_tokens.inc(cached_tokens)
         ctx.pool.policy.record(address, (*spec.prompt_ids, *output))  # the worker caches finished sequences
-        reason = "stop" if stopped or msg.finish_reason != "length" else "length"
-        if not stopped and reason == "stop" and output and output[-1] in opts.stop_token_ids:
+        length = not text.stopped and msg.finish_reason == decode_pb2.FINISH_REASON_LENGTH
+        stop_reason = text.stop_reason
+        if not text.stopped and not length and output and output[-1] in opts.stop_token_ids:
             stop_reason = output[-1]
-        yield ChoiceFinished(spec.index, reason, len(output), stop_reason)
+        yield ChoiceFinished(spec.index, "length" if length else "stop", len(output), stop_reason)
         return
 
 

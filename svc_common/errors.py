@@ -1,6 +1,9 @@
-"""Service-level errors and the gRPC status each maps to (the engine itself never imports grpc)."""
+"""Service-level errors and the gRPC status each maps to (the engine itself never imports grpc), and the one table
+from the engine's typed failures (engine/outcome.py) to them."""
 
 from __future__ import annotations
+
+from engine.outcome import Failure, FailureKind
 
 MAX_REQUEST_ID_LEN = 256
 
@@ -13,6 +16,11 @@ class ServiceError(Exception):
 
 class InvalidRequest(ServiceError):
     status_name = "INVALID_ARGUMENT"
+
+
+class NeverFits(InvalidRequest):
+    """The request can never run with this service's configuration (context, extend workspace, pool): a client
+    error, never retried, unlike Overloaded."""
 
 
 class LayoutMismatch(ServiceError):
@@ -53,12 +61,17 @@ def check_request_id(rid: str) -> str:
     return rid
 
 
-def engine_error(message: str) -> ServiceError:
-    """The service error of a failure the engine loop reports as ``"<ExceptionType>: <message>"``
-    (engine/engine_loop.py: a submit that fails on the loop thread reaches the caller only as text)."""
-    kind, _, _ = message.partition(":")
-    if kind == "OverflowError":  # the scheduler's waiting queue is full
-        return Overloaded(f"overloaded: {message.partition(': ')[2]}; retry later")
-    if kind == "RequestRejected":
-        return InvalidRequest(message.partition(": ")[2])
-    return ServiceError(message)
+# Every kind of engine failure -> (the service error it becomes, its message from the engine's). One entry per
+# FailureKind (tests/test_failure_tables.py checks it).
+FAILURE_ERRORS: dict[FailureKind, tuple[type[ServiceError], str]] = {
+    FailureKind.OVERLOADED: (Overloaded, "overloaded: {}; retry later"),  # RESOURCE_EXHAUSTED: retry, elsewhere
+    FailureKind.NEVER_FITS: (NeverFits, "{}"),  # INVALID_ARGUMENT: distinct from the transient overload
+    FailureKind.INVALID: (InvalidRequest, "{}"),  # INVALID_ARGUMENT
+    FailureKind.INTERNAL: (ServiceError, "{}"),  # INTERNAL
+}
+
+
+def service_error(failure: Failure) -> ServiceError:
+    """The service error (and so the gRPC status) of an engine failure."""
+    cls, template = FAILURE_ERRORS[failure.kind]
+    return cls(template.format(failure.message))

@@ -13,8 +13,8 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.scheduler import RequestRejected
-from svc_common.errors import ServiceError
+from engine.outcome import EngineRefusal
+from svc_common.errors import ServiceError, service_error
 from svc_common.service_auth import server_interceptors
 from svc_common.tls import TLSConfig
 
@@ -22,13 +22,11 @@ log = logging.getLogger(__name__)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and message a handler's exception becomes."""
+    """The gRPC status and message a handler's exception becomes (an engine refusal's through its typed failure)."""
+    if isinstance(exc, EngineRefusal):
+        exc = service_error(exc.failure)
     if isinstance(exc, ServiceError):
         return getattr(grpc.StatusCode, exc.status_name), str(exc)
-    if isinstance(exc, RequestRejected):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, OverflowError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"

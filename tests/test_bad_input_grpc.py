@@ -172,7 +172,7 @@ async def call(address: str, case: Case, ctx: dict) -> grpc.aio.AioRpcError | No
 async def still_serves(services) -> None:
     async with grpc.aio.insecure_channel(services["decode"].address) as ch:
         msgs = [m async for m in decode_pb2_grpc.DecodeStub(ch).Generate(gen(rid="valid", ignore_eos=True), timeout=30)]
-    assert sum(len(m.token_ids) for m in msgs) == 2 and msgs[-1].finish_reason == "length"
+    assert sum(len(m.token_ids) for m in msgs) == 2 and msgs[-1].finish_reason == decode_pb2.FINISH_REASON_LENGTH
     async with grpc.aio.insecure_channel(services["prefill"].address) as ch:
         kinds = [m.WhichOneof("payload") async for m in prefill_pb2_grpc.PrefillStub(ch).Prefill(pre(rid="ok"))]
     assert kinds[0] == "header" and kinds[-1] == "done"
@@ -211,7 +211,7 @@ def test_huge_max_tokens_is_clamped_to_the_pool_and_ends_with_length(services):
                 gen(ids=[7] * 100, rid="huge", max_tokens=2**31 - 1, ignore_eos=True), timeout=60)]
 
     msgs = asyncio.run(scenario())
-    assert msgs[-1].finish_reason == "length" and msgs[-1].completion_tokens == 128 - 100
+    assert msgs[-1].finish_reason == decode_pb2.FINISH_REASON_LENGTH and msgs[-1].completion_tokens == 128 - 100
 
 
 def test_a_request_id_already_in_flight_is_refused_and_the_first_is_untouched(services):
@@ -230,7 +230,7 @@ def test_a_request_id_already_in_flight_is_refused_and_the_first_is_untouched(se
 
     err, rest = asyncio.run(scenario())
     assert err.code() == INVALID and "already in flight" in err.details()
-    assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 30
+    assert rest[-1].finish_reason == decode_pb2.FINISH_REASON_LENGTH and rest[-1].completion_tokens == 30
 
 
 def test_after_all_bad_requests_the_decode_pool_is_intact(services):

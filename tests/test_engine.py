@@ -8,6 +8,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.model import causal_attention_no_cache
+from engine.outcome import FinishReason
 from engine.sampling import SamplingParams
 from tests.engine_reference import PathReference
 
@@ -85,7 +86,7 @@ def test_continuous_batching_gives_each_request_its_solo_output(tiny_model_dir, 
     for p, sp, b in zip(prompts, params, batched):
         solo = make_engine(tiny_model_dir, kv_dtype, chunk_size=chunk_size).generate([p], sp)[0]
         assert b.token_ids == solo.token_ids and len(b.token_ids) == sp.max_tokens
-        assert b.finish_reason == "length"
+        assert b.finish_reason is FinishReason.LENGTH
 
 
 def test_greedy_is_deterministic_and_seeded_sampling_repeats(tiny_model_dir):
@@ -124,9 +125,9 @@ def test_stop_token_and_max_tokens_finish_reasons(tiny_model_dir):
     stop_at = free_run[3]
     sp = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop_at,), ignore_eos=True)
     out = make_engine(tiny_model_dir).generate([p], sp)[0]
-    assert out.finish_reason == "stop" and out.token_ids == free_run[:free_run.index(stop_at) + 1]
+    assert out.finish_reason is FinishReason.STOP and out.token_ids == free_run[:free_run.index(stop_at) + 1]
     one = make_engine(tiny_model_dir).generate([p], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0]
-    assert one.finish_reason == "length" and len(one.token_ids) == 1
+    assert one.finish_reason is FinishReason.LENGTH and len(one.token_ids) == 1
 
 
 def test_nvfp4_pool_holds_16_9_the_tokens_of_fp8_for_the_same_bytes(tiny_model_dir):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
+from engine.outcome import FailureKind, FinishReason
 from engine.request import Request, Status, StepOutput
 from engine.sampling import SamplingParams
 
@@ -42,7 +43,8 @@ def test_a_request_whose_decode_step_fails_ends_alone(tiny_model_dir):
     bad.output_ids[-1] = eng.model_config.vocab_size + 5  # a token no embedding row holds: its step raises
     run(eng, outs=outs)
     assert [t for o in outs["good"] for t in o.new_token_ids] == ref[0].token_ids
-    assert outs["bad"][-1].finish_reason == "abort" and "decode step" in outs["bad"][-1].error
+    assert outs["bad"][-1].finish_reason is FinishReason.ABORT and "decode step" in outs["bad"][-1].failure.message
+    assert outs["bad"][-1].failure.kind is FailureKind.INTERNAL
     assert bad.status is Status.FINISHED and not bad.page_ids
     rep = eng.check_integrity()
     # its prompt's pages were cached when its prefill finished (sound); nothing it wrote after is
@@ -59,7 +61,8 @@ def test_a_request_whose_prefill_chunk_fails_ends_alone(tiny_model_dir):
     eng.scheduler.submit(bad)
     outs = run(eng)
     assert [t for o in outs["good"] for t in o.new_token_ids] == ref[0].token_ids
-    assert outs["bad"][-1].finish_reason == "abort" and "prefill" in outs["bad"][-1].error
+    assert outs["bad"][-1].finish_reason is FinishReason.ABORT and "prefill" in outs["bad"][-1].failure.message
+    assert outs["bad"][-1].failure.kind is FailureKind.INTERNAL
     assert eng.check_integrity().num_in_use == 0
 
 
@@ -69,5 +72,5 @@ def test_a_first_token_outside_the_vocabulary_fails_only_that_pull(tiny_model_di
     eng.scheduler.submit(req)
     eng.scheduler.step()  # admitted: pages allocated, waiting for the pull
     out = eng.scheduler.complete_pull("p", -1)
-    assert out.finish_reason == "abort" and "outside the vocabulary" in out.error
+    assert out.finish_reason is FinishReason.ABORT and "outside the vocabulary" in out.failure.message
     assert not eng.scheduler.pulling and eng.check_integrity().num_in_use == 0

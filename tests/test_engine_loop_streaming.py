@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from engine.outcome import FinishReason
 from engine.step_stats import StepStats
 
 
@@ -63,7 +64,7 @@ def test_streamed_tokens_are_complete_in_order_and_equal_offline_generation(engi
     for i, w in enumerate(want):
         outs = got[f"r{i}"]
         assert [t for o in outs for t in o.new_token_ids] == w
-        assert [o.finish_reason for o in outs] == [None] * (len(outs) - 1) + ["length"]
+        assert [o.finish_reason for o in outs] == [None] * (len(outs) - 1) + [FinishReason.LENGTH]
 
 
 def test_a_steps_tokens_are_handed_out_while_the_next_decode_step_is_in_flight(engine):

@@ -20,6 +20,7 @@ from engine.integrity import IntegrityReport, check_integrity
 from engine.kv_pool import KVPool
 from engine.page_allocator import PageAllocator
 from engine.radix_cache import RadixCache
+from engine.radix_node import walk
 from engine.sampling import SamplingParams
 from engine.startup_error import StartupError
 
@@ -195,7 +196,7 @@ def test_integrity_names_a_host_page_held_twice():
     cache_seq(cache, alloc, seq(0, 1))
     cache_seq(cache, alloc, seq(50, 1))
     cache.evict(2)
-    nodes = [n for n in cache._nodes() if n.host_pages]
+    nodes = [n for n in walk(cache._root) if n.host_pages]
     nodes[1].host_pages = list(nodes[0].host_pages)
     with pytest.raises(Exception, match="host pages held by more than one node"):
         check_integrity(alloc, cache, [])
@@ -256,9 +257,9 @@ def test_an_evicted_prefix_is_served_from_the_host_with_the_outputs_of_an_engine
     eng.generate(fillers[:1], GREEDY)
     eng.generate(fillers[1:], GREEDY)  # the pool holds 96 tokens: the shared prefix is now on the host only
     assert "host" in eng.cache.residency(again) and eng.cache.match_prefix(again).num_tokens < 40
-    hits = eng.scheduler.host_tier_stats().hit_tokens
+    hits = eng.scheduler.stats().host_tier.hit_tokens
     out = eng.generate([again], GREEDY)[0]
-    st = eng.scheduler.host_tier_stats()
+    st = eng.scheduler.stats().host_tier
     assert out.num_cached_tokens == 40  # every shared page: nothing of it was computed again
     assert st.hit_tokens - hits > 0 and st.num_loads >= 1 and st.num_stores >= 1
     plain = make_engine(tiny_model_dir, kv_dtype, pool_tokens=96)
@@ -294,11 +295,11 @@ def test_integrity_of_both_tiers_holds_under_random_aborts(tiny_model_dir):
     while sched.has_work:
         sched.step()
         sched.check_integrity()
-    st = sched.host_tier_stats()
+    st = sched.stats().host_tier
     assert n > 20 and st.num_stores > 0 and st.num_loads > 0  # both directions ran under the aborts
     report = sched.check_integrity()
     assert report.num_in_use == 0
-    sched.flush_cache()
+    sched.cache.flush()
     assert sched.check_integrity() == IntegrityReport(32, 32, 0, 0, 24, 24, 0)
 
 
@@ -310,9 +311,9 @@ def test_an_abort_right_after_a_host_load_frees_everything(tiny_model_dir):
     eng.generate([ids(60, 11)], GREEDY)
     req = eng.new_request(shared + [9, 9], GREEDY)
     eng.scheduler.submit(req)
-    loads = eng.scheduler.host_tier_stats().num_loads
+    loads = eng.scheduler.stats().host_tier.num_loads
     eng.scheduler._admit([])
-    assert eng.scheduler.host_tier_stats().num_loads == loads + 1 and req.num_cached_tokens == 40
+    assert eng.scheduler.stats().host_tier.num_loads == loads + 1 and req.num_cached_tokens == 40
     eng.scheduler.abort(req.rid)
     report = eng.check_integrity()
     assert report.num_in_use == 0 and report.num_free + report.num_cached == report.num_total

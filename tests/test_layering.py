@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 # Bottom to top. A package may import itself and what it lists here, nothing else of the project.
@@ -114,7 +112,6 @@ def test_serving_functions_and_classes_stay_small():
     assert not long, "\n".join(long)
 
 
-@pytest.mark.xfail(strict=True, reason="being reworked: the offenders are listed when it runs")
 def test_no_failure_is_told_apart_by_its_text():
     """Failures are typed end to end (enums in the engine's outputs and the protos, status tables): nothing
     decides what happened by reading a gRPC status's details or an exception's message."""

@@ -360,8 +360,11 @@ def test_model_limits_read_config_json(tmp_path):
     (grpc.StatusCode.INVALID_ARGUMENT, "token id 9999 out of vocabulary", 400, "invalid_argument", False),
     (grpc.StatusCode.FAILED_PRECONDITION, "kv dtype nvfp4 != fp8_e4m3", 500, "failed_precondition", False),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue full (4096)", 429, "resource_exhausted", True),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "prompt of 9000 tokens can never fit in the pool", 400,
-     "prompt_too_large", False),
+    # a prompt that can never fit is told apart by its status (the engine's NEVER_FITS), never by its text
+    (grpc.StatusCode.INVALID_ARGUMENT, "prompt of 9000 tokens needs 2251 pages, the KV pool holds 32 pages", 400,
+     "invalid_argument", False),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "prompt of 9000 tokens can never fit in the pool", 429, "resource_exhausted",
+     True),
     (grpc.StatusCode.UNAVAILABLE, "prefill 127.0.0.1:1 unreachable", 503, "unavailable", True),
     (grpc.StatusCode.DEADLINE_EXCEEDED, "transfer deadline", 504, "timeout", False),
     (grpc.StatusCode.INTERNAL, "boom", 502, "internal", False),

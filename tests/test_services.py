@@ -78,7 +78,7 @@ def test_greedy_through_the_services_equals_the_in_process_engine(procs, tiny_mo
                               cache=CacheConfig(kv_dtype=kv_dtype, page_size=4, max_total_tokens=4096)))
     ref = eng.generate([ids], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
     assert tokens == ref.token_ids
-    assert msgs[0].prompt_tokens == 37 and msgs[-1].finish_reason == "length"
+    assert msgs[0].prompt_tokens == 37 and msgs[-1].finish_reason == decode_pb2.FINISH_REASON_LENGTH
     assert run(integrity(d.address)).ok
 
 

@@ -196,6 +196,7 @@ def test_context_length_past_the_models_is_refused_before_and_at_start_up(tiny_m
 
 def test_context_length_caps_the_engine_context_and_its_workspace(tiny_model_dir):
     from engine.sampling import SamplingParams
+    from engine.outcome import FinishReason
     from engine.scheduler import RequestRejected
 
     eng = Engine(EngineConfig(model_dir=tiny_model_dir, device="cpu", dtype="float32", context_length=64,
@@ -203,7 +204,7 @@ def test_context_length_caps_the_engine_context_and_its_workspace(tiny_model_dir
     assert eng.max_context_len == 64 and eng.scheduler.max_context_len == 64
     assert eng.paths.workspace_tokens == 64  # the workspace defaults to the context length
     out = eng.generate([[5] * 60], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
-    assert len(out.token_ids) == 4 and out.finish_reason == "length"  # 60 + 4 = the 64-token context
+    assert len(out.token_ids) == 4 and out.finish_reason is FinishReason.LENGTH  # 60 + 4 = the 64-token context
     with pytest.raises(RequestRejected, match="does not fit the model context of 64 tokens"):
         eng.generate([[5] * 64], SamplingParams(max_tokens=1))
 
