@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.host_cache_size import HostCacheSize, host_cache_size_arg
+from engine.kv_rotation import KV_ROTATIONS
 from kernels.kv_layout import KV_DTYPES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -67,6 +68,12 @@ class CacheConfig:
 
     kv_dtype: str = field(default="nvfp4", metadata=flag(
         "KV pool format: nvfp4 (9 bytes per 16 values), fp8_e4m3, bf16", name="--kv-cache-dtype", choices=KV_DTYPES))
+    # An orthogonal transform of every head's q/k/v before attention and quantization, undone on the output
+    # (engine/kv_rotation.py): exact in real arithmetic, it changes only what quantization loses.
+    kv_rotation: str = field(default="none", metadata=flag(
+        "rotate K/V (and Q; the output is rotated back) by a randomized Hadamard transform before they are "
+        "quantized: spreads outlier channels over the head (NVFP4 loses less; see docs/benchmarks/accuracy.md); "
+        "prefill and decode must use the same", choices=KV_ROTATIONS))
     # Per-layer global scales (None -> 1.0): pool format scales and the FP8 workspace/attention scales.
     # --kv-scales names the file they come from; svc_common.engine_args reads it (it needs the model and dtype).
     k_scales: tuple[float, ...] | None = field(default=None, metadata=flag(
@@ -101,6 +108,8 @@ class CacheConfig:
                              f"(got {self.host_cache_bytes} bytes, {self.host_cache_tokens} tokens)")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.kv_rotation not in KV_ROTATIONS:
+            raise ValueError(f"--kv-rotation must be one of {KV_ROTATIONS}, got {self.kv_rotation!r}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

@@ -15,7 +15,7 @@ Scales file (``nvfp4-serve calibrate --out FILE``), JSON, version 1::
       "version": 1,
       "model_fingerprint": "16 hex digits (engine.loader.model_fingerprint of the calibrated checkpoint)",
       "num_layers": L,
-      "calibration": {"num_tokens": N, "source": "where the text came from"},
+      "calibration": {"num_tokens": N, "source": "where the text came from", "kv_rotation": "none"},
       "amax":  {"k": [L floats], "v": [L floats]},            the source of truth
       "nvfp4": {"k_scales": [L floats], "v_scales": [L floats]},  amax / 2688 (1.0 where amax is 0)
       "fp8":   {"k_scales": [L floats], "v_scales": [L floats]}   amax / 448  (1.0 where amax is 0)
@@ -55,6 +55,7 @@ class KVScales:
     v_amax: tuple[float, ...]
     num_tokens: int = 0
     source: str = ""
+    kv_rotation: str = "none"  # --kv-rotation the amax was recorded under (rotated K/V have other amax)
 
     def __post_init__(self) -> None:
         if len(self.k_amax) != len(self.v_amax) or not self.k_amax:
@@ -102,7 +103,7 @@ class KVScales:
             "version": VERSION,
             "model_fingerprint": self.model_fingerprint,
             "num_layers": self.num_layers,
-            "calibration": {"num_tokens": self.num_tokens, "source": self.source},
+            "calibration": {"num_tokens": self.num_tokens, "source": self.source, "kv_rotation": self.kv_rotation},
             "amax": {"k": list(self.k_amax), "v": list(self.v_amax)},
             "nvfp4": {"k_scales": list(nk), "v_scales": list(nv)},
             "fp8": {"k_scales": list(fk), "v_scales": list(fv)},
@@ -127,6 +128,7 @@ class KVScales:
                 tuple(float(a) for a in amax["v"]),
                 int(cal.get("num_tokens", 0)),
                 str(cal.get("source", "")),
+                str(cal.get("kv_rotation", "none")),  # files written before rotation existed: unrotated
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"{where} misses a field of the version {VERSION} schema: {e}") from e

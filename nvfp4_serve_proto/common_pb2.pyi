@@ -70,7 +70,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("kv_dtype", "page_size", "num_layers", "num_kv_heads", "head_dim", "k_scales", "v_scales", "model_fingerprint")
+    __slots__ = ("kv_dtype", "page_size", "num_layers", "num_kv_heads", "head_dim", "k_scales", "v_scales", "model_fingerprint", "kv_rotation")
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class KVLayout(_message.Message):
     K_SCALES_FIELD_NUMBER: _ClassVar[int]
     V_SCALES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_ROTATION_FIELD_NUMBER: _ClassVar[int]
     kv_dtype: str
     page_size: int
     num_layers: int
@@ -87,7 +88,8 @@ class KVLayout(_message.Message):
     k_scales: _containers.RepeatedScalarFieldContainer[float]
     v_scales: _containers.RepeatedScalarFieldContainer[float]
     model_fingerprint: str
-    def __init__(self, kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    kv_rotation: str
+    def __init__(self, kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., model_fingerprint: _Optional[str] = ..., kv_rotation: _Optional[str] = ...) -> None: ...
 
 class TransferEndpoint(_message.Message):
     __slots__ = ("hostname", "boot_id", "device", "kv_transfer")

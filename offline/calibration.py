@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_rotation import KV_ROTATIONS, rotated_attn, rotation_matrix
 from engine.kv_scales import KVScales
 from engine.model import AttnFn, causal_attention_no_cache
 
@@ -46,12 +47,14 @@ def calibrate(
     device: str = "auto",
     dtype: str | None = None,
     source: str | None = None,
+    kv_rotation: str = "none",
 ) -> KVScales:
     """Run up to ``num_tokens`` tokens of ``text`` through the model in windows of ``seq_len`` tokens
     (default: the model's context, at most 2048) and return the per-layer K/V amax.
 
     ``text`` None reads the stdlib train split. Attention is exact (fp32, no cache), so the scales
-    describe the model's unquantized K/V.
+    describe the model's unquantized K/V; with ``kv_rotation`` the recorder sees K/V rotated as a server
+    started with that ``--kv-rotation`` stores them.
     """
     from engine.loader import load_model
     from tokenization.tokenizer import Tokenizer
@@ -68,13 +71,15 @@ def calibrate(
         raise ValueError("the calibration text is empty after tokenization")
     window = min(seq_len or 2048, loaded.config.max_context_len)
     recorder = AmaxRecorder(loaded.config.num_hidden_layers)
+    rotation = rotation_matrix(kv_rotation, loaded.config.head_dim, dev)
     with torch.inference_mode():
         for start in range(0, len(ids), window):
             chunk = ids[start : start + window]
-            attn = recorder.wrap(causal_attention_no_cache([len(chunk)]))
+            attn = rotated_attn(recorder.wrap(causal_attention_no_cache([len(chunk)])), rotation)
             loaded.model(torch.tensor(chunk, device=dev), torch.arange(len(chunk), device=dev), attn)
     return KVScales(
-        loaded.fingerprint, tuple(recorder.k_amax), tuple(recorder.v_amax), len(ids), source or "user text"
+        loaded.fingerprint, tuple(recorder.k_amax), tuple(recorder.v_amax), len(ids), source or "user text",
+        kv_rotation,
     )
 
 
@@ -101,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-tokens", type=int, default=16384, help="calibration tokens (default 16384)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per forward (default: context, <= 2048)")
     p.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when PyTorch sees a GPU)")
+    p.add_argument("--kv-rotation", default="none", choices=KV_ROTATIONS,
+                   help="record the amax of K/V rotated as a server with this --kv-rotation stores them")
     p.add_argument(
         "--dtype",
         default=None,
@@ -121,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             a.device,
             a.dtype,
             source=f"file {a.data}" if a.data else None,
+            kv_rotation=a.kv_rotation,
         )
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))

@@ -47,6 +47,7 @@ class KVVariant:
     block_select: bool = False
     # nvfp4 only: calibrated pool scales but FP8 workspace (prefill attention) scales left at 1.0
     pool_only: bool = False
+    kv_rotation: str = "none"  # --kv-rotation (calibrated variants take scales calibrated under it)
 
 
 VARIANTS = (
@@ -57,6 +58,9 @@ VARIANTS = (
     KVVariant("nvfp4 calibrated pool, workspace 1.0", "nvfp4", calibrated=True, pool_only=True),
     KVVariant("nvfp4 calibrated", "nvfp4", calibrated=True),
     KVVariant("nvfp4 calibrated + block select", "nvfp4", calibrated=True, block_select=True),
+    KVVariant("nvfp4 calibrated + rotation", "nvfp4", calibrated=True, kv_rotation="hadamard"),
+    KVVariant("nvfp4 calibrated + rotation + block select", "nvfp4", calibrated=True, block_select=True,
+              kv_rotation="hadamard"),
 )
 
 
@@ -94,8 +98,12 @@ class EvalConfig:
 def make_engine(
     cfg: EvalConfig, variant: KVVariant, scales: KVScales, pool_tokens: int, chunk: int
 ) -> Engine:
-    """A fresh engine for ``variant``; uncalibrated variants get explicit 1.0 scales, not the checkpoint's."""
+    """A fresh engine for ``variant``; uncalibrated variants get explicit 1.0 scales, not the checkpoint's.
+    A calibrated variant needs ``scales`` recorded under its ``kv_rotation``."""
     n = scales.num_layers
+    if variant.calibrated and scales.kv_rotation != variant.kv_rotation:
+        raise ValueError(f"variant {variant.name!r} runs --kv-rotation {variant.kv_rotation} but its scales were "
+                         f"calibrated under {scales.kv_rotation}")
     if variant.calibrated:
         kw = scales.cache_scales(variant.kv_dtype)
         if variant.pool_only:
@@ -107,7 +115,8 @@ def make_engine(
         if variant.kv_dtype == "nvfp4":
             kw.update(ws_k_scales=(1.0,) * n, ws_v_scales=(1.0,) * n)
     cache = CacheConfig(
-        kv_dtype=variant.kv_dtype, page_size=cfg.page_size, max_total_tokens=pool_tokens, **kw
+        kv_dtype=variant.kv_dtype, kv_rotation=variant.kv_rotation, page_size=cfg.page_size,
+        max_total_tokens=pool_tokens, **kw
     )
     engine = Engine(
         EngineConfig(
@@ -216,8 +225,10 @@ def evaluate_context(
     token_ids: Sequence[int],
     scales: KVScales,
     log: Callable[[str], None] = print,
+    rotated_scales: KVScales | None = None,
 ) -> dict[str, Any]:
-    """Every variant on ``spec.num_windows`` non-overlapping windows spread evenly over ``token_ids``."""
+    """Every variant on ``spec.num_windows`` non-overlapping windows spread evenly over ``token_ids``;
+    ``rotated_scales`` (calibrated under --kv-rotation hadamard) serve the calibrated rotated variants."""
     length = spec.context_len + cfg.continuation_tokens
     num = min(spec.num_windows, len(token_ids) // length)
     if num < 1:
@@ -234,7 +245,8 @@ def evaluate_context(
     recorder = AmaxRecorder(scales.num_layers)  # K/V amax of these windows, seen by the bf16 baseline
     for variant in cfg.variants:
         t0 = time.perf_counter()
-        engine = make_engine(cfg, variant, scales, pool_tokens, chunk=spec.context_len)
+        own = rotated_scales if variant.kv_rotation != "none" and rotated_scales is not None else scales
+        engine = make_engine(cfg, variant, own, pool_tokens, chunk=spec.context_len)
         lp = teacher_forced_logprobs(engine, windows, spec.context_len, recorder if base_lp is None else None)
         greedy = greedy_continuations(engine, [w[: spec.context_len] for w in windows], cfg.greedy_tokens)
         engine.check_integrity()
@@ -270,6 +282,7 @@ def evaluate(
     text: str | None = None,
     text_source: str | None = None,
     log: Callable[[str], None] = print,
+    rotated_scales: KVScales | None = None,
 ) -> dict[str, Any]:
     """Every context of ``cfg`` on ``text`` (default: the held-out stdlib split) and the synthetic errors."""
     from offline.corpus import split_text
@@ -297,7 +310,7 @@ def evaluate(
                 f"with the continuation; using {longest}"
             )
             spec = ContextSpec(spec.name, longest, spec.num_windows)
-        contexts.append(evaluate_context(cfg, spec, ids, scales, log))
+        contexts.append(evaluate_context(cfg, spec, ids, scales, log, rotated_scales))
     return {
         "model": {
             "dir": str(cfg.model_dir),
@@ -320,10 +333,30 @@ def evaluate(
             "source": scales.source,
             "k_amax": list(scales.k_amax),
             "v_amax": list(scales.v_amax),
+            **({"rotated_k_amax": list(rotated_scales.k_amax), "rotated_v_amax": list(rotated_scales.v_amax)}
+               if rotated_scales is not None else {}),
         },
         "contexts": contexts,
         "synthetic_attention_error": synthetic_attention_error(),
     }
+
+
+def _scales_for(a: argparse.Namespace, path: str | None, kv_rotation: str, flag: str) -> KVScales:
+    """The scales file ``path`` (checked: this model, calibrated under ``kv_rotation``), or calibrate now."""
+    if path:
+        from engine.loader import model_fingerprint
+
+        scales = KVScales.load(path, model_fingerprint(a.model))
+        if scales.kv_rotation != kv_rotation:
+            raise ValueError(f"{flag} {path} was calibrated with --kv-rotation {scales.kv_rotation}, "
+                             f"{flag} needs --kv-rotation {kv_rotation}")
+        return scales
+    from offline.calibration import calibrate
+
+    print(f"no {flag}: calibrating (--kv-rotation {kv_rotation}) on {a.calibration_tokens} tokens of the "
+          "stdlib train split")
+    return calibrate(a.model, num_tokens=a.calibration_tokens, device=a.device, dtype=a.dtype,
+                     kv_rotation=kv_rotation)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,8 +387,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="teacher-forced next-token predictions per window (perplexity, KL)")
     p.add_argument("--greedy-tokens", type=int, default=EvalConfig.greedy_tokens,
                    help="greedy tokens per window compared with the bf16 cache's")
+    p.add_argument("--kv-scales-rotated", default=None, metavar="FILE",
+                   help="scales calibrated with --kv-rotation hadamard, for the rotated variants (default: "
+                        "calibrate them now on the stdlib train split)")
     p.add_argument("--calibration-tokens", type=int, default=16384,
-                   help="tokens calibrated on when no --kv-scales file is given")
+                   help="tokens calibrated on when no --kv-scales (--kv-scales-rotated) file is given")
     p.add_argument("--device", default="cpu", help="cuda or cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="model weights and activations")
@@ -364,15 +400,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         a.model = resolve_model(a.model)  # a hub id becomes its cached snapshot; None the embedded model
-        if a.kv_scales:
-            from engine.loader import model_fingerprint
-
-            scales = KVScales.load(a.kv_scales, model_fingerprint(a.model))
-        else:
-            from offline.calibration import calibrate
-
-            print(f"no --kv-scales: calibrating on {a.calibration_tokens} tokens of the stdlib train split")
-            scales = calibrate(a.model, num_tokens=a.calibration_tokens, device=a.device, dtype=a.dtype)
+        scales = _scales_for(a, a.kv_scales, "none", "--kv-scales")
+        rotated = _scales_for(a, a.kv_scales_rotated, "hadamard", "--kv-scales-rotated")
         cfg = EvalConfig(
             model_dir=a.model,
             contexts=(
@@ -385,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=a.dtype,
         )
         text = Path(a.data).read_text(encoding="utf-8") if a.data else None
-        results = evaluate(cfg, scales, text, text_source=a.data)
+        results = evaluate(cfg, scales, text, text_source=a.data, rotated_scales=rotated)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
     md = render_markdown(results)

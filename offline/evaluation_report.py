@@ -61,6 +61,7 @@ def findings(results: dict[str, Any]) -> list[str]:
                 f"{_change(nc, nb)}, perplexity {nc['perplexity']:.4f} -> "
                 f"{nb['perplexity']:.4f}."
             )
+        lines += _rotation_findings(c["name"], v)
         for key in ("k", "v") if "amax" in c else ():
             pairs = zip(c["amax"][key], cal[f"{key}_amax"])
             over = {i: seen / calib - 1 for i, (seen, calib) in enumerate(pairs) if seen > calib > 0}
@@ -73,6 +74,25 @@ def findings(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _rotation_findings(context: str, v: dict[str, dict[str, Any]]) -> list[str]:
+    """What the rotation moves, and the best NVFP4 variant's KL against FP8's (each with scale 1.0 and calibrated,
+    the lower FP8 taken)."""
+    lines = []
+    nc, nb = v.get("nvfp4 calibrated"), v.get("nvfp4 calibrated + block select")
+    nr, nrb = v.get("nvfp4 calibrated + rotation"), v.get("nvfp4 calibrated + rotation + block select")
+    if nc and nr:
+        lines.append(f"{context} context: rotation moves calibrated NVFP4's KL {_change(nc, nr)}.")
+    if nb and nrb:
+        lines.append(f"{context} context: rotation on top of block selection moves NVFP4's KL {_change(nb, nrb)}.")
+    fp8 = [r for name, r in v.items() if name.startswith("fp8_e4m3") and r["kl_vs_bf16"] > 0]
+    nv = [r for name, r in v.items() if name.startswith("nvfp4")]
+    if fp8 and nv:
+        best, ref = min(nv, key=lambda r: r["kl_vs_bf16"]), min(fp8, key=lambda r: r["kl_vs_bf16"])
+        lines.append(f"{context} context: the best NVFP4 variant ({best['variant']}) has "
+                     f"{best['kl_vs_bf16'] / ref['kl_vs_bf16']:.1f}x the KL of the best FP8 ({ref['variant']}).")
+    return lines
+
+
 _METHOD = (
     "Each window is a context prefilled through path 1 (FP8 attention for fp8/nvfp4, K/V quantized into "
     "the pool) followed by teacher-forced decode steps over the pool (path 3): perplexity, KL(bf16 || "
@@ -81,6 +101,8 @@ _METHOD = (
     "the share of windows whose continuation is identical. Standard errors are over windows. A fresh "
     'engine per variant. "calibrated": global scales from `nvfp4-serve calibrate` (nvfp4: amax/2688 for '
     'the pool and amax/448 for the FP8 workspace; fp8: amax/448); "scale 1.0": every global scale 1.0. '
+    '"rotation": `--kv-rotation hadamard` (q/k/v rotated by a randomized Hadamard transform before attention '
+    "and quantization, the output rotated back), calibrated under the rotation. "
     "Reproduce with `nvfp4-serve eval --json docs/benchmarks/accuracy.json --markdown "
     "docs/benchmarks/accuracy.md`."
 )

@@ -63,16 +63,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(_flag_name(f, spec), *spec.aliases, **kw)
 
 
-def kv_scales_for(path: str, model_dir: str, kv_dtype: str,
-                  num_layers: int | None = None) -> dict[str, tuple[float, ...]]:
-    """``CacheConfig`` scale arguments from a ``--kv-scales`` file checked against the model's fingerprint.
+def kv_scales_for(path: str, model_dir: str, kv_dtype: str, num_layers: int | None = None,
+                  kv_rotation: str = "none") -> dict[str, tuple[float, ...]]:
+    """``CacheConfig`` scale arguments from a ``--kv-scales`` file checked against the model's fingerprint and
+    the ``--kv-rotation`` it was calibrated under (rotated K/V have other amax).
 
     The file is calibrated on the whole checkpoint; with ``num_layers`` its first N layers' scales are kept
     (layer i's K/V depend only on layers < i, so they are the truncated model's own scales)."""
     from engine.kv_scales import KVScales
     from engine.loader import model_fingerprint
 
-    scales = KVScales.load(path, model_fingerprint(model_dir)).cache_scales(kv_dtype)
+    calibrated = KVScales.load(path, model_fingerprint(model_dir))
+    if calibrated.kv_rotation != kv_rotation:
+        raise ValueError(f"--kv-scales file {path} was calibrated with --kv-rotation {calibrated.kv_rotation}, "
+                         f"this server runs --kv-rotation {kv_rotation}: recalibrate with `nvfp4-serve calibrate "
+                         f"--kv-rotation {kv_rotation}`")
+    scales = calibrated.cache_scales(kv_dtype)
     if num_layers is None:
         return scales
     return {key: values[:num_layers] for key, values in scales.items()}
@@ -95,7 +101,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     """The engine config of parsed engine options. Scale precedence (per layer, K and V): the
     ``--kv-scales`` file, else the checkpoint's k_scale/v_scale, else 1.0 (``engine.engine``)."""
     model_dir = a.model or default_model_dir()
-    scales = kv_scales_for(a.kv_scales, model_dir, a.kv_cache_dtype, a.num_layers) if a.kv_scales else {}
+    scales = (kv_scales_for(a.kv_scales, model_dir, a.kv_cache_dtype, a.num_layers, a.kv_rotation)
+              if a.kv_scales else {})
     return _build(EngineConfig, a, {EngineConfig: {"model_dir": model_dir}, CacheConfig: scales})
 
 

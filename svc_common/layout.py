@@ -5,7 +5,7 @@ from __future__ import annotations
 from svc_common.errors import LayoutMismatch
 from nvfp4_serve_proto import common_pb2
 
-_FIELDS = ("kv_dtype", "page_size", "num_layers", "num_kv_heads", "head_dim", "model_fingerprint")
+_FIELDS = ("kv_dtype", "kv_rotation", "page_size", "num_layers", "num_kv_heads", "head_dim", "model_fingerprint")
 
 
 def layout_of(engine) -> common_pb2.KVLayout:
@@ -13,7 +13,7 @@ def layout_of(engine) -> common_pb2.KVLayout:
     return common_pb2.KVLayout(
         kv_dtype=cc.kv_dtype, page_size=cc.page_size, num_layers=mc.num_hidden_layers,
         num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, k_scales=engine.k_scales,
-        v_scales=engine.v_scales, model_fingerprint=engine.fingerprint)
+        v_scales=engine.v_scales, model_fingerprint=engine.fingerprint, kv_rotation=cc.kv_rotation)
 
 
 def check_layout(mine: common_pb2.KVLayout, theirs: common_pb2.KVLayout, me: str, them: str) -> None:
@@ -29,4 +29,4 @@ def check_layout(mine: common_pb2.KVLayout, theirs: common_pb2.KVLayout, me: str
             diffs.append(f"{f}: {me} has {a}, {them} has {b}")
     if diffs:
         raise LayoutMismatch("KV layout mismatch between prefill and decode (start both with the same "
-                             "--kv-cache-dtype, --page-size, model and --kv-scales): " + "; ".join(diffs))
+                             "--kv-cache-dtype, --kv-rotation, --page-size, model and --kv-scales): " + "; ".join(diffs))

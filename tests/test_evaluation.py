@@ -37,6 +37,11 @@ def tiny_scales(tiny_model_dir) -> KVScales:
     return calibrate(tiny_model_dir, TEXT, num_tokens=64, device="cpu", dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def tiny_rotated_scales(tiny_model_dir) -> KVScales:
+    return calibrate(tiny_model_dir, TEXT, num_tokens=64, device="cpu", dtype="float32", kv_rotation="hadamard")
+
+
 def windows_of(n: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 500, (n, length), generator=g).tolist()
@@ -127,7 +132,8 @@ def test_synthetic_errors_order_the_formats_and_show_what_calibration_fixes():
     assert 1.0 < float((q @ k.T).std() / 8) < 3.0
 
 
-def test_evaluate_reports_every_variant_and_writes_json_and_markdown(tiny_model_dir, tiny_scales, tmp_path):
+def test_evaluate_reports_every_variant_and_writes_json_and_markdown(tiny_model_dir, tiny_scales, tiny_rotated_scales,
+                                                                    tmp_path):
     cfg = EvalConfig(
         model_dir=tiny_model_dir,
         contexts=(ContextSpec("short", 24, 2), ContextSpec("long", 60, 1)),
@@ -135,7 +141,8 @@ def test_evaluate_reports_every_variant_and_writes_json_and_markdown(tiny_model_
         greedy_tokens=3,
         page_size=4,
     )
-    res = evaluate(cfg, tiny_scales, TEXT * 3, text_source="test text", log=lambda _: None)
+    res = evaluate(cfg, tiny_scales, TEXT * 3, text_source="test text", log=lambda _: None,
+                   rotated_scales=tiny_rotated_scales)
     assert [c["name"] for c in res["contexts"]] == ["short", "long"]
     for c in res["contexts"]:
         rows = {r["variant"]: r for r in c["rows"]}
@@ -148,13 +155,16 @@ def test_evaluate_reports_every_variant_and_writes_json_and_markdown(tiny_model_
     md = render_markdown(res)
     assert "| nvfp4 calibrated + block select |" in md and "## long context: 60 tokens" in md
     assert "calibration moves NVFP4's KL" in md
+    assert "rotation moves calibrated NVFP4's KL" in md and "the best NVFP4 variant" in md
+    assert res["calibration"]["rotated_k_amax"] == list(tiny_rotated_scales.k_amax)
     with pytest.raises(ValueError, match="calibrated for model"):
         evaluate(cfg, KVScales("0" * 16, tiny_scales.k_amax, tiny_scales.v_amax), TEXT)
 
 
-def test_eval_command_writes_the_files(tiny_model_dir, tiny_scales, tmp_path):
-    scales, data = tmp_path / "s.json", tmp_path / "text.txt"
+def test_eval_command_writes_the_files(tiny_model_dir, tiny_scales, tiny_rotated_scales, tmp_path):
+    scales, rotated, data = tmp_path / "s.json", tmp_path / "r.json", tmp_path / "text.txt"
     tiny_scales.save(scales)
+    tiny_rotated_scales.save(rotated)
     data.write_text(TEXT * 3)
     out_json, out_md = tmp_path / "acc.json", tmp_path / "acc.md"
     assert (
@@ -164,6 +174,8 @@ def test_eval_command_writes_the_files(tiny_model_dir, tiny_scales, tmp_path):
                 tiny_model_dir,
                 "--kv-scales",
                 str(scales),
+                "--kv-scales-rotated",
+                str(rotated),
                 "--data",
                 str(data),
                 "--json",
