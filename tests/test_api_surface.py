@@ -178,7 +178,7 @@ def test_logit_bias_and_penalties_travel_to_the_sampler(dep):
 
 
 def test_grpc_max_tokens_zero_is_the_rest_of_the_context(dep):
-    async def run() -> tuple[int, str]:
+    async def run() -> tuple[int, int]:
         async with grpc.aio.insecure_channel(dep.address("decode-0")) as ch:
             stub = decode_pb2_grpc.DecodeStub(ch)
             req = decode_pb2.GenerateRequest(request_id="zero", token_ids=[5, 6, 7, 8],
@@ -188,4 +188,4 @@ def test_grpc_max_tokens_zero_is_the_rest_of_the_context(dep):
                 last = msg
             return last.completion_tokens, last.finish_reason
 
-    assert asyncio.run(run()) == (CONTEXT - 4, "length")
+    assert asyncio.run(run()) == (CONTEXT - 4, decode_pb2.FINISH_REASON_LENGTH)
