@@ -17,9 +17,10 @@ CPU_DEFAULT_TOKENS = 65536
 
 @dataclass(frozen=True)
 class Flag:
-    """How one config field is spelled on the command line: the only place each engine flag is declared.
+    """How one config field is spelled on the command line: the only place each flag is declared (the engine's
+    flags here, the prefill and decode services' own on their config dataclasses).
 
-    ``svc_common/engine_args.py`` generates from these the argparse flags, the config built from parsed flags and
+    ``svc_common/config_flags.py`` generates from these the argparse flags, the config built from parsed flags and
     the argv the launcher passes to its child services. Type and default come from the field unless given here.
     """
 
@@ -36,6 +37,8 @@ class Flag:
     to_fields: Callable[[Any], dict[str, Any]] | None = None
     is_path: bool = False  # passed on to child services as an absolute path
     forward_default: bool = True  # passed on to child services when the value is the default (None never is)
+    nargs: str | None = None  # argparse's, e.g. "*": a tuple[X, ...] field takes a list of X
+    group: str = ""  # the --help group's title; default: the group the generator is given
 
     def attr(self, field_name: str) -> str:
         """The attribute of the parsed namespace that holds this flag's value."""

@@ -1,33 +1,48 @@
-"""Prefill service configuration."""
+"""Prefill service configuration.
+
+The service's own flags (``--kv-transfer``, ``--kv-hold-timeout``, ``--kv-message-bytes``) are declared once, as
+``Flag`` metadata on their ``PrefillConfig`` fields; the parser and the config of parsed flags are generated from
+them (``svc_common/config_flags.py``). The server, TLS, engine and fault-injection flags come from their own
+modules."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field, replace
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, flag
+from svc_common.config_flags import add_flags, config_from_flags
 from svc_common.engine_args import add_engine_args, engine_config_from_args
 from svc_common.fault_injection import FaultInjection, add_fault_args, faults_from_args
 from svc_common.kv_transfer import TRANSFER_MODES, check_mode
-from svc_common.service_main import add_server_args
+from svc_common.service_main import add_server_args, server_fields
 from svc_common.tls import TLSConfig, add_tls_args, tls_from_args
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
+    # The service's flags are generated in field order (add_flags): --help lists them in this order.
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 50051
     max_message_bytes: int = 16 * 1024 * 1024  # every KV message stays under this (minus a header margin)
     metrics_port: int | None = None
     tls: TLSConfig = field(default_factory=TLSConfig)
-    kv_transfer: str = "auto"  # svc_common/kv_transfer.py: auto | grpc | cuda-ipc | nixl
-    kv_hold_timeout_s: float = 60.0  # cuda-ipc: source pages are freed this long after the last page message
+    kv_transfer: str = field(default="auto", metadata=flag(  # svc_common/kv_transfer.py: auto | grpc | cuda-ipc | nixl
+        "how KV pages reach the decode: auto (CUDA IPC when both ends share a host and both pools are on CUDA, else "
+        "gRPC), grpc (always bytes over gRPC), cuda-ipc (as auto, and warn when a transfer falls back to gRPC), nixl "
+        "(NIXL over UCX reads the pages: any hosts, CPU pools too; chosen only when both ends say nixl, else as auto "
+        "with a warning)", choices=TRANSFER_MODES))
+    # cuda-ipc: source pages are freed this long after the last page message
+    kv_hold_timeout_s: float = field(default=60.0, metadata=flag(
+        "cuda-ipc: seconds after the last page message at which the source pages are freed even if the decode has "
+        "not released them", name="--kv-hold-timeout"))
     # grpc path: bytes of page data per message (capped by max_message_bytes). Every message holds at least
     # one page of one layer. 4 MiB: each message costs both ends Python work under the GIL (framing, checks,
     # the write's launches) that the engine thread of the same process waits on; fewer, larger messages
     # leave it more of the GIL (the transfer benchmark's raw grpcio anchor runs at the same message size).
-    kv_message_bytes: int = 4 << 20
+    kv_message_bytes: int = field(default=4 << 20, metadata=flag(
+        "grpc path: page bytes per message (at least one page; capped by --max-message-bytes)"))
     faults: FaultInjection = field(default_factory=FaultInjection)  # tests only (svc_common/fault_injection.py)
 
     def __post_init__(self) -> None:
@@ -43,16 +58,7 @@ class PrefillConfig:
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("nvfp4-serve prefill", description="Run the prefill gRPC service.")
     add_server_args(p, PrefillConfig)
-    p.add_argument("--kv-transfer", default=PrefillConfig.kv_transfer, choices=TRANSFER_MODES,
-                   help="how KV pages reach the decode: auto (CUDA IPC when both ends share a host and both pools "
-                        "are on CUDA, else gRPC), grpc (always bytes over gRPC), cuda-ipc (as auto, and warn when "
-                        "a transfer falls back to gRPC), nixl (NIXL over UCX reads the pages: any hosts, CPU "
-                        "pools too; chosen only when both ends say nixl, else as auto with a warning)")
-    p.add_argument("--kv-hold-timeout", type=float, default=PrefillConfig.kv_hold_timeout_s,
-                   help="cuda-ipc: seconds after the last page message at which the source pages are freed even if "
-                        "the decode has not released them")
-    p.add_argument("--kv-message-bytes", type=int, default=PrefillConfig.kv_message_bytes,
-                   help="grpc path: page bytes per message (at least one page; capped by --max-message-bytes)")
+    add_flags(p, PrefillConfig, skip=("engine",))  # the engine's flags follow the TLS flags, in their group
     add_tls_args(p)
     add_engine_args(p)
     add_fault_args(p, "prefill")
@@ -63,8 +69,5 @@ def config_from_args(a: argparse.Namespace) -> PrefillConfig:
     # A prefill service never runs a decode step (every request ends at its first token): no decode graphs,
     # no start-up compile of the decode kernels, no graph staging buffers.
     engine = replace(engine_config_from_args(a), disable_cuda_graph=True)
-    return PrefillConfig(engine=engine, host=a.host, port=a.port,
-                         max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port, tls=tls_from_args(a),
-                         faults=faults_from_args(a),
-                         kv_transfer=a.kv_transfer, kv_hold_timeout_s=a.kv_hold_timeout,
-                         kv_message_bytes=a.kv_message_bytes)
+    return config_from_flags(PrefillConfig, a, {PrefillConfig: {
+        "engine": engine, **server_fields(a), "tls": tls_from_args(a), "faults": faults_from_args(a)}})

@@ -55,3 +55,8 @@ def add_server_args(parser: argparse.ArgumentParser, config_cls: type) -> None:
                         help="largest gRPC message sent or received")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics over HTTP on this port (default: none; GetMetrics RPC only)")
+
+
+def server_fields(a: argparse.Namespace) -> dict[str, object]:
+    """The config fields of the flags ``add_server_args`` adds."""
+    return {"host": a.host, "port": a.port, "max_message_bytes": a.max_message_bytes, "metrics_port": a.metrics_port}
