@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.kv_pool import KVPool
+from nvfp4_serve_proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from svc_common.kv_transfer import (
     PATH_GRPC,
     PATH_IPC,
@@ -35,7 +36,6 @@ from svc_common.kv_transfer import (
 from svc_common.kv_transfer_ipc import PoolView, open_share
 from svc_common.kv_transfer_nixl import NixlAgent, NixlUnavailable, NixlView, open_nixl_share
 from svc_common.layout import check_layout
-from nvfp4_serve_proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -41,6 +41,7 @@ from decode_svc.peer_channels import PeerChannels
 from engine.kv_pool import KVPool
 from engine.request import PullStart
 from engine.sampling import SamplingParams
+from nvfp4_serve_proto import common_pb2, prefill_pb2
 from svc_common.convert import sampling_to_proto
 from svc_common.errors import InvalidRequest, LayoutMismatch, PrefillUnavailable, TransferTimeout
 from svc_common.kv_copy import PARTS, PageImporter
@@ -58,7 +59,6 @@ from svc_common.kv_wire import WireError, decode_page_run
 from svc_common.layout import check_layout
 from svc_common.metrics import ServiceMetrics
 from svc_common.tls import TLSConfig
-from nvfp4_serve_proto import common_pb2, prefill_pb2
 
 _HOLD_MARGIN = 0.9  # by-reference copies must complete within this share of the hold (messages in flight)
 _WRITES_IN_FLIGHT = 2  # writes running behind the message being read (bounds memory to ~3 messages)

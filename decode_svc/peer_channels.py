@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from nvfp4_serve_proto import prefill_pb2, prefill_pb2_grpc
 from svc_common.grpc_server import server_options
 from svc_common.tls import TLSConfig, open_channel
-from nvfp4_serve_proto import prefill_pb2, prefill_pb2_grpc
 
 # A restarted prefill is reached again within a second (gRPC's default backoff grows to 120 s).
 _RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),

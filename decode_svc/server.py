@@ -9,10 +9,10 @@ from decode_svc.servicer import DecodeServicer
 from decode_svc.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop, favour_engine_thread
+from nvfp4_serve_proto import decode_pb2, decode_pb2_grpc
 from svc_common.grpc_server import build_server, start_and_wait
 from svc_common.host_malloc import keep_freed_blocks
 from svc_common.metrics import ServiceMetrics
-from nvfp4_serve_proto import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("decode_svc")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from decode_svc.worker import DecodeWorker
 from engine.integrity import IntegrityError
-from svc_common.load import LoadReporter
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
+from svc_common.load import LoadReporter
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):

@@ -30,12 +30,12 @@ from engine.grammar import GrammarCompiler, GrammarError, GrammarUnavailable, Ma
 from engine.integrity import IntegrityReport
 from engine.outcome import FinishReason
 from engine.request import PullStart, Request, StepOutput
+from nvfp4_serve_proto import decode_pb2
 from svc_common.convert import check_token_ids, logprobs_to_proto, sampling_from_proto
 from svc_common.errors import InvalidRequest, TransferTimeout, UntrustedPeer, check_request_id, service_error
 from svc_common.kv_transfer import check_address
 from svc_common.layout import layout_of
 from svc_common.metrics import ServiceMetrics
-from nvfp4_serve_proto import decode_pb2
 
 
 def _coalesce(ev: StepOutput | PullStart, events: asyncio.Queue) -> StepOutput | PullStart:

@@ -33,9 +33,9 @@ from engine.request import Request, StepOutput
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.startup_error import StartupError
-from tokenization.tokenizer import Tokenizer
 from kernels.backends.registry import get_backend
 from kernels.kv_layout import bytes_per_token_per_layer
+from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

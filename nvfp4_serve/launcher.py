@@ -36,14 +36,14 @@ import time
 import urllib.error
 import urllib.request
 
+from nvfp4_serve.supervisor import RESTART_POLICIES, Child, stop_all, supervise
+from nvfp4_serve.supervisor import spawn as _spawn
 from svc_common.cli_help import HelpFormatter, add_version
 from svc_common.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
 from svc_common.kv_transfer import TRANSFER_MODES
 from svc_common.model_source import hub_id_of
 from svc_common.preflight import check_device, prepare_engine_args
 from svc_common.service_auth import API_KEY_ENV, SERVICE_TOKEN_ENV
-from nvfp4_serve.supervisor import RESTART_POLICIES, Child, stop_all, supervise
-from nvfp4_serve.supervisor import spawn as _spawn
 from svc_common.tls import TLSConfig, add_tls_args, check_handshake, tls_argv, tls_from_args
 
 

@@ -29,13 +29,13 @@ from typing import Any
 import torch
 
 from engine.attention_paths import ExtendSeq
-from engine.kv_scales import KVScales
-from offline.calibration import AmaxRecorder
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
-from offline.evaluation_report import mean_se, render_markdown
+from engine.kv_scales import KVScales
 from engine.model import AttnFn
 from engine.sampling import SamplingParams
+from offline.calibration import AmaxRecorder
+from offline.evaluation_report import mean_se, render_markdown
 from offline.synthetic_kv import synthetic_attention_error
 
 
@@ -285,9 +285,9 @@ def evaluate(
     rotated_scales: KVScales | None = None,
 ) -> dict[str, Any]:
     """Every context of ``cfg`` on ``text`` (default: the held-out stdlib split) and the synthetic errors."""
-    from offline.corpus import split_text
     from engine.loader import model_fingerprint
     from engine.model_config import ModelConfig
+    from offline.corpus import split_text
     from tokenization.tokenizer import Tokenizer
 
     mc = ModelConfig.from_dir(cfg.model_dir)

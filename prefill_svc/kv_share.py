@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_pool import KVPool
+from nvfp4_serve_proto import common_pb2, prefill_pb2
 from svc_common.errors import TransferTimeout
 from svc_common.kv_transfer import (
     PATH_GRPC,
@@ -39,7 +40,6 @@ from svc_common.kv_transfer import (
 )
 from svc_common.kv_transfer_ipc import export_share, pool_rows
 from svc_common.kv_transfer_nixl import NixlAgent, export_nixl_share
-from nvfp4_serve_proto import common_pb2, prefill_pb2
 
 log = logging.getLogger(__name__)
 

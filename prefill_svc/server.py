@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop, favour_engine_thread
-from svc_common.grpc_server import build_server, start_and_wait
-from svc_common.host_malloc import keep_freed_blocks
-from svc_common.metrics import ServiceMetrics
 from nvfp4_serve_proto import prefill_pb2
 from prefill_svc.config import PrefillConfig
 from prefill_svc.servicer import PrefillServicer, add_to_server
 from prefill_svc.worker import PrefillWorker
+from svc_common.grpc_server import build_server, start_and_wait
+from svc_common.host_malloc import keep_freed_blocks
+from svc_common.metrics import ServiceMetrics
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 

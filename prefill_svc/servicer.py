@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import grpc
 
-from svc_common.load import LoadReporter
 from nvfp4_serve_proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_svc.worker import PrefillWorker
+from svc_common.load import LoadReporter
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):

@@ -25,24 +25,27 @@ from engine.engine_loop import EngineLoop
 from engine.fence import Fence
 from engine.outcome import Failure, FailureKind, FinishReason
 from engine.request import PrefillProgress, Request, StepOutput
+from nvfp4_serve_proto import prefill_pb2
+from prefill_svc.kv_share import Hold, KVShareSource
 from svc_common.convert import check_token_ids, sampling_from_proto
-from svc_common.fault_injection import FaultInjection
 from svc_common.errors import InvalidRequest, check_request_id, service_error
+from svc_common.fault_injection import FaultInjection
 from svc_common.kv_copy import PageExporter
 from svc_common.kv_transfer import PATH_NIXL, TRANSFER_MODES, TransferMetrics, by_reference
 from svc_common.layout import check_layout, layout_of
 from svc_common.metrics import ServiceMetrics
-from nvfp4_serve_proto import prefill_pb2
-from prefill_svc.kv_share import Hold, KVShareSource
 
 _HEADER_MARGIN = 4096  # bytes kept free in each message for the protobuf framing
 _PAGE_ID_BYTES = 5  # most bytes of one packed int32 page id in a KVPageRefs message
 _MESSAGES_PER_EXPORT = 8  # messages gathered and copied to host at once (one gather, one device->host copy)
 
 
+_NO_FAULTS = FaultInjection()  # frozen: one shared default
+
+
 class PrefillWorker:
     def __init__(self, loop: EngineLoop, max_message_bytes: int, metrics: ServiceMetrics,
-                 faults: FaultInjection = FaultInjection(),
+                 faults: FaultInjection = _NO_FAULTS,
                  kv_transfer: str = "auto", kv_hold_timeout_s: float = 60.0, kv_message_bytes: int = 4 << 20):
         self.loop = loop
         self.debug_delay = faults.transfer_delay_s  # tests only (svc_common/fault_injection.py); 0 in a deployment

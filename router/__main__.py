@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 
-from svc_common.cli_help import HelpFormatter, add_version
-from svc_common.model_source import hub_id_of, resolve_model
 from router.app import serve
 from router.config import build_arg_parser, config_from_args
+from svc_common.cli_help import HelpFormatter, add_version
+from svc_common.model_source import hub_id_of, resolve_model
 
 
 def main(argv: list[str] | None = None) -> None:

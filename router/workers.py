@@ -24,12 +24,12 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from svc_common.tls import open_channel
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.openai_protocol import OpenAIError
 from router.policy import CacheAwarePolicy, DecodeCandidate, DecodeChoice, PrefillCandidate, choose_prefill
+from svc_common.tls import open_channel
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from engine.sampling import SamplingParams
-from svc_common.errors import InvalidRequest
 from nvfp4_serve_proto import common_pb2
+from svc_common.errors import InvalidRequest
 
 
 def sampling_from_proto(sp: common_pb2.SamplingParams, unset_max_tokens: int) -> SamplingParams:

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import Counter
 
-from svc_common.metrics import ServiceMetrics
 from nvfp4_serve_proto import common_pb2
+from svc_common.metrics import ServiceMetrics
 
 if TYPE_CHECKING:
     import torch

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from engine.kv_pool import KVPool
-from svc_common.kv_transfer_ipc import check_share, describe_tensors, page_runs, pool_rows
 from nvfp4_serve_proto import prefill_pb2
+from svc_common.kv_transfer_ipc import check_share, describe_tensors, page_runs, pool_rows
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from svc_common.errors import LayoutMismatch
 from nvfp4_serve_proto import common_pb2
+from svc_common.errors import LayoutMismatch
 
 _FIELDS = ("kv_dtype", "kv_rotation", "page_size", "num_layers", "num_kv_heads", "head_dim", "model_fingerprint")
 

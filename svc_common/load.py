@@ -20,8 +20,8 @@ import grpc
 from engine.engine_loop import EngineLoop
 from engine.host_pool import HostTierStats
 from engine.scheduler_stats import SchedulerStats
-from svc_common.metrics import ServiceMetrics
 from nvfp4_serve_proto import common_pb2
+from svc_common.metrics import ServiceMetrics
 
 
 class EngineStalled(RuntimeError):

@@ -19,11 +19,11 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop
 from engine.model_runner import ModelRunner
-from svc_common.grpc_server import build_server
-from svc_common.metrics import ServiceMetrics
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from prefill_svc.servicer import PrefillServicer, add_to_server
 from prefill_svc.worker import PrefillWorker
+from svc_common.grpc_server import build_server
+from svc_common.metrics import ServiceMetrics
 
 
 class ChunkGate:

@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
-from offline.calibration import KVScales, calibrate, main
 from engine.engine import Engine
 from engine.loader import model_fingerprint
+from offline.calibration import KVScales, calibrate, main
 from offline.tiny_model import make_tiny_model
 from svc_common.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
 from tests.model_fixtures import read_checkpoint

@@ -8,6 +8,11 @@ import math
 import pytest
 import torch
 
+from engine.loader import model_fingerprint
+from kernels import nvfp4
+from kernels.backends.block_select import BlockSelectBackend
+from kernels.kv_layout import LayerKV
+from kernels.nvfp4_block_select import quantize_block_select
 from offline.calibration import KVScales, calibrate
 from offline.evaluation import (
     VARIANTS,
@@ -21,12 +26,7 @@ from offline.evaluation import (
     teacher_forced_logprobs,
 )
 from offline.evaluation_report import render_markdown
-from engine.loader import model_fingerprint
 from offline.synthetic_kv import synthetic_attention_error, synthetic_kv
-from kernels import nvfp4
-from kernels.backends.block_select import BlockSelectBackend
-from kernels.kv_layout import LayerKV
-from kernels.nvfp4_block_select import quantize_block_select
 from tests.engine_reference import PathReference
 
 TEXT = "import os\n\n\ndef walk(top):\n    for name in os.listdir(top):\n        yield name\n" * 40

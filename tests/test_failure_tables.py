@@ -12,8 +12,15 @@ import grpc
 import pytest
 
 from decode_svc.worker import FINISH_REASONS
-from engine.outcome import (EngineRefusal, Failure, FailureKind, FinishReason, QueueFull, RequestRejected,
-                            failure_of)
+from engine.outcome import (
+    EngineRefusal,
+    Failure,
+    FailureKind,
+    FinishReason,
+    QueueFull,
+    RequestRejected,
+    failure_of,
+)
 from nvfp4_serve_proto import decode_pb2
 from router.generation import GRPC_ANSWERS, OTHER_STATUS, map_grpc_error
 from svc_common.errors import FAILURE_ERRORS, ServiceError, service_error

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from svc_common.kv_copy import part_page_bytes
-from svc_common.kv_wire import encode_page_run
 from nvfp4_serve.launcher import free_port
 from nvfp4_serve_proto import common_pb2, decode_pb2_grpc, prefill_pb2
+from svc_common.kv_copy import part_page_bytes
+from svc_common.kv_wire import encode_page_run
 from tests.pd_harness import ChunkGate, services
 
 PAGE, CHUNK = 4, 8

@@ -107,9 +107,9 @@ def test_an_inf_bf16_value_in_a_message_fails_the_write(device):
 
 @pytest.mark.parametrize("sizes", [(64, 8, 64, 8), (96, 0, 96, 0)])
 def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
+    from nvfp4_serve_proto import prefill_pb2
     from svc_common.kv_copy import message_from
     from svc_common.kv_wire import encode_page_run, frame_page_run
-    from nvfp4_serve_proto import prefill_pb2
 
     g = torch.Generator().manual_seed(3)
     parts = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) if n else None for n in sizes]

@@ -14,7 +14,14 @@ from engine.engine import Engine
 from engine.kv_rotation import rotate, rotation_matrix, unrotate
 from engine.sampling import SamplingParams
 from offline.evaluation import teacher_forced_logprobs
-from tests.test_services import gen_request, generate, integrity, procs, prompt, run  # noqa: F401 (fixture)
+from tests.test_services import (
+    gen_request,
+    generate,
+    integrity,
+    procs,  # noqa: F401 - the fixture
+    prompt,
+    run,
+)
 
 
 def test_the_hadamard_rotation_is_orthogonal_fixed_and_refuses_other_head_dims():
@@ -56,7 +63,7 @@ def test_a_rotated_nvfp4_engine_serves_prefix_hits_and_stays_consistent(tiny_mod
     assert eng.check_integrity().num_in_use == 0
 
 
-def test_rotated_pages_through_prefill_and_decode_services_equal_the_rotated_engine(procs, tiny_model_dir):
+def test_rotated_pages_through_prefill_and_decode_services_equal_the_rotated_engine(procs, tiny_model_dir):  # noqa: F811
     args = ("--model", tiny_model_dir, "--kv-cache-dtype", "nvfp4", "--page-size", "4", "--kv-rotation", "hadamard")
     p, d = procs("prefill_svc", *args), procs("decode_svc", *args)
     ids = prompt(37)
@@ -75,7 +82,7 @@ async def _load(address: str):
         return await decode_pb2_grpc.DecodeStub(ch).GetLoad(common_pb2.GetLoadRequest())
 
 
-def test_a_decode_refuses_pages_rotated_differently(procs, tiny_model_dir):
+def test_a_decode_refuses_pages_rotated_differently(procs, tiny_model_dir):  # noqa: F811
     common = ("--model", tiny_model_dir, "--page-size", "4")
     p = procs("prefill_svc", *common, "--kv-rotation", "hadamard")
     d = procs("decode_svc", *common)

@@ -21,8 +21,8 @@ import time
 import grpc
 import pytest
 
-from svc_common.grpc_server import build_server
 from nvfp4_serve_proto import common_pb2, prefill_pb2, prefill_pb2_grpc
+from svc_common.grpc_server import build_server
 from tests.service_procs import free_port, start
 from tests.test_kv_transfer_gpu import generate, state
 from tests.test_kv_transfer_nixl_rules import bent

@@ -25,14 +25,14 @@ from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop
 from engine.sampling import SamplingParams
-from svc_common.fault_injection import FaultInjection
-from svc_common.grpc_server import build_server
-from svc_common.kv_transfer_ipc import check_share, describe_tensors, pool_view
-from svc_common.metrics import ServiceMetrics
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prefill_svc.kv_share import KVShareSource
 from prefill_svc.servicer import PrefillServicer, add_to_server
 from prefill_svc.worker import PrefillWorker
+from svc_common.fault_injection import FaultInjection
+from svc_common.grpc_server import build_server
+from svc_common.kv_transfer_ipc import check_share, describe_tensors, pool_view
+from svc_common.metrics import ServiceMetrics
 from tests.service_procs import start
 
 PAGE = 4

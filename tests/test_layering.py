@@ -83,7 +83,7 @@ def test_the_router_imports_neither_torch_nor_the_engine():
             "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'engine', 'kernels'))\n"
             "print(bad)\n"
             "sys.exit(1 if bad else 0)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.model_config import ModelConfig
-from offline.tiny_model import PRESETS, checkpoint_nbytes, main, make_config, make_tiny_model
 from nvfp4_serve.cli import main as cli
+from offline.tiny_model import PRESETS, checkpoint_nbytes, main, make_config, make_tiny_model
 from tests.model_fixtures import read_checkpoint
 
 

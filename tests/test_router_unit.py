@@ -8,7 +8,6 @@ import random
 import grpc
 import pytest
 
-from svc_common.service_auth import SERVICE_TOKEN_ENV
 from router.admission import AdmissionGate
 from router.config import API_KEY_ENV, RouterConfig, build_arg_parser, config_from_args, model_limits
 from router.generation import map_grpc_error
@@ -16,6 +15,7 @@ from router.openai_protocol import OpenAIError
 from router.policy import CacheAwarePolicy, DecodeCandidate, PolicyConfig, PrefillCandidate, choose_prefill
 from router.prefix_tree import PrefixTree, _common_prefix_len
 from router.stop_strings import StopStringMatcher
+from svc_common.service_auth import SERVICE_TOKEN_ENV
 
 # ------------------------------------------------------------------------------------------- prefix tree
 

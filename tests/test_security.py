@@ -22,8 +22,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from svc_common.tls import TLSConfig, tls_argv
 from nvfp4_serve_proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from svc_common.tls import TLSConfig, tls_argv
 from tests.service_procs import Launched
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -195,8 +195,8 @@ def test_context_length_past_the_models_is_refused_before_and_at_start_up(tiny_m
 
 
 def test_context_length_caps_the_engine_context_and_its_workspace(tiny_model_dir):
-    from engine.sampling import SamplingParams
     from engine.outcome import FinishReason
+    from engine.sampling import SamplingParams
     from engine.scheduler import RequestRejected
 
     eng = Engine(EngineConfig(model_dir=tiny_model_dir, device="cpu", dtype="float32", context_length=64,
@@ -229,8 +229,8 @@ def test_not_enough_gpu_memory_says_how_much_and_which_flags_to_change(tiny_mode
 
 
 def test_a_service_prints_a_start_up_error_as_one_line_and_exits_1(tiny_model_dir, capsys):
-    from svc_common.service_main import run_service
     from prefill_svc.config import build_arg_parser, config_from_args
+    from svc_common.service_main import run_service
 
     async def serve(config):
         raise StartupError("not enough GPU memory for the KV pool: raise --mem-fraction-static")
@@ -242,8 +242,8 @@ def test_a_service_prints_a_start_up_error_as_one_line_and_exits_1(tiny_model_di
 
 
 def test_a_bad_flag_value_is_one_line_not_the_usage(tiny_model_dir, capsys):
-    from svc_common.service_main import run_service
     from prefill_svc.config import build_arg_parser, config_from_args
+    from svc_common.service_main import run_service
 
     async def serve(config):  # never reached
         raise AssertionError

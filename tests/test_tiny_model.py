@@ -9,8 +9,8 @@ import torch
 
 from engine.model_config import ModelConfig
 from offline.tiny_model import main, make_tiny_model
-from tokenization.tokenizer import Tokenizer
 from tests.model_fixtures import read_checkpoint
+from tokenization.tokenizer import Tokenizer
 
 
 def test_writes_a_complete_hf_directory(tmp_path):

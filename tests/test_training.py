@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from offline.corpus import SPLITS, split_of, stdlib_files
 from engine.loader import load_model
 from engine.model import causal_attention_no_cache
+from offline.corpus import SPLITS, split_of, stdlib_files
 from offline.train import (
     ModelShape,
     TrainConfig,

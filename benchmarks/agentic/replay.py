@@ -156,9 +156,9 @@ async def check_integrity(addresses: list[str], settle_s: float = 10.0,
     token)."""
     import grpc
 
+    from nvfp4_serve_proto import decode_pb2, decode_pb2_grpc
     from svc_common.service_auth import resolve_service_token
     from svc_common.tls import TLSConfig, open_channel
-    from nvfp4_serve_proto import decode_pb2, decode_pb2_grpc
 
     links = TLSConfig(service_token=resolve_service_token(None))  # the deployment's token, from the environment
 

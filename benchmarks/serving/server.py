@@ -127,9 +127,9 @@ async def decode_metrics(addresses: list[str], timeout_s: float = 10.0) -> dict[
     """address -> parsed metrics, or -> {"error": ...} when the decode service cannot be reached from here."""
     import grpc
 
+    from nvfp4_serve_proto import common_pb2, decode_pb2_grpc
     from svc_common.service_auth import resolve_service_token
     from svc_common.tls import TLSConfig, open_channel
-    from nvfp4_serve_proto import common_pb2, decode_pb2_grpc
 
     links = TLSConfig(service_token=resolve_service_token(None))  # the deployment's token, from the environment
 

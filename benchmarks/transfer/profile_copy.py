@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from engine.kv_pool import KVPool
+from nvfp4_serve_proto import prefill_pb2
 from svc_common.host_malloc import keep_freed_blocks
 from svc_common.kv_copy import PARTS, PageExporter, PageImporter
 from svc_common.kv_transfer_ipc import export_share, open_share
 from svc_common.kv_wire import decode_page_run
-from nvfp4_serve_proto import prefill_pb2
 
 
 def _pool(args, device) -> KVPool:
