@@ -23,7 +23,7 @@ def prepare_engine_args(a: argparse.Namespace) -> None:
     """Resolve ``a.model`` in place to the directory every child process gets, then check device and model."""
     a.model = resolve_model(a.model)
     device = check_device(a.device)
-    check_model(a.model, a.kv_cache_dtype, device, a.attention_backend, a.context_length)
+    check_model(a.model, a.kv_cache_dtype, device, a.attention_backend, a.context_length, a.kv_rotation)
 
 
 def check_device(device: str) -> str:
@@ -52,7 +52,7 @@ def check_device(device: str) -> str:
 
 
 def check_model(model_dir: str, kv_dtype: str, device: str, attention_backend: str,
-                context_length: int | None) -> ModelConfig:
+                context_length: int | None, kv_rotation: str = "none") -> ModelConfig:
     """The model's config after checking that the directory can be served as asked (ValueError otherwise)."""
     from engine.loader import weight_files
 
@@ -65,6 +65,9 @@ def check_model(model_dir: str, kv_dtype: str, device: str, attention_backend: s
         raise ValueError(f"--model {model_dir}: no tokenizer.json (a Hugging Face fast tokenizer); save one with "
                          "transformers' AutoTokenizer.save_pretrained into the directory")
     d = config.head_dim
+    if kv_rotation == "hadamard" and d & (d - 1):
+        raise ValueError(f"--kv-rotation hadamard needs head_dim a power of two ({model_dir} has {d}); use "
+                         "--kv-rotation none for this model")
     if kv_dtype == "nvfp4" and d % 16:
         raise ValueError(f"--kv-cache-dtype nvfp4 needs head_dim divisible by 16 ({model_dir} has {d}); use "
                          "--kv-cache-dtype fp8_e4m3 or bf16 for this model")

@@ -128,3 +128,13 @@ def test_eval_refuses_rotated_scales_calibrated_without_the_rotation(tiny_model_
     calibrate(tiny_model_dir, "x = 1\n" * 40, num_tokens=32, device="cpu", dtype="float32").save(path)
     with pytest.raises(SystemExit):
         main(["--model", tiny_model_dir, "--kv-scales", str(path), "--kv-scales-rotated", str(path)])
+
+
+def test_a_head_dim_the_rotation_cannot_serve_is_refused_at_start_up_in_one_line(tmp_path):
+    from offline.tiny_model import make_tiny_model
+    from svc_common.preflight import check_model
+
+    model = make_tiny_model(tmp_path / "hd48", head_dim=48)
+    check_model(str(model), "nvfp4", "cpu", "auto", None)  # unrotated it serves
+    with pytest.raises(ValueError, match=r"--kv-rotation hadamard needs head_dim a power of two \(.* has 48\)"):
+        check_model(str(model), "nvfp4", "cpu", "auto", None, "hadamard")

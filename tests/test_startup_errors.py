@@ -256,7 +256,7 @@ def test_a_bad_flag_value_is_one_line_not_the_usage(tiny_model_dir, capsys):
 def test_prepare_engine_args_resolves_the_model_in_place(tiny_model_dir):
     from svc_common.preflight import prepare_engine_args
 
-    a = SimpleNamespace(model=None, device="cpu", kv_cache_dtype="nvfp4", attention_backend="auto",
+    a = SimpleNamespace(model=None, device="cpu", kv_cache_dtype="nvfp4", attention_backend="auto", kv_rotation="none",
                         context_length=None)
     prepare_engine_args(a)
     assert Path(a.model, "config.json").is_file() and Path(a.model).name == "default"
