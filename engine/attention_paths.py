@@ -20,17 +20,16 @@ rotates its output back, so the workspace, the pool and every kernel only ever s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.kv_pool import KVPool
 from engine.kv_rotation import rotated_attn
+from engine.model import AttnFn
 from kernels import fp8
 from kernels.backends.base import AttentionBackend, DecodeOptions, DecodePlan
-
-AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,10 @@ The rotation is part of the KV layout (svc_common/layout.py), so a decode refuse
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 
-AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # engine.model's
+from engine.model import AttnFn
 
 KV_ROTATIONS = ("none", "hadamard")
 _SIGN_SEED = 0  # part of the format: changing it changes what a rotated pool's bytes mean

@@ -120,7 +120,7 @@ def test_calibration_records_rotated_amax_and_a_server_refuses_scales_of_another
         engine_config_from_args(parse())
 
 
-def test_eval_refuses_rotated_scales_calibrated_without_the_rotation(tiny_model_dir, tmp_path):
+def test_eval_refuses_rotated_scales_calibrated_without_the_rotation(tiny_model_dir, tmp_path, capsys):
     from offline.calibration import calibrate
     from offline.evaluation import main
 
@@ -128,6 +128,8 @@ def test_eval_refuses_rotated_scales_calibrated_without_the_rotation(tiny_model_
     calibrate(tiny_model_dir, "x = 1\n" * 40, num_tokens=32, device="cpu", dtype="float32").save(path)
     with pytest.raises(SystemExit):
         main(["--model", tiny_model_dir, "--kv-scales", str(path), "--kv-scales-rotated", str(path)])
+    assert "was calibrated with --kv-rotation none, --kv-scales-rotated needs --kv-rotation hadamard" in \
+        capsys.readouterr().err
 
 
 def test_a_head_dim_the_rotation_cannot_serve_is_refused_at_start_up_in_one_line(tmp_path):
