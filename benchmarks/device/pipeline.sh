@@ -25,6 +25,8 @@ stage() { local name=$1; shift; want "$name" || return 0
   echo "=== $(date +%T) stage $name start"; timeout "$@"; echo "=== $(date +%T) stage $name rc=$?"
   rm -rf $R/docs_final && cp -r docs/benchmarks $R/docs_final; }  # what is done survives a cut-off run
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
+# the GPU tests first: a broken GPU path shows before any benchmark spends time on it
+stage tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS
 stage kernels 300 python3 -m benchmarks.kernels.bench_decode --out docs/benchmarks/kernels.json
 stage engine 400 python3 -m benchmarks.engine.bench_decode_step --shapes 1x32768 16x32768 44x32768 48x32768 \
   84x32768 10x163840 1x1048576 --iters 8 --out docs/benchmarks/engine_decode.json --md docs/benchmarks/engine_decode.md
@@ -64,7 +66,8 @@ stage issue9 400 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 -
 # Disaggregated prefill/decode: every transfer path against its anchor (raw grpcio, device gather) on the
 # 8-layer Qwen3-8B shape at 32K, then the serving comparison colocated vs PD (cuda-ipc, gRPC; nvfp4, fp8).
 stage gpu_unit 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kv_copy.py
-stage profile 200 python3 -m benchmarks.transfer.profile_copy --out docs/benchmarks/transfer_profile.json
+stage profile 200 python3 -m benchmarks.transfer.profile_copy --out docs/benchmarks/transfer_profile.json \
+  --trace $R/transfer_profile_trace.txt
 stage transfer 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
   --num-layers 8 --lengths 32768 --log-dir $R/logs_tr
 stage pd 1500 python3 -m nvfp4_serve.cli bench pd --input-len 32768 --output-len 256 --concurrency 16 \
@@ -94,6 +97,5 @@ if want nixl; then
       --max-total-tokens 1048576 --workspace-tokens 262144 --chunked-prefill-size 8192
   fi
 fi
-stage tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS
 echo "=== ALL DONE $(date +%T)"
 touch $R/DONE

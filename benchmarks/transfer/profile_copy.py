@@ -46,6 +46,24 @@ def _time(fn, repeat: int) -> float:
     return sorted(out)[len(out) // 2]
 
 
+def _trace(args, fns: dict) -> None:
+    """torch.profiler tables of one call of each of ``fns`` (warm), appended to ``args.trace``."""
+    from torch.profiler import ProfilerActivity, profile
+    out = []
+    for name, fn in fns.items():
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        avg = prof.key_averages()
+        out.append(f"## {name}\n\nby self CPU time\n{avg.table(sort_by='self_cpu_time_total', row_limit=25)}\n"
+                   f"by CUDA time\n{avg.table(sort_by='self_device_time_total', row_limit=15)}\n")
+    Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.trace).write_text("\n".join(out))
+    print(f"wrote {args.trace}")
+
+
 def _child(args, conn) -> None:
     pool = _pool(args, "cuda")
     for layer in pool.layers:
@@ -65,6 +83,8 @@ def main() -> None:
     p.add_argument("--kv-dtype", default="nvfp4")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--out", default="docs/benchmarks/transfer_profile.json")
+    p.add_argument("--trace", default="", help="also write torch.profiler tables (CPU and CUDA time per op) of "
+                   "one copy_from of every layer, one export and one import of every message, to this text file")
     args = p.parse_args()
     dev = torch.device("cuda")
     src, dst = _pool(args, dev), _pool(args, dev)
@@ -137,6 +157,9 @@ def main() -> None:
         imp.finish()
     t = _time(import_all, args.repeat)
     row(f"PageImporter.write x{len(views)}", t, layer_bytes * args.layers, f"{t / len(views) * 1e6:.0f} us per message")
+    if args.trace:
+        _trace(args, {"copy_from in-process, scattered": ipc_all, "PageExporter.messages": export_all,
+                      "PageImporter.write": import_all})
 
     a16 = src.layers[0].k.view(torch.uint8).view(src.layers[0].k.shape[0], -1)
     b16 = dst.layers[0].k.view(torch.uint8).view(dst.layers[0].k.shape[0], -1)
