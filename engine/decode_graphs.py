@@ -12,7 +12,12 @@ decode reads lengths and pages from device memory and needs nothing), and replay
 Width buckets are 4 per octave (a table is padded by at most ~19%), so the NVFP4 kernel's split-KV
 geometry, which is baked into a graph from the bucket width, stays close to the batch's real length.
 Entries are captured lazily at first use and share one CUDA graph memory pool: the logits of an entry
-are valid until the next replay of any entry. The kernels a capture would JIT-compile (the Triton NVFP4
+are valid until the next replay of any entry. A capture runs while other threads of the process keep using
+the GPU (the decode service's KV transfer threads copy pages on their own streams, and UCX syncs its streams
+for NIXL), so captures are thread-local: only the capturing thread is barred from CUDA calls that a capture
+forbids. A capture that fails anyway turns capture off for good (torch leaves the pool recording after a
+failed capture, so a second one could not start): that entry and every later one run eagerly, with one error
+logged; serving goes on, slower. The kernels a capture would JIT-compile (the Triton NVFP4
 decode specializes per split geometry) are compiled for every shape at start-up by ``warm_kernels``.
 
 ``capture=False`` runs the same fixed-buffer path eagerly (CPU, or CUDA with graphs disabled for
@@ -21,6 +26,7 @@ debugging); tests check it against the plain decode path.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +37,8 @@ import torch
 from engine.attention_paths import AttentionPaths
 from engine.model import CausalLM
 from kernels.backends.base import DecodePlan
+
+log = logging.getLogger(__name__)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -97,6 +105,7 @@ class DecodeGraphRunner:
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if capture else None
         self.num_captured = 0
+        self.capture_error = ""  # why capture was turned off (see the module docstring), or ""
 
     # -- public ------------------------------------------------------------------------------------
     def supports(self, batch: int, width: int) -> bool:
@@ -166,8 +175,15 @@ class DecodeGraphRunner:
             pad = [0] * bb
             self._stage(entry, pad, pad, [np.zeros(0, dtype=np.int32)] * bb, [1] * bb,
                         [self.scratch_page * self.page_size] * bb)
-            entry.run = self._capture(forward)
-            self.num_captured += 1
+            try:
+                entry.run = self._capture(forward)
+                self.num_captured += 1
+            except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
+                self.capture = False
+                self.capture_error = f"{type(e).__name__}: {e}"
+                log.error("CUDA graph capture of decode batch %d x %d pages failed (%s); decode steps run "
+                          "without graphs from now on", bb, wb, self.capture_error)
+                torch.cuda.synchronize(self.device)
         self._entries[(bb, wb)] = entry
         return entry
 
@@ -179,8 +195,13 @@ class DecodeGraphRunner:
                 forward()  # JIT-compiles kernels and caches device constants outside the capture
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                logits = forward()
+            outer = torch.cuda.current_stream(self.device)
+            try:
+                with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+                    logits = forward()
+            except RuntimeError:
+                torch.cuda.set_stream(outer)  # torch.cuda.graph leaves its capture stream current when it fails
+                raise
 
         def replay() -> torch.Tensor:
             graph.replay()

@@ -207,3 +207,44 @@ def test_no_decode_step_compiles_a_kernel_after_start_up(tmp_path):
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     assert eng.runner.graphs.num_captured >= 2
     assert compiled() == before
+
+
+@pytest.mark.gpu
+def test_captures_succeed_while_another_thread_copies_and_syncs_its_own_stream(tmp_path):
+    """The decode service's transfer threads (and UCX, for NIXL) copy, allocate and sync their own streams while
+    the engine thread captures a new batch shape: captures are thread-local, so neither side fails (a global
+    capture made the other thread's sync an error and the capture invalid, then every later capture failed)."""
+    import threading
+
+    from offline.tiny_model import make_tiny_model
+
+    model_dir = str(make_tiny_model(tmp_path / "m", num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=2,
+                                    head_dim=128, intermediate_size=512, seed=1))
+    eng = _engine(model_dir, "nvfp4", device="cuda")
+    stop, errors, rounds = threading.Event(), [], [0]
+
+    def transfer_like() -> None:
+        side = torch.cuda.Stream()
+        try:
+            while not stop.is_set():
+                with torch.cuda.stream(side):
+                    host = torch.empty(1 << 18, dtype=torch.uint8, pin_memory=True)
+                    dev = host.to("cuda", non_blocking=True)
+                    dev.clone().add_(1)
+                side.synchronize()
+                rounds[0] += 1
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            errors.append(e)
+
+    th = threading.Thread(target=transfer_like)
+    th.start()
+    try:
+        outs = eng.generate(_prompts(20, seed=4, max_len=150), GREEDY)  # many batch/width shapes: many captures
+    finally:
+        stop.set()
+        th.join()
+    assert not errors, errors
+    assert rounds[0] > 0
+    assert eng.runner.graphs.capture_error == ""
+    assert eng.runner.graphs.num_captured >= 2
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)

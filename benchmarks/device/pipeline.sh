@@ -26,7 +26,7 @@ stage() { local name=$1; shift; want "$name" || return 0
   rm -rf $R/docs_final && cp -r docs/benchmarks $R/docs_final; }  # what is done survives a cut-off run
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
 # the GPU tests first: a broken GPU path shows before any benchmark spends time on it
-stage tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS
+stage tests 420 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu $TESTS  # CPU-only files whose imports (openai, cryptography) the image lacks do not stop it
 stage kernels 300 python3 -m benchmarks.kernels.bench_decode --out docs/benchmarks/kernels.json
 stage engine 400 python3 -m benchmarks.engine.bench_decode_step --shapes 1x32768 16x32768 44x32768 48x32768 \
   84x32768 10x163840 1x1048576 --iters 8 --out docs/benchmarks/engine_decode.json --md docs/benchmarks/engine_decode.md
