@@ -19,6 +19,7 @@ import random
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -179,6 +180,23 @@ def main() -> None:
     row("H2D 1 MiB pinned x200", _time(lambda: [d.copy_(pinned, non_blocking=True) for _ in range(reps)], 3) / reps, mib)
     row("D2H 1 MiB pageable (.cpu()) x200", _time(lambda: [d.cpu() for _ in range(reps)], 3) / reps, mib)
     row("D2H 1 MiB pinned x200", _time(lambda: [pinned.copy_(d, non_blocking=True) for _ in range(reps)], 3) / reps, mib)
+    # a 4 MiB message (the services' --kv-message-bytes) between a bytes object and the device, both ways the
+    # copy can go: straight (pageable memory, the driver stages it) or through pinned memory (one host copy more)
+    msg = bytes(4 * mib)
+    d4 = torch.empty(4 * mib, dtype=torch.uint8, device=dev)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer over read-only bytes: only read here
+        src4 = torch.frombuffer(msg, dtype=torch.uint8)
+
+    def staged_h2d() -> None:
+        staged = torch.empty(4 * mib, dtype=torch.uint8, pin_memory=True)
+        staged.copy_(src4)
+        d4.copy_(staged, non_blocking=True)
+    reps4 = 50
+    row("H2D 4 MiB message from bytes, pageable x50", _time(lambda: [d4.copy_(src4) for _ in range(reps4)], 3) / reps4,
+        4 * mib)
+    row("H2D 4 MiB message from bytes, via pinned staging x50",
+        _time(lambda: [staged_h2d() for _ in range(reps4)], 3) / reps4, 4 * mib)
     big = torch.empty(layer_bytes, dtype=torch.uint8, device=dev)
     bigp = torch.empty(layer_bytes, dtype=torch.uint8, pin_memory=True)
     row(f"D2H {layer_bytes >> 20} MiB pinned", _time(lambda: bigp.copy_(big, non_blocking=True), 5), layer_bytes)
