@@ -82,12 +82,14 @@ stage issue9x2 600 python3 -m nvfp4_serve.cli bench run --input-len 32768 --outp
 # NIXL between two processes on the H200 (UCX's CUDA transports). The nixl-cu13 wheel (56 MiB) exceeds one call's
 # carry: its parts travel over consecutive calls (benchmarks/device/carry_parts.sh, whose header says how); this
 # stage runs once every part has arrived. NIXL_WHEEL names it.
-if want nixl; then
+if want nixl || want nixl_probe; then  # nixl_probe (on demand): which UCX settings move VRAM fastest
   NIXL_WHEEL=${NIXL_WHEEL:-nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl}
   bash benchmarks/device/carry_parts.sh collect >/dev/null
   mkdir -p /tmp/nixlwhl && cp -f /tmp/carry-parts/nixl-*.whl /tmp/nixlwhl/ 2>/dev/null
   if bash benchmarks/device/carry_parts.sh join "$NIXL_WHEEL" /tmp/nixlwhl; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/nixlwhl/*.whl
+    stage nixl_probe 300 python3 -m benchmarks.transfer.nixl_probe --device cuda --out docs/benchmarks/nixl_probe.json \
+      --log-dir $R/logs_nixl_probe
     stage nixl 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kv_transfer_gpu.py
     stage nixl 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
       --num-layers 8 --lengths 32768 --paths grpc cuda-ipc nixl --log-dir $R/logs_nixl

@@ -1,0 +1,514 @@
+"""Which UCX configuration moves VRAM fastest between two processes of one host, through the nixl path's own
+code (``svc_common/kv_transfer_nixl.py``: ``NixlAgent``, ``export_nixl_share``, ``open_nixl_share``,
+``read_descs``).
+
+    python -m benchmarks.transfer.nixl_probe [--device cuda|cpu] [--mb 302] [--settings default "UCX_TLS=..." ...]
+        [--iters 5] [--timeout-s 60] [--budget-s 240] [--out PATH] [--log-dir DIR]
+
+For each setting (``default``, or space-separated ``KEY=VALUE`` words) it spawns two fresh processes, a target
+(the prefill's role: its pool filled with random bytes, exported, its UCX worker progressed) and an initiator
+(the decode's role: an empty pool of the same geometry, the share opened). The setting's variables are in the
+environment before nixl is loaded (UCX reads it at init; NIXL's own defaults, e.g. UCX_RNDV_THRESH=inf and
+UCX_MAX_RMA_RAILS=2, yield to variables already set), and every setting runs with ``UCX_PROTO_INFO=y
+UCX_LOG_LEVEL=info`` (a setting may override them). ``NIXL_PROBE_OP=WRITE`` is the probe's own word: the
+initiator writes its pool into the target's (the push direction) instead of reading.
+
+A transfer is one xfer per layer (8 layers x ``--mb`` bytes in all; 302 MB = 2048 pages of the nvfp4 pool
+``KVPool("nvfp4", 8, pages, 16, 8, 128)``), each one descriptor per part and run of consecutive pages (4 here),
+as the decode issues them. After a warm-up (IPC handles opened, protocols selected) it times ``--iters``
+transfers, the destination zeroed before each and its checksum compared with the source's after each. Rows:
+GB/s (median, best), per-xfer latency, the warm-up transfer, bytes verified, and what UCX selected (the
+``ucp_get``/``ucp_put`` protocol tables UCX_PROTO_INFO prints, lanes, warnings), kept in the JSON and in a
+side text ``<out>.ucx.txt``; the full logs of both processes go to ``--log-dir``. A setting whose processes
+fail, crash or hang gets a row saying so: both are killed at ``--timeout-s`` (and when ``--budget-s`` is spent,
+the remaining settings are skipped, so the probe fits its pipeline stage).
+
+Why NIXL READs of VRAM may miss cuda_ipc on one host (UCX 1.23, NIXL 1.5), and the settings that test each:
+
+1. cuda_ipc GET is off without NVLink. cuda_ipc reports ``get.max_zcopy = 0`` when NVML finds no active NVLink
+   (``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` defaults to ``auto``; ucx src/uct/cuda/cuda_ipc/cuda_ipc_iface.c,
+   ``uct_cuda_ipc_iface_get_max_get_zcopy``, since openucx/ucx#7566): one H200 with no NVLink peer, or NVML
+   queries that fail under gVisor's nvproxy, count as no NVLink. A NIXL READ is a ``ucp_get``: it then falls
+   back to software emulation (the target answers with active messages, over tcp (see 3.), and the initiator copies
+   each fragment into VRAM with cuda_copy ``put_short``, a cuMemcpyAsync + cuStreamSynchronize per fragment:
+   the ``uct_ep_put_short`` of the serving log), while PUT keeps cuda_ipc zero-copy. vllm-project/vllm#52607:
+   READ 0.5 GB/s vs WRITE 49 GB/s on a node without NVLink; NIXL turns the option on in its UCX backend after
+   1.5 (ai-dynamo/nixl#2208; ai-dynamo/nixl#1097, openucx/ucx#11046). Settings: ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``
+   (the fix for READ) and ``NIXL_PROBE_OP=WRITE`` (the push direction, unaffected). The JSON keeps
+   ``nvidia-smi nvlink -s``.
+2. cuda_ipc is not reachable between the two processes, or cannot use the registered memory.
+   ``uct_cuda_ipc_iface_is_reachable_v2`` refuses "same process" and "different PID namespace" peers unless both
+   have fabric handles; and a VMM or stream-ordered allocation without fabric handles (e.g. torch's
+   ``expandable_segments``, cudaMallocAsync) is registered with a NON_IPC key and cuda_ipc fails at rkey unpack
+   (openucx/ucx#10189), so UCX silently takes another lane. Setting: ``UCX_TLS=cuda_ipc,cuda_copy,tcp,self``
+   with GET on and ``UCX_LOG_LEVEL=debug`` (the reason is in the log; tcp stays for NIXL's active messages, see
+   3.); each process's PID namespace and PYTORCH_CUDA_ALLOC_CONF are in the JSON.
+3. The host-staged fallback itself is the slow part, and it runs over tcp: NIXL creates its endpoints with
+   ``UCP_ERR_HANDLING_MODE_PEER`` (nixl src/plugins/ucx/ucx_backend.cpp), which the shared-memory transports
+   do not support (ucx mm_iface.c clears ERRHANDLE_PEER_FAILURE; a ``UCX_TLS`` of sm without tcp fails agent
+   start-up with "no active messages transport ... no peer failure handler", seen on the CPU run), so GET
+   emulation sends eager fragments over tcp with a stream sync per fragment. ``UCX_RMA_PPLN_ENABLE=y``
+   ("force-enable the RMA rendezvous put/get protocols", ucp_context.c) stages large fragments through
+   cuda_copy zero-copy (ai-dynamo/nixl#2039: READ 0.25 -> 3.8 GB/s on its fallback). Settings:
+   ``UCX_RMA_PPLN_ENABLE=y UCX_RNDV_THRESH=0`` and ``UCX_TLS=tcp,cuda_copy,self UCX_RMA_PPLN_ENABLE=y``;
+   ``UCX_TLS=tcp,cuda_copy`` is the plain host-bounce baseline.
+(``UCX_CUDA_IPC_ENABLE_SAME_PROCESS`` does not apply: the two are separate processes. ``UCX_RNDV_THRESH`` governs
+tagged/AM rendezvous, not RMA: its row only checks that forcing rendezvous changes nothing.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.kv_pool import KVPool
+
+LAYERS, PAGE_SIZE, KV_HEADS, HEAD_DIM = 8, 16, 8, 128  # the 8-layer Qwen3-8B nvfp4 pool of bench_transfer
+BASE_ENV = {"UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info"}
+OP_KEY = "NIXL_PROBE_OP"  # the probe's own word, not passed to UCX
+DEFAULT_SETTINGS = (  # most telling first: when --budget-s runs out, the last ones are skipped
+    "default",
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y",
+    f"{OP_KEY}=WRITE",
+    "UCX_TLS=cuda_ipc,cuda_copy,tcp,self UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y UCX_LOG_LEVEL=debug",
+    "UCX_TLS=cuda_ipc,cuda_copy,tcp,self",
+    "UCX_RMA_PPLN_ENABLE=y UCX_RNDV_THRESH=0",
+    "UCX_TLS=tcp,cuda_copy,self UCX_RMA_PPLN_ENABLE=y",
+    "UCX_TLS=tcp,cuda_copy",
+)
+_KEEP = re.compile(r"cuda_ipc|nvlink|cfg#|reachable|WARN|ERROR|Fatal|failed|version", re.IGNORECASE)
+_MAX_KEPT, _MAX_OTHER = 100, 40  # UCX lines kept per process and setting; of them, not tables/cfg
+
+
+def parse_setting(text: str) -> dict[str, str]:
+    """``default`` -> {}; else space-separated KEY=VALUE words. Raises ValueError."""
+    if text.strip() == "default":
+        return {}
+    env = {}
+    for word in text.split():
+        key, sep, value = word.partition("=")
+        if not sep or not re.fullmatch(r"[A-Z_][A-Z0-9_]*", key):
+            raise ValueError(f"setting {text!r}: {word!r} is not KEY=VALUE (or say 'default')")
+        env[key] = value
+    op = env.get(OP_KEY, "READ")
+    if op not in ("READ", "WRITE"):
+        raise ValueError(f"setting {text!r}: {OP_KEY} must be READ or WRITE, not {op!r}")
+    return env
+
+
+def pages_for(mb: float) -> int:
+    """Pages of the probe pool that hold ``mb`` megabytes over all layers."""
+    per_page = KVPool("nvfp4", 1, 1, PAGE_SIZE, KV_HEADS, HEAD_DIM).page_bytes_per_layer * LAYERS
+    return max(1, round(mb * 1e6 / per_page))
+
+
+# -- in the child processes ------------------------------------------------------------------------------
+def _tensors(pool: KVPool) -> list[torch.Tensor]:
+    return [t.view(torch.uint8).reshape(-1) for lkv in pool.layers for t in (lkv.k, lkv.k_sf, lkv.v, lkv.v_sf)
+            if t is not None]
+
+
+def _fill(pool: KVPool, seed: int) -> None:
+    g = torch.Generator(device=pool.device).manual_seed(seed)
+    for t in _tensors(pool):
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=pool.device, generator=g))
+
+
+def _zero(pool: KVPool) -> None:
+    for t in _tensors(pool):
+        t.zero_()
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize(pool.device)
+
+
+def checksum(pool: KVPool) -> list[int]:
+    """Per tensor: the byte sum and a position-weighted byte sum (catches moved pages), on the pool's device."""
+    out = []
+    for t in _tensors(pool):
+        w = (torch.arange(t.numel(), device=t.device, dtype=torch.int64) % 65521 + 1).to(torch.int32)
+        out += [int(t.sum(dtype=torch.int64)), int((t.to(torch.int32) * w).sum(dtype=torch.int64))]
+    return out
+
+
+def _sys_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"pid": os.getpid(), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    try:
+        info["pid_ns"] = os.readlink("/proc/self/ns/pid")
+    except OSError as e:
+        info["pid_ns"] = f"unreadable: {e}"
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    info["ucx_version"] = _ucx_version()
+    try:
+        from importlib.metadata import version
+        info["nixl_version"] = version("nixl")
+    except Exception as e:  # noqa: BLE001 - informative only
+        info["nixl_version"] = f"unknown ({type(e).__name__})"
+    return info
+
+
+def _ucx_version() -> str:
+    """The version of the libucp this process loaded (nixl's bundled one), read through ctypes."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libucp" in line and "/" in line}
+        lib = ctypes.CDLL(min(paths))
+        lib.ucp_get_version_string.restype = ctypes.c_char_p
+        return lib.ucp_get_version_string().decode()
+    except Exception as e:  # noqa: BLE001 - informative only
+        return f"unknown ({type(e).__name__})"
+
+
+def _setup(role: str, args: dict):
+    from svc_common.kv_transfer_nixl import NixlAgent
+    device = torch.device(args["device"], 0) if args["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    pool = KVPool("nvfp4", LAYERS, args["pages"], PAGE_SIZE, KV_HEADS, HEAD_DIM, device=device)
+    agent = NixlAgent(f"probe-{role}-{os.getpid()}", pool)
+    return pool, agent, _sys_info(device)
+
+
+def _run_target(conn, args: dict) -> dict:
+    """The prefill's role: export the pool, progress UCX, answer the initiator's zero/sum requests."""
+    from svc_common.kv_transfer_nixl import export_nixl_share
+    pool, agent, info = _setup("target", args)
+    source = args["op"] == "READ"
+    if source:
+        _fill(pool, seed=1)
+    else:
+        _zero(pool)
+    share = export_nixl_share(pool, agent)
+    conn.send({"share": share.SerializeToString(), "sums": checksum(pool) if source else None})
+    agent.serve_begin()
+    try:
+        while True:
+            msg = conn.recv()  # EOFError once the initiator is gone
+            if msg == "zero":
+                _zero(pool)
+                conn.send("ok")
+            elif msg == "sum":
+                conn.send(checksum(pool))
+            else:
+                return {"sys": info}
+    finally:
+        agent.serve_end()
+
+
+def _xfer(agent, op: str, remote: str, local, remote_descs, mem_type: str, timeout_s: float) -> None:
+    """One xfer of ``op``: READ through ``NixlAgent.read`` (the decode's code); WRITE, which the project's
+    wrapper does not offer, through the same raw nixl_agent calls."""
+    import threading
+    if op == "READ":
+        agent.read(remote, local, remote_descs, mem_type, timeout_s, threading.Event())
+        return
+    a = agent.agent
+    handle = a.initialize_xfer("WRITE", a.get_xfer_descs(local, agent.mem_type),
+                               a.get_xfer_descs(remote_descs, mem_type), remote)
+    try:
+        state, deadline = a.transfer(handle), time.monotonic() + timeout_s
+        while state == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.0002)
+            state = a.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL WRITE ended in state {state}")
+    finally:
+        agent._release(handle)
+
+
+def _run_initiator(conn, args: dict) -> dict:
+    """The decode's role: open the target's share and time transfers of every page of every layer."""
+    from nvfp4_serve_proto import prefill_pb2
+    from svc_common.kv_transfer_nixl import open_nixl_share, read_descs
+    pool, agent, info = _setup("initiator", args)
+    first = conn.recv()
+    op = args["op"]
+    if op == "WRITE":
+        _fill(pool, seed=1)
+        want = checksum(pool)
+    else:
+        _zero(pool)
+        want = first["sums"]
+    view = open_nixl_share(prefill_pb2.KVShare.FromString(first["share"]), pool, agent)
+    ids = list(range(args["pages"]))
+    descs = [read_descs(pool, view, layer, ids, ids, agent.device_id) for layer in range(LAYERS)]
+    row: dict[str, Any] = {"sys": info, "descs_per_xfer": len(descs[0][0]), "transfer_ms": [], "xfer_ms": [],
+                           "warmup_ms": [], "verified": []}
+    for i in range(args["warmup"] + args["iters"]):
+        if op == "READ":
+            _zero(pool)
+        else:
+            conn.send("zero")
+            conn.recv()
+        lat = []
+        t0 = time.perf_counter()
+        for local, remote in descs:
+            t1 = time.perf_counter()
+            _xfer(agent, op, view.remote, local, remote, view.mem_type, args["xfer_timeout_s"])
+            lat.append((time.perf_counter() - t1) * 1e3)
+        ms = (time.perf_counter() - t0) * 1e3
+        if op == "READ":
+            got = checksum(pool)
+        else:
+            conn.send("sum")
+            got = conn.recv()
+        if i < args["warmup"]:
+            row["warmup_ms"].append(round(ms, 3))
+        else:
+            row["transfer_ms"].append(round(ms, 3))
+            row["xfer_ms"] += [round(x, 3) for x in lat]
+        row["verified"].append(got == want)
+    conn.send("done")
+    return row
+
+
+def _child(role: str, env: dict[str, str], args: dict, peer, result, log_path: str) -> None:
+    """Entry of a spawned child: log to ``log_path`` (UCX writes to fd 1/2), apply ``env``, then run."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    for key in [k for k in os.environ if k.startswith("UCX_")]:
+        del os.environ[key]
+    os.environ.update(env)
+    try:
+        out = (_run_target if role == "target" else _run_initiator)(peer, args)
+    except BaseException as e:  # noqa: BLE001 - reported as the row's error, the process then exits
+        traceback.print_exc()
+        out = {"error": f"{role}: {type(e).__name__}: {str(e)[:400]}"}
+    sys.stdout.flush()
+    result.send(out)
+
+
+# -- in the parent ---------------------------------------------------------------------------------------
+_PREFIX = re.compile(r"^\[[^\]]*\]\s*\[[^\]]*\]\s*")  # UCX's "[time] [host:pid:thread]"
+
+
+def ucx_lines(text: str) -> list[str]:
+    """What UCX said it selected: the protocol tables of remote memory reads/writes between the two processes
+    (ucp_get/ucp_put, printed by UCX_PROTO_INFO; loopback "self" tables dropped), lane configurations (cfg#),
+    and cuda_ipc / NVLink / warning / error lines."""
+    kept: list[str] = []  # tables and lane configurations first: a debug log's other lines must not crowd them out
+    other: list[str] = []
+    table: list[str] = []
+
+    def flush(lines: list[str]) -> None:
+        body = " ".join(lines)
+        if re.search(r"ucp_get|ucp_put", body) and " self cfg#" not in body:
+            kept.extend(lines)
+
+    for line in [*text.splitlines(), ""]:
+        s = _PREFIX.sub("", line.strip())
+        if s.startswith("|") and "cfg#" in s and table:  # a table's name row: the line before is its top border
+            flush(table[:-1])
+            table = table[-1:]
+        if s.startswith(("|", "+")):
+            table.append(s)
+            continue
+        flush(table)
+        table = []
+        if _KEEP.search(s) and "UCX" in s:
+            (kept if "cfg#" in s else other).append(s[:240])
+    return (kept + other[:_MAX_OTHER])[:_MAX_KEPT]
+
+
+def selected(lines: list[str]) -> str:
+    """A short summary of the rows (``| range | protocol | lanes |``) of the get/put tables in ``lines``."""
+    seen: list[str] = []
+    op = ""
+    for s in lines:
+        if "ucp_get" in s or "ucp_put" in s:
+            op = "get" if "ucp_get" in s else "put"
+            mem = re.search(r"(into|from) (\S+)", s)
+            op += f"({mem.group(2)})" if mem else ""
+        cells = [c.strip() for c in s.strip("|").split("|")]
+        if op and s.startswith("|") and len(cells) >= 3 and re.match(r"^\d+[KMGT]?(\.\.|$)", cells[0]):
+            item = f"{op} {cells[0]}: {cells[1]} [{cells[2]}]"
+            if item not in seen:
+                seen.append(item)
+    return "; ".join(seen)
+
+
+def _child_env(setting: dict[str, str]) -> dict[str, str]:
+    """The child's UCX variables: BASE_ENV, then the setting's (``_child`` drops inherited UCX_* first)."""
+    return BASE_ENV | {k: v for k, v in setting.items() if k != OP_KEY}
+
+
+def _collect(procs: dict, results: dict, timeout_s: float) -> tuple[dict, str]:
+    """Each child's result dict, waited for up to ``timeout_s`` in all; then every child is killed.
+    Returns (results by role, '' or why some did not answer)."""
+    got, why, deadline = {}, "", time.monotonic() + timeout_s
+    try:
+        while len(got) < len(procs):
+            for role, conn in results.items():
+                if role not in got and conn.poll(0.05):
+                    got[role] = conn.recv()
+            for role, p in procs.items():
+                if role not in got and not p.is_alive() and not results[role].poll(0):
+                    why = why or f"{role} exited with status {p.exitcode} without a result"
+                    got[role] = {}
+            if time.monotonic() > deadline:
+                why = why or f"no result within {timeout_s:.0f} s (hang); killed"
+                break
+    finally:
+        for p in procs.values():
+            p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+    return got, why
+
+
+def run_setting(text: str, args, log_dir: Path, timeout_s: float) -> dict[str, Any]:
+    """One row: ``text``'s two fresh processes, a warm-up and ``args.iters`` timed transfers."""
+    setting = parse_setting(text)
+    op = setting.get(OP_KEY, "READ")
+    child_args = {"device": args.device, "pages": args.pages, "op": op, "warmup": args.warmup,
+                  "iters": args.iters, "xfer_timeout_s": max(1.0, timeout_s / 2)}
+    env = _child_env(setting)
+    ctx = mp.get_context("spawn")
+    peer_t, peer_i = ctx.Pipe()
+    procs, results, logs = {}, {}, {}
+    for role, peer in (("target", peer_t), ("initiator", peer_i)):
+        recv, send = ctx.Pipe(duplex=False)
+        logs[role] = log_dir / f"{_slug(text)}.{role}.log"
+        procs[role] = ctx.Process(target=_child, args=(role, env, child_args, peer, send, str(logs[role])),
+                                  name=f"nixl-probe-{role}", daemon=True)
+        procs[role].start()
+        send.close()
+        results[role] = recv
+    peer_t.close()
+    peer_i.close()  # the children hold the only ends: one's death is the other's EOF
+    got, why = _collect(procs, results, timeout_s)
+    return _row(text, op, setting, args, got, why, logs)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:80] or "default"
+
+
+def _row(text: str, op: str, setting: dict, args, got: dict, why: str, logs: dict) -> dict[str, Any]:
+    ini, tgt = got.get("initiator", {}), got.get("target", {})
+    lines = {role: ucx_lines(p.read_text(errors="replace")) if p.exists() else [] for role, p in logs.items()}
+    nbytes = args.pages * LAYERS * KVPool("nvfp4", 1, 1, PAGE_SIZE, KV_HEADS, HEAD_DIM).page_bytes_per_layer
+    row: dict[str, Any] = {"setting": text, "env": setting, "op": op, "bytes": nbytes,
+                           "error": ini.get("error") or tgt.get("error") or why,
+                           "selected": selected(lines["initiator"]) or selected(lines["target"]),
+                           "sys": {"initiator": ini.get("sys"), "target": tgt.get("sys")},
+                           "ucx_lines": lines, "logs": {k: str(v) for k, v in logs.items()}}
+    ms = ini.get("transfer_ms") or []
+    if ms:
+        row.update(gbps=round(nbytes / statistics.median(ms) / 1e6, 3), gbps_best=round(nbytes / min(ms) / 1e6, 3),
+                   transfer_ms=ms, xfer_ms=ini["xfer_ms"], xfer_ms_median=round(statistics.median(ini["xfer_ms"]), 3),
+                   xfer_ms_max=max(ini["xfer_ms"]), warmup_ms=ini["warmup_ms"],
+                   descs_per_xfer=ini["descs_per_xfer"], verified=all(ini["verified"]),
+                   verified_each=ini["verified"])
+    row["status"] = "ok" if ms and row["verified"] and not row["error"] else (
+        "WRONG BYTES" if ms and not row["verified"] else f"failed: {row['error'] or 'no timings'}")
+    return row
+
+
+def nvlink_status() -> str:
+    """``nvidia-smi nvlink -s`` (what NVML says about NVLink: cause 1 of the module docstring), trimmed."""
+    if shutil.which("nvidia-smi") is None:
+        return "nvidia-smi not found"
+    try:
+        p = subprocess.run(["nvidia-smi", "nvlink", "-s"], capture_output=True, text=True, timeout=20, check=False)
+        return (p.stdout + p.stderr).strip()[:2000] or f"(no output, status {p.returncode})"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"nvidia-smi nvlink -s failed: {type(e).__name__}: {e}"
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'setting':<72} {'op':<5} {'GB/s':>8} {'best':>8} {'xfer ms':>8} {'warm ms':>8}  ok  status / selected"
+    out = [head, "-" * len(head)]
+    for r in rows:
+        nums = (f"{r['gbps']:>8.2f} {r['gbps_best']:>8.2f} {r['xfer_ms_median']:>8.2f} {r['warmup_ms'][0]:>8.1f}"
+                if "gbps" in r else f"{'-':>8} {'-':>8} {'-':>8} {'-':>8}")
+        ok = {True: "yes", False: "NO"}.get(r.get("verified"), " - ")
+        tail = r["selected"] if r["status"] == "ok" else f"{r['status'][:120]} | {r['selected']}"
+        out.append(f"{r['setting'][:72]:<72} {r['op']:<5} {nums}  {ok:<3} {tail[:200]}")
+    return "\n".join(out)
+
+
+def side_text(report: dict) -> str:
+    parts = [f"nixl_probe {report['date']} device={report['device']} bytes={report['bytes']}",
+             f"nvidia-smi nvlink -s:\n{report['nvlink']}", ""]
+    for r in report["rows"]:
+        parts.append(f"=== {r['setting']} ({r['op']}): {r['status']}  {r.get('gbps', '-')} GB/s")
+        for role in ("initiator", "target"):
+            parts.append(f"--- {role} (sys {r['sys'][role]})")
+            parts += r["ucx_lines"][role] or ["(no UCX lines)"]
+        parts.append("")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--mb", type=float, default=302.0, help="bytes per transfer, all layers (302 = 2048 pages)")
+    ap.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS),
+                    help="'default' or space-separated KEY=VALUE words, one setting per argument")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--timeout-s", type=float, default=60.0, help="per setting; its processes are killed then")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="all settings; later ones are skipped")
+    ap.add_argument("--out", default=None, help="JSON (default docs/benchmarks/nixl_probe.json on cuda, "
+                                                "/tmp/nixl_probe_cpu.json on cpu); side text <out>.ucx.txt")
+    ap.add_argument("--log-dir", default="/tmp/nixl_probe_logs")
+    args = ap.parse_args(argv)
+    for s in args.settings:
+        try:
+            parse_setting(s)
+        except ValueError as e:
+            ap.error(str(e))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda needs a GPU (use --device cpu for the DRAM smoke run)")
+    args.pages = pages_for(args.mb)
+    out = Path(args.out or ("docs/benchmarks/nixl_probe.json" if args.device == "cuda" else "/tmp/nixl_probe_cpu.json"))
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    report = run_all(args, log_dir)
+    print(table(report["rows"]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".ucx.txt").write_text(side_text(report) + "\n")
+    print(f"wrote {out} and {out.with_suffix('.ucx.txt')}; full UCX logs in {log_dir}")
+
+
+def run_all(args, log_dir: Path) -> dict[str, Any]:
+    t_end = time.monotonic() + args.budget_s
+    rows = []
+    for text in args.settings:
+        left = t_end - time.monotonic()
+        if left < 10:
+            rows.append({"setting": text, "op": parse_setting(text).get(OP_KEY, "READ"), "selected": "",
+                         "status": "skipped: the probe's --budget-s is spent", "sys": {}, "ucx_lines": {}})
+            continue
+        print(f"-- {text}", flush=True)
+        rows.append(run_setting(text, args, log_dir, min(args.timeout_s, left)))
+        print(f"   {rows[-1]['status']} {rows[-1].get('gbps', '-')} GB/s  {rows[-1]['selected'][:160]}", flush=True)
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device,
+            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "",
+            "pages": args.pages, "layers": LAYERS, "bytes": rows and rows[0].get("bytes"),
+            "warmup": args.warmup, "iters": args.iters, "base_env": BASE_ENV,
+            "inherited_ucx_env_cleared": sorted(k for k in os.environ if k.startswith("UCX_")),
+            "nvlink": nvlink_status() if args.device == "cuda" else "(cpu run)", "rows": rows}
+
+
+if __name__ == "__main__":
+    main()
