@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -40,6 +41,11 @@ PARTS = ("k", "k_sf", "v", "v_sf")
 _POLL_S = 0.0002  # between two checks of a transfer's state (writer threads only, never the event loop)
 _SERVE_POLL_S = 0.0005  # the prefill's UCX progress interval while transfers are open
 _STUCK_LOG_S = 10.0  # a handle NIXL cannot cancel is waited for; logged at this interval
+# UCX defaults this to "auto", which turns cuda_ipc reads (a NIXL READ is a UCX get) off unless NVML reports an
+# active NVLink: two processes on one GPU, or GPUs joined over PCIe, then move VRAM through host memory at well
+# under 1 GB/s (UCX's cuda_ipc_iface.c; NIXL's later releases set it themselves). Set before UCX starts, unless
+# the environment already says otherwise.
+_UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
 class NixlUnavailable(RuntimeError):
@@ -72,6 +78,8 @@ class NixlAgent:
     ``_SERVE_POLL_S`` while any is open. (NIXL's own progress thread busy-polls a core even when idle.)"""
 
     def __init__(self, name: str, pool: KVPool):
+        for key, value in _UCX_DEFAULTS.items():
+            os.environ.setdefault(key, value)
         try:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except Exception as e:  # noqa: BLE001 - any import failure (missing wheel, missing libucx) is "no NIXL"
