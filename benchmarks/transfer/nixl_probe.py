@@ -79,9 +79,11 @@ from engine.kv_pool import KVPool
 LAYERS, PAGE_SIZE, KV_HEADS, HEAD_DIM = 8, 16, 8, 128  # the 8-layer Qwen3-8B nvfp4 pool of bench_transfer
 BASE_ENV = {"UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info"}
 OP_KEY = "NIXL_PROBE_OP"  # the probe's own word, not passed to UCX
-DEFAULT_SETTINGS = (  # most telling first: when --budget-s runs out, the last ones are skipped
+# most telling first: when --budget-s runs out, the last ones are skipped. "default" is what the services run
+# (NixlAgent sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y unless the environment says otherwise); =auto is UCX's own default.
+DEFAULT_SETTINGS = (
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto",
     "default",
-    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y",
     f"{OP_KEY}=WRITE",
     "UCX_TLS=cuda_ipc,cuda_copy,tcp,self UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y UCX_LOG_LEVEL=debug",
     "UCX_TLS=cuda_ipc,cuda_copy,tcp,self",
