@@ -25,6 +25,18 @@ stage() { local name=$1; shift; want "$name" || return 0
   echo "=== $(date +%T) stage $name start"; timeout "$@"; echo "=== $(date +%T) stage $name rc=$?"
   rm -rf $R/docs_final && cp -r docs/benchmarks $R/docs_final; }  # what is done survives a cut-off run
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
+# NIXL (stages nixl, nixl_probe): the nixl-cu13 wheel (56 MiB) exceeds one call's carry, so its parts travel over
+# consecutive calls (benchmarks/device/carry_parts.sh, whose header says how); installed here, before the GPU
+# tests, so they take nixl as a third transfer path. NIXL_WHEEL names it.
+NIXL_OK=0
+if want nixl || want nixl_probe; then
+  NIXL_WHEEL=${NIXL_WHEEL:-nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl}
+  bash benchmarks/device/carry_parts.sh collect >/dev/null
+  mkdir -p /tmp/nixlwhl && cp -f /tmp/carry-parts/nixl-*.whl /tmp/nixlwhl/ 2>/dev/null
+  if bash benchmarks/device/carry_parts.sh join "$NIXL_WHEEL" /tmp/nixlwhl; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/nixlwhl/*.whl && NIXL_OK=1
+  fi
+fi
 # the GPU tests first: a broken GPU path shows before any benchmark spends time on it
 stage tests 420 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu $TESTS  # CPU-only files whose imports (openai, cryptography) the image lacks do not stop it
 stage kernels 300 python3 -m benchmarks.kernels.bench_decode --out docs/benchmarks/kernels.json
@@ -79,20 +91,14 @@ stage issue9x2 400 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0
 stage issue9x2 600 python3 -m nvfp4_serve.cli bench run --input-len 32768 --output-len 256 --concurrency 8 \
   --num-prompts 16 --no-progress --out docs/benchmarks/serving_two_gpu.json --launch-log $R/two_gpu.launch.log \
   --launch --model /tmp/q8b --num-layers 8 --prefill-gpus 0 --decode-gpus 1 --mem-fraction-static 0.5
-# NIXL between two processes on the H200 (UCX's CUDA transports). The nixl-cu13 wheel (56 MiB) exceeds one call's
-# carry: its parts travel over consecutive calls (benchmarks/device/carry_parts.sh, whose header says how); this
-# stage runs once every part has arrived. NIXL_WHEEL names it.
-if want nixl || want nixl_probe; then  # nixl_probe (on demand): which UCX settings move VRAM fastest
-  NIXL_WHEEL=${NIXL_WHEEL:-nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl}
-  bash benchmarks/device/carry_parts.sh collect >/dev/null
-  mkdir -p /tmp/nixlwhl && cp -f /tmp/carry-parts/nixl-*.whl /tmp/nixlwhl/ 2>/dev/null
-  if bash benchmarks/device/carry_parts.sh join "$NIXL_WHEEL" /tmp/nixlwhl; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/nixlwhl/*.whl
-    stage nixl_probe 300 python3 -m benchmarks.transfer.nixl_probe --device cuda --out docs/benchmarks/nixl_probe.json \
-      --log-dir $R/logs_nixl_probe
-    stage nixl 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kv_transfer_gpu.py
-    stage nixl 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
-      --num-layers 8 --lengths 32768 --paths grpc cuda-ipc nixl --log-dir $R/logs_nixl
+# NIXL between two processes on the H200 (UCX's CUDA transports): the probe of UCX settings, the transfer paths
+# side by side, and (NIXL_PD=1, the default) PD serving over cuda-ipc vs nixl.
+if [ "$NIXL_OK" = 1 ]; then
+  stage nixl_probe 300 python3 -m benchmarks.transfer.nixl_probe --device cuda --out docs/benchmarks/nixl_probe.json \
+    --log-dir $R/logs_nixl_probe
+  stage nixl 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
+    --num-layers 8 --lengths 32768 --paths grpc cuda-ipc nixl --log-dir $R/logs_nixl
+  if [ "${NIXL_PD:-1}" = 1 ]; then
     stage nixl 600 python3 -m nvfp4_serve.cli bench pd --input-len 32768 --output-len 256 --concurrency 16 \
       --num-prompts 32 --deployments pd-ipc pd-nixl --out docs/benchmarks/pd_nixl.json \
       --report docs/benchmarks/pd_nixl.md --log-dir $R/logs_pd_nixl --launch --model /tmp/q8b --num-layers 8 \
