@@ -1,5 +1,5 @@
 """The `nvfp4-serve` command: `up` (all in one), one service (`prefill`, `decode`, `router`), or a tool
-(`calibrate`, `eval`, `bench`, `make-model`)."""
+(`calibrate`, `eval`, `bench`, `make-model`, `warm-cache`)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ commands:
             python -m benchmarks.serving)
   make-model random-weight HF checkpoint, e.g. OUT_DIR --preset qwen3-8b --device cuda
             (same as: python -m offline.tiny_model)
+  warm-cache compile the Triton and FlashInfer kernels a server on a given GPU needs, without that GPU
+            (into TRITON_CACHE_DIR and FLASHINFER_WORKSPACE_BASE; the GPU image runs it at build time)
 
 `nvfp4-serve COMMAND --help` lists each command's options and their defaults;
 `nvfp4-serve --version` prints the version."""
@@ -54,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         from offline.tiny_model import main as make_model
 
         return make_model(rest, prog="nvfp4-serve make-model")
+    elif cmd == "warm-cache":
+        from offline.warm_cache import main as warm_cache
+
+        return warm_cache(rest, prog="nvfp4-serve warm-cache")
     else:
         print(f"nvfp4-serve: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

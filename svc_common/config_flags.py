@@ -51,7 +51,8 @@ def _scalar(kind: Any) -> Any:
     return args[0] if get_origin(kind) in (Union, types.UnionType) and len(args) == 1 else kind
 
 
-def _argparse_kwargs(f: Field, kind: Any, spec: Any) -> dict[str, Any]:
+def argparse_kwargs(f: Field, kind: Any, spec: Any) -> dict[str, Any]:
+    """``add_argument`` keywords of one field's flag (dest, default, help, type or switch, choices)."""
     kw: dict[str, Any] = {"dest": spec.attr(f.name), "default": flag_default(f, spec), "help": spec.help}
     kind = _scalar(kind)
     if spec.nargs is not None:
@@ -82,7 +83,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, group: str | None =
         return groups[title]
 
     for f, kind, spec in iter_flags(cls, skip):
-        target(spec.group or group).add_argument(flag_name(f, spec), *spec.aliases, **_argparse_kwargs(f, kind, spec))
+        target(spec.group or group).add_argument(flag_name(f, spec), *spec.aliases, **argparse_kwargs(f, kind, spec))
 
 
 def _has_flags(cls: type) -> bool:

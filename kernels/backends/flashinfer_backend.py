@@ -76,6 +76,21 @@ class FlashInferPrefill:
         return self._wrapper.run(q, k, v)
 
 
+def jit_specs(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> list:
+    """The FlashInfer JIT modules (``JitSpec``) that ``FlashInferPrefill`` and ``FlashInferDecode`` load for
+    q in ``q_dtype`` over K/V in ``kv_dtype`` (bf16 or float8_e4m3fn): both resolve to the same FA2 batch-prefill
+    module, the call flashinfer 0.7.2's ``get_batch_prefill_module("fa2", ...)`` builds. The ragged prefill
+    asks for fa2; the tensor-core decode's "auto" is fa2 for bf16 K/V and, since FA3 takes FP8 K/V only with
+    an FP8 query, for fp8 K/V on every GPU. Arguments as the wrappers' plans pass them: o in q's dtype, int32
+    indptr, no position encoding, window, soft cap or fp16 QK reduction. ``spec.build()`` compiles one into
+    FlashInfer's JIT cache for the archs of FLASHINFER_CUDA_ARCH_LIST (no GPU needed)."""
+    _require()
+    from flashinfer.prefill import _gen_batch_prefill_primary_module
+
+    return [_gen_batch_prefill_primary_module("fa2", q_dtype, kv_dtype, q_dtype, torch.int32, head_dim, head_dim,
+                                              0, False, False, False)]
+
+
 def paged_indices(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(indptr, indices, last_page_len) int32 in FlashInfer's CSR form from a [B, max_pages] page table."""

@@ -28,6 +28,7 @@ from kernels.backends.reference import ReferenceBackend
 from kernels.backends.triton_decode import (  # noqa: F401 - the backend's public names
     DecodeConfig,
     DecodeState,
+    DeviceTarget,
     TritonNvfp4Decode,
     default_decode_config,
     e2m1_fold,
@@ -43,10 +44,12 @@ from kernels.backends.triton_nvfp4 import (  # noqa: F401 - the backend's public
 )
 
 
-def triton_composition(decode_config: DecodeConfig | None = None, block_select: bool = False) -> Composition:
-    """The Triton backend's parts; ``block_select``: NVFP4 writes with the amax/6-or-amax/4 block encoder."""
+def triton_composition(decode_config: DecodeConfig | None = None, block_select: bool = False,
+                       target: DeviceTarget | None = None) -> Composition:
+    """The Triton backend's parts; ``block_select``: NVFP4 writes with the amax/6-or-amax/4 block encoder;
+    ``target``: the GPU the NVFP4 decode is planned for (default: the tensors' device)."""
     reference = ReferenceBackend()
-    nvfp4_decode = TritonNvfp4Decode(decode_config)
+    nvfp4_decode = TritonNvfp4Decode(decode_config, target)
     nvfp4 = PoolParts(write_kv=TritonNvfp4Write(block_select), gather_workspace=TritonNvfp4Gather(),
                       decode=nvfp4_decode)
     fp8_bf16 = PoolParts(write_kv=reference, gather_workspace=reference,
@@ -62,8 +65,8 @@ class TritonBackend(ComposedBackend):
     name = "triton"
     block_select = False  # the NVFP4 encoder: amax/6 scales (kernels.nvfp4.quantize)
 
-    def __init__(self, decode_config: DecodeConfig | None = None) -> None:
-        super().__init__(triton_composition(decode_config, self.block_select))
+    def __init__(self, decode_config: DecodeConfig | None = None, target: DeviceTarget | None = None) -> None:
+        super().__init__(triton_composition(decode_config, self.block_select, target))
 
 
 class TritonBlockSelectBackend(TritonBackend):

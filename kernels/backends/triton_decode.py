@@ -60,8 +60,29 @@ def e2m1_mode(device: torch.device) -> int:
     """Decode implementation for ``device``: 0 = interpreter (CPU), 1 = software (SM < 100), 2 = cvt (SM100+)."""
     if device.type != "cuda":
         return 0
-    major, _ = torch.cuda.get_device_capability(device)
-    return 2 if major >= 10 else 1
+    return DeviceTarget.mode_for(torch.cuda.get_device_capability(device))
+
+
+@dataclass(frozen=True)
+class DeviceTarget:
+    """The GPU a decode is planned and compiled for: its SM count sets the split-KV geometry, its compute
+    capability the E2M1 decode mode. A part built without one reads both from the tensors' device (the CPU
+    stands for 4 SMs and the interpreter); ``nvfp4-serve warm-cache`` names a GPU the machine lacks."""
+
+    num_sms: int
+    capability: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if self.num_sms < 1 or self.capability[0] < 1:
+            raise ValueError(f"a target GPU needs num_sms >= 1 and a compute capability, got {self}")
+
+    @staticmethod
+    def mode_for(capability: tuple[int, int]) -> int:
+        return 2 if capability[0] >= 10 else 1
+
+    @property
+    def e2m1_mode(self) -> int:
+        return self.mode_for(self.capability)
 
 
 def e2m1_fold(mode: int) -> float:
@@ -98,8 +119,9 @@ class TritonNvfp4Decode:
 
     name = "triton-nvfp4-decode"
 
-    def __init__(self, decode_config: DecodeConfig | None = None) -> None:
+    def __init__(self, decode_config: DecodeConfig | None = None, target: DeviceTarget | None = None) -> None:
         self.decode_config = decode_config  # None: default_decode_config(head_dim) per plan
+        self.target = target  # None: the GPU the tensors are on
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int) -> DecodePlan:
@@ -112,7 +134,10 @@ class TritonNvfp4Decode:
         batch, max_pages = page_table.shape
         cfg = self.decode_config or default_decode_config(head_dim)
         dev = page_table.device
-        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        if self.target is not None:
+            num_sms = self.target.num_sms
+        else:
+            num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         chunk, splits = split_geometry(batch, num_kv_heads, max(1, max_pages * page_size), cfg.block_n, num_sms,
                                        cfg.programs_per_sm)
         st = DecodeState(
@@ -133,8 +158,9 @@ class TritonNvfp4Decode:
         """Triton specializes the NVFP4 decode and merge kernels on values that follow the plan's shape (the
         split count, via SPLITS_P2 and the partial buffers' strides; the table's row stride): a new shape
         compiles a variant (about a second), which stalled every running request the first time a serving
-        batch grew into it. Running each shape once here moves those compiles to start-up."""
-        if layer.k.device.type != "cuda" or not shapes:
+        batch grew into it. Running each shape once here moves those compiles to start-up (with a ``target``
+        on CPU tensors too: ``nvfp4-serve warm-cache`` compiles them for that GPU, launching nothing)."""
+        if (layer.k.device.type != "cuda" and self.target is None) or not shapes:
             return 0
         dev = layer.k.device
         most = max(b * w for b, w in shapes)
@@ -145,7 +171,8 @@ class TritonNvfp4Decode:
             table = table_flat[: b * w].view(b, w)  # contiguous: the row stride a captured table has
             plan = self.plan(table, lens[:b], num_qo_heads, layer.num_kv_heads, layer.head_dim, layer.page_size)
             self.decode(plan, q[:b], layer, sm_scale)
-        torch.cuda.synchronize(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         return len(shapes)
 
     def decode(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> torch.Tensor:
@@ -163,7 +190,7 @@ class TritonNvfp4Decode:
             raise ValueError(f"q must be bf16/fp16 [B={plan.page_table.shape[0]}, Hq, D] with a contiguous last dim,"
                              f" got {q.dtype} {tuple(q.shape)} strides {q.stride()}")
         group = hq // hk
-        mode = e2m1_mode(q.device)
+        mode = self.target.e2m1_mode if self.target is not None else e2m1_mode(q.device)
         fold = e2m1_fold(mode)
         cfg = st.config
         qk_scale = float(sm_scale) * float(layer.k_scale) * fold * _LOG2E

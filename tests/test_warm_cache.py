@@ -1,0 +1,155 @@
+"""`nvfp4-serve warm-cache`: compiled without a GPU, the kernels are the ones the engine asks for on the GPU.
+
+* CPU (needs only triton): for a tiny model, sm_90a cubins of the decode kernels (one Triton launch per shape of
+  ``DecodeGraphRunner.shapes()``, one cubin per variant those launches specialize into) and of the quantize and
+  workspace kernels land in TRITON_CACHE_DIR; a second run adds nothing; bad flags give one-line errors.
+* GPU: warm-cache run with CUDA hidden for the real GPU's arch and SM count, then an Engine on that GPU
+  (triton backend, nvfp4 and fp8_e4m3) generates tokens and adds no compiled artifact to either cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+REPO = Path(__file__).resolve().parents[1]
+_TINY = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 128, "hidden_size": 256, "max_position_embeddings": 2048}
+_FLAGS = ["--context-length", "1024", "--cuda-graph-max-bs", "16"]
+
+
+def _run(args: list[str], env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def _files(root: Path) -> dict[str, float]:
+    return {str(p.relative_to(root)): p.stat().st_mtime for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from offline.tiny_model import make_tiny_model
+
+    out = tmp_path_factory.mktemp("model")
+    make_tiny_model(out, **_TINY)
+    return out
+
+
+def _cubins(cache: Path) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for meta in cache.rglob("*.json"):
+        if meta.name.startswith("__grp__"):
+            continue
+        m = json.loads(meta.read_text())
+        assert (meta.parent / f"{m['name']}.cubin").is_file(), meta
+        out.setdefault(m["name"], []).append(m)
+    return out
+
+
+def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(tiny_model, tmp_path):
+    import torch
+
+    from engine.config import CacheConfig, EngineConfig
+    from engine.decode_graphs import DecodeGraphRunner, max_width_pages
+    from engine.engine import Engine
+
+    cache = tmp_path / "triton"
+    res = _run(["-m", "nvfp4_serve.cli", "warm-cache", "--model", str(tiny_model), *_FLAGS],
+               {"TRITON_CACHE_DIR": str(cache)})
+    assert res.returncode == 0, res.stderr[-4000:]
+    launches = {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"(\w+_kernel): (\d+) launches, (\d+) variants",
+                                                                    res.stdout)}
+    eng = Engine(EngineConfig(model_dir=str(tiny_model), device="cpu", context_length=1024,
+                              cache=CacheConfig(max_total_tokens=256)))
+    runner = DecodeGraphRunner(eng.model, eng.paths, torch.device("cpu"), 16, max_width_pages(1024, 16), capture=False)
+    shapes = runner.shapes()
+    assert launches["nvfp4_decode_kernel"][0] == len(shapes) == launches["merge_kernel"][0]
+    cubins = _cubins(cache)
+    for name in ("nvfp4_decode_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel"):
+        assert len(cubins[name]) == launches[name][1] >= 1, (name, launches, res.stdout)
+        assert all(m["target"]["arch"] == 90 and m["target"]["backend"] == "cuda" for m in cubins[name])
+    assert len(cubins["nvfp4_quantize_kernel"]) >= 2  # row counts divisible by 16 and not
+
+    before = _files(cache)
+    again = _run(["-m", "nvfp4_serve.cli", "warm-cache", "--model", str(tiny_model), *_FLAGS],
+                 {"TRITON_CACHE_DIR": str(cache)})
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert _files(cache) == before, "a second warm-cache compiled again"
+    assert " 0 new files" in again.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--arch", "ampere"], "--arch must name an NVIDIA GPU architecture like sm_90a, got 'ampere'"),
+    (["--num-sms", "0"], "--num-sms must be >= 1, got 0"),
+    (["--cuda-graph-max-bs", "0"], "--cuda-graph-max-bs must be >= 1, got 0"),
+    (["--preset", "qwen3-8b", "--model", "/tmp"], "give --model or --preset, not both"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no config.json there"),
+    (["--preset", "qwen3-8b", "--context-length", "99999999"], "--context-length 99999999 is longer than"),
+])
+def test_bad_flags_give_one_line_errors(args, message, tmp_path):
+    res = _run(["-m", "nvfp4_serve.cli", "warm-cache", *args], {"TRITON_CACHE_DIR": str(tmp_path)})
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], res.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_help_states_the_target_defaults():
+    res = _run(["-m", "nvfp4_serve.cli", "warm-cache", "--help"], {})
+    assert res.returncode == 0
+    text = " ".join(res.stdout.split())
+    assert "default: sm_90a" in text and "default: 132" in text and "--kv-cache-dtype" in text
+
+
+_ENGINE = textwrap.dedent("""
+    import sys
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+    for kv in ("nvfp4", "fp8_e4m3"):
+        eng = Engine(EngineConfig(model_dir=sys.argv[1], device="cuda", attention_backend="triton",
+                                  context_length=1024, cuda_graph_max_bs=16,
+                                  cache=CacheConfig(kv_dtype=kv, max_total_tokens=8192)))
+        outs = eng.generate(["def fib(n):", "hello " * 40, "x"], SamplingParams(temperature=0, max_tokens=8))
+        outs += eng.generate(["def fib(n):" + " return" * 3], SamplingParams(temperature=0, max_tokens=4))
+        assert all(len(o.token_ids) > 0 for o in outs), outs
+        print(kv, "ok")
+""")
+_ARTIFACT = re.compile(r"\.(cubin|so|o|ptx|json)$")
+# Triton's host-side launcher stubs, one per kernel signature, are C built by gcc against the GPU host's libcuda
+# at a kernel's first load (about a second each); warm-cache builds kernels, not these.
+_LAUNCHER_STUB = re.compile(r"/(__triton_launcher|cuda_utils)\.[^/]*\.so$")
+
+
+@pytest.mark.gpu
+def test_a_server_on_the_gpu_compiles_nothing_after_warm_cache(tiny_model, tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    major, minor = torch.cuda.get_device_capability(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+    env = {"TRITON_CACHE_DIR": str(tmp_path / "triton"), "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "fi")}
+    warm = _run(["-m", "nvfp4_serve.cli", "warm-cache", "--model", str(tiny_model), *_FLAGS, "--kv-cache-dtype",
+                 "nvfp4", "fp8_e4m3", "--attention-backend", "triton", "--arch", arch, "--num-sms", str(sms)],
+                {**env, "CUDA_VISIBLE_DEVICES": ""}, timeout=1800)
+    assert warm.returncode == 0, warm.stdout[-3000:] + warm.stderr[-4000:]
+    roots = [tmp_path / "triton", tmp_path / "fi"]
+    before = [_files(r) if r.is_dir() else {} for r in roots]
+    assert before[0], warm.stdout
+    served = _run(["-c", _ENGINE, str(tiny_model)], env, timeout=1800)
+    assert served.returncode == 0 and "fp8_e4m3 ok" in served.stdout, served.stdout[-3000:] + served.stderr[-4000:]
+    new = [sorted(p for p in (_files(r) if r.is_dir() else {}).keys() - b.keys() if _ARTIFACT.search(p) and not _LAUNCHER_STUB.search(p))
+           for r, b in zip(roots, before)]
+    assert new == [[], []], f"compiled at serving time after warm-cache: triton {new[0]}, flashinfer {new[1]}\n" \
+                            f"{warm.stdout}"
