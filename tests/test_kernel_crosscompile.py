@@ -2,7 +2,7 @@
 
 * Cross-compile (no GPU): the decode kernel for sm_90a with the software E2M1 decode (tensor-core HMMA in
   the SASS, no local-memory spills), for sm_100a / sm_120a with the hardware ``cvt.rn.f16x2.e2m1x2``
-  path (and that path is rejected on sm_90a); the quantize and workspace kernels for sm_90a.
+  path (and that path is rejected on sm_90a); the quantize, workspace and page-copy kernels for sm_90a.
 * Triton's CPU interpreter runs the backend (in a subprocess, since the interpreter must be chosen
   before the kernels are defined): quantize and workspace bytes equal the reference, decode matches it.
 
@@ -102,6 +102,30 @@ def test_block_select_quantize_kernel_compiles_for_sm90a_without_fused_multiply_
     ptx = q.asm["ptx"]
     assert "div.rn.f32" in ptx and "fma.rn.f32" not in ptx  # the error sums keep the reference's fp32 order
 
+
+
+_PAGE_COPY_PARTS = ("K_SRC", "K_DST", "V_SRC", "V_DST", "KSF_SRC", "KSF_DST", "VSF_SRC", "VSF_DST")
+
+
+@pytest.mark.parametrize("val_words, val_check, sf_words, copy", [(2048, 0, 256, True), (4096, 1, 0, True),
+                                                                  (8192, 2, 0, True), (4096, 1, 0, False)],
+                         ids=["nvfp4", "fp8", "bf16", "fp8-check-only"])
+def test_page_copy_kernel_compiles_for_sm90a_with_16_byte_accesses(tmp_path, val_words, val_check, sf_words, copy):
+    from kernels.page_copy_triton import _block
+    from kernels.triton.page_copy import page_copy_kernel
+
+    values = {0: "*u8", 1: "*fp8e4nv", 2: "*bf16"}[val_check]
+    sig = {n: values if n[0] in "KV" and "SF" not in n else "*fp8e4nv" for n in _PAGE_COPY_PARTS}
+    sig.update({"SRC_IDS": "*i64", "DST_IDS": "*i64", "FLAG": "*i32", "num_tokens": "i32"})
+    k = _compile(page_copy_kernel, sig, {
+        "PAGE_SIZE": 16, "VAL_WORDS": val_words, "VAL_BLOCK": _block(val_words), "VAL_CHECK": val_check,
+        "SF_WORDS": sf_words, "SF_BLOCK": _block(sf_words), "COPY": copy}, arch=90)
+    ptx = k.asm["ptx"]
+    assert "ld.global.v4.b32" in ptx  # the pages' words read 16 bytes at a time (1 KiB scale pages: 8)
+    assert ("st.global.v4.b32" in ptx) == copy  # and written so, unless only checked
+    assert "atom." not in ptx  # the flag is a plain store of 1 (an OR), never an atomic
+    sass = _sass(k, tmp_path)
+    assert "STL" not in sass and "LDL" not in sass
 
 _INTERPRETED = textwrap.dedent("""
     import math, os, sys
