@@ -190,6 +190,11 @@ class EngineConfig:
         "decode eagerly on CUDA (default: decode batches up to --cuda-graph-max-bs replay CUDA graphs)"))
     cuda_graph_max_bs: int = field(default=256, metadata=flag(
         "largest decode batch run under a CUDA graph; larger batches run eagerly"))
+    # The decoder's RMSNorms (with the residual adds), SiLU-and-multiply and q/k norm + RoPE as fused Triton
+    # kernels on CUDA (kernels/model_ops.py); the switch keeps the PyTorch ops, for comparisons.
+    disable_fused_ops: bool = field(default=False, metadata=flag(
+        "run RMSNorm, SiLU-and-multiply and q/k norm + RoPE as PyTorch ops on CUDA too (default: fused Triton "
+        "kernels on CUDA; CPU always uses the PyTorch ops)"))
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

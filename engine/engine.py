@@ -58,7 +58,8 @@ class Engine:
         self.device = torch.device(config.resolved_device())
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         try:  # every failure here is the checkpoint's (missing files, unsupported model, bad tensors)
-            loaded = load_model(config.model_dir, device=self.device, dtype=dtype, num_layers=config.num_layers)
+            loaded = load_model(config.model_dir, device=self.device, dtype=dtype, num_layers=config.num_layers,
+                                fused_ops=not config.disable_fused_ops)
             self.tokenizer = Tokenizer.from_dir(config.model_dir)
         except (OSError, ValueError, NotImplementedError) as e:
             raise StartupError(f"cannot serve {config.model_dir}: {e}") from e

@@ -139,9 +139,11 @@ def model_fingerprint(model_dir: str | Path, num_layers: int | None = None) -> s
 
 
 def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
-               dtype: torch.dtype | str | None = None, num_layers: int | None = None) -> LoadedModel:
+               dtype: torch.dtype | str | None = None, num_layers: int | None = None,
+               fused_ops: bool = True) -> LoadedModel:
     """Build ``CausalLM`` on ``device`` in ``dtype`` and fill it from the checkpoint in ``model_dir``;
-    ``num_layers`` keeps only the first N decoder layers (None: all; see the module docstring)."""
+    ``num_layers`` keeps only the first N decoder layers (None: all; see the module docstring); ``fused_ops``
+    False keeps the model on the PyTorch norm/activation/RoPE ops on CUDA too."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     checkpoint_layers = config.num_hidden_layers
@@ -149,7 +151,7 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     files = weight_files(model_dir)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
-    model = CausalLM(config, dtype=dtype, device=device)
+    model = CausalLM(config, dtype=dtype, device=device, fused_ops=fused_ops)
     params = dict(model.named_parameters())
     targets = model.checkpoint_targets()
 

@@ -11,6 +11,10 @@ Query head h attends with KV head ``h // num_q_per_kv`` (HF ``repeat_kv`` groupi
 
 Parameters are fused where the math allows (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``);
 ``checkpoint_targets`` maps each HF tensor name to the rows of the fused parameter it fills.
+The norms, SiLU-and-multiply and q/k norm + RoPE go through a ``kernels.model_ops.ModelOps`` chosen per
+forward by the device of the hidden states: fused Triton kernels on CUDA (unless ``fused_ops=False``), the
+PyTorch reference elsewhere. The residual stream is carried beside the hidden states so that each residual
+add is fused into the RMSNorm after it (same bf16 roundings as adding first).
 Weights are allocated uninitialised: use ``engine.loader.load_model`` to get a usable model.
 """
 
@@ -24,6 +28,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
+from kernels.model_ops import ModelOps, model_ops, rms_norm
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -53,9 +58,7 @@ class RMSNorm(nn.Module):
         self.weight = _param((dim,), dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -70,18 +73,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
 
-    def forward(
-        self, layer_id: int, positions: torch.Tensor, x: torch.Tensor, attn: AttnFn, rope: RotaryEmbedding
-    ) -> torch.Tensor:
+    def forward(self, layer_id: int, positions: torch.Tensor, x: torch.Tensor, attn: AttnFn,
+                rope: RotaryEmbedding, ops: ModelOps) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
-        if self.q_norm is not None:
-            assert self.k_norm is not None
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        rope.check_positions(positions)
+        cos, sin = rope.tables(positions.device)
+        q_w = None if self.q_norm is None else self.q_norm.weight
+        k_w = None if self.k_norm is None else self.k_norm.weight
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        q, k, v = ops.qk_norm_rope(self.qkv_proj(x), positions, cos, sin, q_w, k_w, eps, self.num_heads,
+                                   self.num_kv_heads)
         o = attn(layer_id, q, k, v)
         if o.shape != q.shape:
             raise ValueError(f"attention function returned shape {tuple(o.shape)}, expected {tuple(q.shape)}")
@@ -97,9 +98,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, dtype, device)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -110,11 +110,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
 
-    def forward(
-        self, layer_id: int, positions: torch.Tensor, h: torch.Tensor, attn: AttnFn, rope: RotaryEmbedding
-    ) -> torch.Tensor:
-        h = h + self.self_attn(layer_id, positions, self.input_layernorm(h), attn, rope)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, layer_id: int, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                attn: AttnFn, rope: RotaryEmbedding, ops: ModelOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream it is to be added to); the next norm adds them.
+
+        ``residual`` None: ``h`` is the embedding output (the stream itself); else the stream is h + residual.
+        """
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            x, residual = ops.rms_norm(h, norm_in.weight, norm_in.eps), h
+        else:
+            x, residual = ops.add_rms_norm(h, residual, norm_in.weight, norm_in.eps)
+        h = self.self_attn(layer_id, positions, x, attn, rope, ops)
+        x, residual = ops.add_rms_norm(h, residual, norm_post.weight, norm_post.eps)
+        return self.mlp(x, ops), residual
 
 
 class Backbone(nn.Module):
@@ -132,10 +141,11 @@ class CausalLM(nn.Module):
     """The language model; see the module docstring for the forward contract."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", fused_ops: bool = True):
         super().__init__()
         device = torch.device(device)
         self.config = config
+        self.fused_ops = fused_ops  # False: the PyTorch ops on CUDA too (comparisons, benchmarks)
         self.dtype = dtype
         self.model = Backbone(config, dtype, device)
         self.lm_head = None if config.tie_word_embeddings else Linear(
@@ -155,9 +165,14 @@ class CausalLM(nn.Module):
                 f"(got {tuple(input_ids.shape)} and {tuple(positions.shape)})"
             )
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        ops = model_ops(h.device, self.fused_ops)
+        residual = None
         for layer_id, layer in enumerate(self.model.layers):
-            h = layer(layer_id, positions, h, attn, self.rotary)
-        return self.model.norm(h)
+            h, residual = layer(layer_id, positions, h, residual, attn, self.rotary, ops)
+        norm = self.model.norm
+        if residual is None:  # no decoder layers
+            return ops.rms_norm(h, norm.weight, norm.eps)
+        return ops.add_rms_norm(h, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """logits ``[N, vocab_size]`` float32 for hidden states ``[N, hidden_size]``."""

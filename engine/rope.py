@@ -8,7 +8,8 @@ rotated by angle ``pos * inv_freq[i]``:
 
 Tables ``cos/sin [max_positions, D/2]`` (float32, already multiplied by the YaRN attention
 factor) are built once per device on first use, on the CPU and then copied, so that every
-device sees bit-identical tables. The rotation itself is done in float32.
+device sees bit-identical tables. The rotation itself is done in float32 (``kernels.model_ops.rotate_neox``;
+the model applies it fused with the q/k norm through ``ModelOps.qk_norm_rope`` on these tables).
 
 Dynamic NTK is made cache friendly: the rotation of position p depends on p only, with
 the NTK base of a sequence of length p + 1 (so positions inside the original length use
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from engine.model_config import ROPE_TYPES
+from kernels.model_ops import rotate_neox
 
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -152,23 +154,20 @@ class RotaryEmbedding:
             self._tables[device] = (cos.to(device), sin.to(device))
         return self._tables[device]
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` by ``positions [T]``; results keep the input dtype."""
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """Refuse positions past the tables (checked for CPU positions only: a CUDA check would sync)."""
         if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.max_positions:
             raise ValueError(
                 f"position {int(positions.max())} is beyond the {self.max_positions} positions the model's "
                 f"rotary embedding covers; cap requests at ModelConfig.max_context_len"
             )
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` by ``positions [T]``; results keep the input dtype."""
+        self.check_positions(positions)
         cos, sin = self.tables(positions.device)
         cos = cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)

@@ -1,6 +1,6 @@
 """Engine decode-step benchmark: one whole model step (all layers, sampling input) per KV dtype, on GPU.
 
-    python -m benchmarks.engine.bench_decode_step [--layers 36] [--shapes 44x32768 ...] [--out JSON]
+    python -m benchmarks.engine.bench_decode_step [--layers 36] [--shapes 44x32768 ...] [--no-fused] [--out JSON]
 
 What it measures: ``ModelRunner.decode_logits`` of a Qwen3-8B-shaped model (hidden 4096, 32/8 heads,
 head_dim 128, intermediate 12288, vocab 151936; random bf16 weights built in memory) over B sequences of
@@ -8,6 +8,10 @@ L cached tokens, with the pool filled with random valid K/V bytes instead of a p
 minutes per shape). Per dtype (bf16, fp8_e4m3 via FlashInfer, nvfp4 via our Triton kernel) and shape:
 the step under CUDA graphs and eagerly, the attention share (the decode kernels alone over all layers,
 CUDA graph off) and the decode throughput B / step. "does not fit" when the weights + pool exceed the GPU.
+The rest of the step (graph step - attention: matmuls, norms, activations, RoPE, K/V write, logits) is shown
+beside its floor, the weight bytes one step reads (every parameter once, B rows of the embedding) at the
+measured copy bandwidth. ``--no-fused`` runs the model's PyTorch norm/activation/RoPE ops instead of the fused
+Triton kernels (kernels/model_ops.py), for the before/after of the same shapes.
 
 The ratio nvfp4 / fp8 of tokens/s at the same shape is the engine-level iso-concurrency figure; the
 end-to-end figures (router, gRPC, streaming) come from ``nvfp4-serve bench experiments``.
@@ -36,12 +40,12 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def build_model(layers: int, max_positions: int, device: torch.device):
+def build_model(layers: int, max_positions: int, device: torch.device, fused_ops: bool = True):
     from engine.model import CausalLM
     from engine.model_config import ModelConfig
 
     cfg = ModelConfig(num_hidden_layers=layers, max_position_embeddings=max_positions, **QWEN3_8B)
-    model = CausalLM(cfg, torch.bfloat16, device)
+    model = CausalLM(cfg, torch.bfloat16, device, fused_ops=fused_ops)
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -50,6 +54,16 @@ def build_model(layers: int, max_positions: int, device: torch.device):
             else:
                 p.normal_(0.0, 0.02, generator=g)
     return model, cfg
+
+
+def weight_bytes_per_step(model, batch: int) -> int:
+    """Bytes of weights one decode step reads: every parameter once, but only ``batch`` rows of the embedding
+    (with tied embeddings the logits read the whole matrix, so it counts once in full)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        emb = model.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size() - batch * emb.shape[1] * emb.element_size()
+    return total
 
 
 def fill_pool_random(pool) -> None:
@@ -140,6 +154,8 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     out["kv_read_gb"] = kv_bytes / 1e9
     out["attention_tb_s"] = kv_bytes / (out["attention_ms"] * 1e-3) / 1e12
     out["tok_s"] = batch / (out["graph_ms"] * 1e-3)
+    out["non_attention_ms"] = out["graph_ms"] - out["attention_ms"]
+    out["weight_gb"] = weight_bytes_per_step(model, batch) / 1e9
     return out  # the pool and graphs are freed with this frame; main() empties the cache
 
 
@@ -155,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", type=_shape,
                    default=[(1, 32768), (16, 32768), (44, 32768), (80, 32768), (10, 163840), (1, 1048576)])
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no-fused", action="store_true",
+                   help="the model's PyTorch norm/activation/RoPE ops instead of the fused Triton kernels")
     p.add_argument("--out", default="docs/benchmarks/engine_decode.json")
     p.add_argument("--md", default=None, help="also write the table as markdown here")
     p.add_argument("--render", default=None, metavar="JSON", help="only render --md from an earlier JSON")
@@ -168,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench_decode_step needs a CUDA GPU")
     dev = torch.device("cuda")
     max_len = max(l for _, l in a.shapes) + 128
-    model, cfg = build_model(a.layers, max_len, dev)
+    model, cfg = build_model(a.layers, max_len, dev, fused_ops=not a.no_fused)
     bw = copy_bandwidth(dev)
     rows = []
     for b, l in a.shapes:
@@ -179,11 +197,13 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
                 row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
                 torch.cuda.empty_cache()
+            if "weight_gb" in row:
+                row["non_attention_floor_ms"] = row["weight_gb"] / bw
             rows.append(row)
             torch.cuda.empty_cache()
             _log(json.dumps(row))
     _print_table(rows, a.layers)
-    doc = {"gpu": torch.cuda.get_device_name(dev), "copy_tb_s": bw, "layers": a.layers,
+    doc = {"gpu": torch.cuda.get_device_name(dev), "copy_tb_s": bw, "layers": a.layers, "fused_ops": not a.no_fused,
            "model": "Qwen3-8B-shaped, random bf16 weights", "command": " ".join(["python -m benchmarks.engine.bench_decode_step", *sys.argv[1:]]), "rows": rows}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
@@ -198,33 +218,50 @@ def _write_md(doc: dict, path: str) -> None:
     fp8 = {(r["batch"], r["seq_len"]): r for r in rows if r["kv_dtype"] == "fp8_e4m3" and "tok_s" in r}
     lines = [
         f"# Engine decode step ({doc['gpu']}, {doc['model']}, {doc['layers']} layers)", "",
-        f"Command: `{doc['command']}`. Copy bandwidth measured: {doc['copy_tb_s']:.2f} TB/s.", "",
+        (f"Command: `{doc['command']}`. Copy bandwidth measured: {doc['copy_tb_s']:.2f} TB/s. Decoder norms, "
+        f"activation and RoPE: {'fused Triton kernels' if doc.get('fused_ops', True) else 'PyTorch ops'}."), "",
         ("One whole decode step (`ModelRunner.decode_logits`: every layer, K/V write, attention, logits) over B "
          "sequences of L cached tokens; the pool holds random valid K/V bytes (no prefill). `graph` = CUDA graph "
          "replay, `eager` = the same step without graphs, `attention` = the decode kernels of all layers alone "
-         "(TB/s = K/V bytes of the dtype / attention time). fp8/bf16 attention is FlashInfer's decode, nvfp4 ours."),
+         "(TB/s = K/V bytes of the dtype / attention time). fp8/bf16 attention is FlashInfer's decode, nvfp4 ours. "
+         "`rest` = graph - attention (matmuls, norms, activations, RoPE, K/V write, logits); `floor` = the weight "
+         "bytes of one step at the copy bandwidth."),
         "",
-        "| B x L | kv | graph ms | eager ms | attention ms | attention TB/s | tok/s | vs fp8 |",
-        "|---|---|---|---|---|---|---|---|",
+        ("| B x L | kv | graph ms | eager ms | attention ms | attention TB/s | rest ms | floor ms | rest / floor "
+        "| tok/s | vs fp8 |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         shape = f"{r['batch']} x {r['seq_len']}"
         if "error" in r:
-            lines.append(f"| {shape} | {r['kv_dtype']} | {r['error']} | | | | | |")
+            lines.append(f"| {shape} | {r['kv_dtype']} | {r['error']} | | | | | | | | |")
             continue
         base = fp8.get((r["batch"], r["seq_len"]))
         ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
+        rest, floor = _rest_and_floor(r)
         lines.append(f"| {shape} | {r['kv_dtype']} | {r['graph_ms']:.2f} | {r['eager_ms']:.2f} | "
-                     f"{r['attention_ms']:.2f} | {r['attention_tb_s']:.2f} | {r['tok_s']:.0f} | {ratio} |")
+                     f"{r['attention_ms']:.2f} | {r['attention_tb_s']:.2f} | {rest} | {floor} | "
+                     f"{_over_floor(r)} | {r['tok_s']:.0f} | {ratio} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
 
 
+def _rest_and_floor(r: dict) -> tuple[str, str]:
+    rest = r["graph_ms"] - r["attention_ms"]
+    floor = r.get("non_attention_floor_ms")
+    return f"{rest:.2f}", "-" if floor is None else f"{floor:.2f}"
+
+
+def _over_floor(r: dict) -> str:
+    floor = r.get("non_attention_floor_ms")
+    return "-" if not floor else f"{(r['graph_ms'] - r['attention_ms']) / floor:.2f}x"
+
+
 def _print_table(rows: list[dict], layers: int) -> None:
     print(f"\nengine decode step, Qwen3-8B-shaped, {layers} layers")
     print(f"{'shape':>12} {'kv':>9} {'graph ms':>9} {'eager ms':>9} {'attn ms':>8} {'attn TB/s':>9} "
-          f"{'tok/s':>8} {'vs fp8':>7}")
+          f"{'rest ms':>8} {'floor ms':>8} {'x floor':>7} {'tok/s':>8} {'vs fp8':>7}")
     fp8 = {(r["batch"], r["seq_len"]): r for r in rows if r["kv_dtype"] == "fp8_e4m3" and "tok_s" in r}
     for r in rows:
         shape = f"{r['batch']}x{r['seq_len']}"
@@ -233,8 +270,9 @@ def _print_table(rows: list[dict], layers: int) -> None:
             continue
         base = fp8.get((r["batch"], r["seq_len"]))
         ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
+        rest, floor = _rest_and_floor(r)
         print(f"{shape:>12} {r['kv_dtype']:>9} {r['graph_ms']:9.2f} {r['eager_ms']:9.2f} {r['attention_ms']:8.2f} "
-              f"{r['attention_tb_s']:9.2f} {r['tok_s']:8.0f} {ratio:>7}")
+              f"{r['attention_tb_s']:9.2f} {rest:>8} {floor:>8} {_over_floor(r):>7} {r['tok_s']:8.0f} {ratio:>7}")
 
 
 if __name__ == "__main__":

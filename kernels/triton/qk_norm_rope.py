@@ -1,0 +1,67 @@
+"""Per-head q/k RMSNorm (Qwen3) and neox RoPE in one pass over the merged QKV output: @triton.jit code only
+(wrapper: kernels/fused_ops.py).
+
+``qk_norm_rope_kernel``  grid (T, 3): program (t, 0) does the q heads of token t, (t, 1) the k heads, (t, 2)
+                         copies the v heads:
+
+    QKV[t] = [ q head 0 .. HQ-1 | k head 0 .. HK-1 | v head 0 .. HK-1 ]   (each D values)
+    q/k head x:  HAS_NORM: x = round(w * round(x * rsqrt(mean(x^2) + eps)))     (w: q_norm or k_norm)
+                 x1, x2 = x[:D/2], x[D/2:];  c, s = COS[pos[t]], SIN[pos[t]]       (fp32 tables [P, D/2])
+                 out = round([x1 c - x2 s, x2 c + x1 s])   -> Q [T, HQ, D] / K [T, HK, D]
+    v heads:     copied to V [T, HK, D]
+
+fp32 math; ``round`` is to the output dtype (kernels/triton/rounding.py) where the PyTorch reference
+(kernels/model_ops.py) rounds. Head counts and D/2 are padded to powers of two (H_P, HALF_P) and masked.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.triton.rounding import round_to
+
+
+@triton.jit
+def _norm_rope_heads(src, W, dst, cos_row, sin_row, eps, H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr,
+                     HALF_P: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Heads [H, D] at src (contiguous) -> dst (contiguous), as tiles [H_P, HALF_P] of the two halves."""
+    heads = tl.arange(0, H_P)[:, None]
+    half = tl.arange(0, HALF_P)[None, :]
+    m = (heads < H) & (half < D // 2)
+    lo = heads * D + half
+    x1 = tl.load(src + lo, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + lo + D // 2, mask=m, other=0.0).to(tl.float32)
+    dt = dst.dtype.element_ty
+    if HAS_NORM:
+        inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+        w1 = tl.load(W + half, mask=half < D // 2, other=0.0).to(tl.float32)
+        w2 = tl.load(W + D // 2 + half, mask=half < D // 2, other=0.0).to(tl.float32)
+        x1 = round_to(round_to(x1 * inv, dt) * w1, dt)
+        x2 = round_to(round_to(x2 * inv, dt) * w2, dt)
+    c = tl.load(cos_row + half, mask=half < D // 2, other=0.0)
+    s = tl.load(sin_row + half, mask=half < D // 2, other=0.0)
+    tl.store(dst + lo, round_to(x1 * c - x2 * s, dt).to(dt), mask=m)
+    tl.store(dst + lo + D // 2, round_to(x2 * c + x1 * s, dt).to(dt), mask=m)
+
+
+@triton.jit
+def qk_norm_rope_kernel(QKV, POS, COS, SIN, QW, KW, Q, K, V, stride_t, stride_cos, eps,
+                        HQ: tl.constexpr, HK: tl.constexpr, HQ_P: tl.constexpr, HK_P: tl.constexpr,
+                        D: tl.constexpr, HALF_P: tl.constexpr, V_P: tl.constexpr, HAS_NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    row = QKV + t * stride_t
+    if part == 2:
+        offs = tl.arange(0, V_P)
+        vals = tl.load(row + (HQ + HK) * D + offs, mask=offs < HK * D)
+        tl.store(V + t * (HK * D) + offs, vals, mask=offs < HK * D)
+    else:
+        pos = tl.load(POS + t).to(tl.int64)
+        cos_row = COS + pos * stride_cos
+        sin_row = SIN + pos * stride_cos
+        if part == 0:
+            _norm_rope_heads(row, QW, Q + t * (HQ * D), cos_row, sin_row, eps, HQ, HQ_P, D, HALF_P, HAS_NORM)
+        else:
+            _norm_rope_heads(row + HQ * D, KW, K + t * (HK * D), cos_row, sin_row, eps, HK, HK_P, D, HALF_P,
+                             HAS_NORM)
