@@ -68,6 +68,9 @@ class WarmPlan:
     block_select: bool
     capability: tuple[int, int]
     num_sms: int
+    hidden_size: int = 0  # the decoder layer's fused ops (norms, SiLU-and-multiply, q/k norm + RoPE)
+    intermediate_size: int = 0
+    qk_norm: bool = False
 
 
 def build_parser(prog: str = "nvfp4-serve warm-cache") -> argparse.ArgumentParser:
@@ -143,7 +146,8 @@ def plan_from_args(a: argparse.Namespace) -> WarmPlan:
     return WarmPlan(mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, _DTYPES[a.dtype],
                     tuple(dict.fromkeys(a.kv_cache_dtype)), a.page_size,
                     min(a.cuda_graph_max_bs, a.max_running_requests), max_width_pages(context, a.page_size),
-                    a.attention_backend == "triton-block-select", capability, a.num_sms)
+                    a.attention_backend == "triton-block-select", capability, a.num_sms, mc.hidden_size,
+                    mc.intermediate_size, mc.qk_norm)
 
 
 def _cache_files(root: Path) -> set[Path]:
@@ -159,8 +163,10 @@ def warm_triton(plan: WarmPlan) -> dict[str, tuple[int, int]]:
     from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_kernel
     from offline.triton_target_driver import TritonTarget, compile_for
 
-    if "nvfp4" not in plan.kv_dtypes:
-        return {}  # fp8_e4m3 / bf16 pools run no Triton kernel of ours (FlashInfer and PyTorch)
+    if "nvfp4" not in plan.kv_dtypes:  # fp8_e4m3 / bf16 pools: only the decoder layer's fused ops are ours
+        with compile_for(TritonTarget(plan.capability)) as drv:
+            _warm_model_ops(plan)
+        return _report(drv.launches, _model_op_kernels())
     target = DeviceTarget(plan.num_sms, plan.capability)
     backend = (TritonBlockSelectBackend if plan.block_select else TritonBackend)(target=target)
     pool = KVPool("nvfp4", 1, 16, plan.page_size, plan.num_kv_heads, plan.head_dim, scratch_pages=1)
@@ -174,9 +180,41 @@ def warm_triton(plan: WarmPlan) -> dict[str, tuple[int, int]]:
             backend.write_kv(layer, slots, kv, kv)
             ws = torch.empty(n, hk, d, dtype=torch.float8_e4m3fn)
             backend.gather_workspace(layer, slots, ws, ws)
-    kernels = (nvfp4_decode_kernel, merge_kernel, nvfp4_quantize_kernel, nvfp4_to_fp8_kernel)
-    launches: Counter[str] = drv.launches
+        _warm_model_ops(plan)
+    kernels = (nvfp4_decode_kernel, merge_kernel, nvfp4_quantize_kernel, nvfp4_to_fp8_kernel, *_model_op_kernels())
+    return _report(drv.launches, kernels)
+
+
+def _report(launches: Counter[str], kernels) -> dict[str, tuple[int, int]]:
     return {k.fn.__name__: (launches[k.fn.__name__], len(k.device_caches[0][0])) for k in kernels}
+
+
+def _model_op_kernels() -> tuple:  # imported late: kernels.triton needs triton
+    from kernels.triton.qk_norm_rope import qk_norm_rope_kernel
+    from kernels.triton.rmsnorm import rmsnorm_kernel
+    from kernels.triton.silu_mul import silu_mul_kernel
+
+    return rmsnorm_kernel, silu_mul_kernel, qk_norm_rope_kernel
+
+
+def _warm_model_ops(plan: WarmPlan) -> None:
+    """The decoder layer's fused ops (kernels/fused_ops.py) on rows shaped as the model's: the variants depend on
+    the widths (hidden, intermediate, heads x head_dim) and the q/k norm, not on the number of rows."""
+    from kernels.fused_ops import TRITON_OPS as ops
+
+    if not plan.hidden_size:
+        return
+    dt, d = plan.q_dtype, plan.head_dim
+    h = torch.zeros(2, plan.hidden_size, dtype=dt)
+    w = torch.ones(plan.hidden_size, dtype=dt)
+    ops.rms_norm(h, w, 1e-6)
+    ops.add_rms_norm(h, h.clone(), w, 1e-6)
+    ops.silu_mul(torch.zeros(2, 2 * plan.intermediate_size, dtype=dt))
+    qkv = torch.zeros(2, (plan.num_qo_heads + 2 * plan.num_kv_heads) * d, dtype=dt)
+    cos = torch.ones(4, d // 2, dtype=torch.float32)
+    norm_w = torch.ones(d, dtype=dt) if plan.qk_norm else None
+    ops.qk_norm_rope(qkv, torch.zeros(2, dtype=torch.int64), cos, cos.clone(), norm_w, norm_w, 1e-6,
+                     plan.num_qo_heads, plan.num_kv_heads)
 
 
 def warm_flashinfer(plan: WarmPlan) -> list[str]:

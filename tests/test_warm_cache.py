@@ -75,7 +75,8 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
     shapes = runner.shapes()
     assert launches["nvfp4_decode_kernel"][0] == len(shapes) == launches["merge_kernel"][0]
     cubins = _cubins(cache)
-    for name in ("nvfp4_decode_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel"):
+    for name in ("nvfp4_decode_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel",
+                 "rmsnorm_kernel", "silu_mul_kernel", "qk_norm_rope_kernel"):
         assert len(cubins[name]) == launches[name][1] >= 1, (name, launches, res.stdout)
         assert all(m["target"]["arch"] == 90 and m["target"]["backend"] == "cuda" for m in cubins[name])
     assert len(cubins["nvfp4_quantize_kernel"]) >= 2  # row counts divisible by 16 and not
