@@ -23,6 +23,8 @@ import textwrap
 import pytest
 import torch
 
+from tests.triton_interpreter import PRELUDE
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -70,12 +72,6 @@ def test_cpu_model_with_reference_ops_equals_the_unfused_layer_bit_for_bit(tmp_p
 
 _INTERPRETED = textwrap.dedent("""
     import torch
-    import triton.runtime.interpreter as ti
-    _orig = ti._patch_lang_tensor
-    def _patched(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array; triton 3.6 relies on it
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    ti._patch_lang_tensor = _patched
     from engine.rope import rope_tables
     from kernels import fused_ops, model_ops as ref
 
@@ -160,7 +156,7 @@ _INTERPRETED = textwrap.dedent("""
 def test_fused_kernels_in_triton_interpreter_match_the_references():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=REPO, env=env, capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-c", PRELUDE + _INTERPRETED], cwd=REPO, env=env, capture_output=True, text=True,
                          check=False, timeout=600)
     assert res.returncode == 0 and res.stdout.count("model ok") == 2, res.stdout[-2000:] + res.stderr[-4000:]
     print(res.stdout)

@@ -18,6 +18,8 @@ import textwrap
 
 import pytest
 
+from tests.triton_interpreter import PRELUDE
+
 triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget
@@ -130,12 +132,6 @@ def test_page_copy_kernel_compiles_for_sm90a_with_16_byte_accesses(tmp_path, val
 _INTERPRETED = textwrap.dedent("""
     import math, os, sys
     import torch
-    import triton.runtime.interpreter as ti
-    _orig = ti._patch_lang_tensor
-    def _patched(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array; triton 3.6 relies on it
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    ti._patch_lang_tensor = _patched
     from kernels import nvfp4
     from kernels.backends.reference import ReferenceBackend
     from kernels.backends.triton_backend import DecodeConfig, TritonBackend
@@ -185,6 +181,6 @@ _INTERPRETED = textwrap.dedent("""
 
 def test_backend_in_triton_interpreter_matches_reference():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=REPO, env=env, capture_output=True, text=True, check=False,
+    res = subprocess.run([sys.executable, "-c", PRELUDE + _INTERPRETED], cwd=REPO, env=env, capture_output=True, text=True, check=False,
                          timeout=240)
     assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
