@@ -40,8 +40,12 @@ fi
 # the GPU tests first: a broken GPU path shows before any benchmark spends time on it
 stage tests 420 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu $TESTS  # CPU-only files whose imports (openai, cryptography) the image lacks do not stop it
 stage kernels 300 python3 -m benchmarks.kernels.bench_decode --out docs/benchmarks/kernels.json
-stage engine 400 python3 -m benchmarks.engine.bench_decode_step --shapes 1x32768 16x32768 44x32768 48x32768 \
-  84x32768 10x163840 1x1048576 --iters 8 --out docs/benchmarks/engine_decode.json --md docs/benchmarks/engine_decode.md
+ENGINE_SHAPES=${ENGINE_SHAPES:-"1x32768 16x32768 44x32768 48x32768 84x32768 10x163840 1x1048576"}
+stage engine 400 python3 -m benchmarks.engine.bench_decode_step --shapes $ENGINE_SHAPES --iters 8 --profile \
+  --out docs/benchmarks/engine_decode.json --md docs/benchmarks/engine_decode.md
+# the same shapes with the decoder's PyTorch ops instead of the fused kernels (the before/after of the same run)
+stage engine_nofused 400 python3 -m benchmarks.engine.bench_decode_step --shapes $ENGINE_SHAPES --iters 8 --no-fused \
+  --out docs/benchmarks/engine_decode_nofused.json --md docs/benchmarks/engine_decode_nofused.md
 stage model 240 python3 -m nvfp4_serve.cli make-model /tmp/q8b --preset qwen3-8b --device cuda
 stage issue5 900 python3 -m nvfp4_serve.cli bench experiments --kv-dtypes bf16 fp8_e4m3 nvfp4 \
   --iso 32768:40 163840:8 --capacity-input-lens 32768 --sweep-concurrency 1 4 16 --sweep-input-len 32768 \

@@ -98,7 +98,36 @@ def _time_ms(fn, iters: int) -> float:
     return times[len(times) // 2]
 
 
-def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, device: torch.device) -> dict:
+def kernel_breakdown(step, steps: int = 3, top: int = 12) -> list[dict]:
+    """The GPU kernels of one eager step (torch profiler, ``steps`` steps averaged): the ``top`` by device time,
+    each with its microseconds and launches per step, and the rest summed as one row. Kernel durations are
+    those of the graph replay; only the launch gaps between them differ."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            acc = per_kernel.setdefault(ev.name, [0.0, 0])
+            acc[0] += ev.device_time_total
+            acc[1] += 1
+    rows = sorted(({"kernel": k[:120], "us": v[0] / steps, "launches": v[1] / steps} for k, v in per_kernel.items()),
+                  key=lambda r: -r["us"])
+    rest = rows[top:]
+    out = rows[:top]
+    if rest:
+        out.append({"kernel": f"{len(rest)} other kernels", "us": sum(r["us"] for r in rest),
+                    "launches": sum(r["launches"] for r in rest)})
+    return out
+
+
+def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, device: torch.device,
+              profile: bool = False) -> dict:
     from engine.attention_paths import AttentionPaths
     from engine.decode_graphs import DecodeGraphRunner, max_width_pages
     from engine.kv_pool import KVPool
@@ -156,6 +185,8 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     out["tok_s"] = batch / (out["graph_ms"] * 1e-3)
     out["non_attention_ms"] = out["graph_ms"] - out["attention_ms"]
     out["weight_gb"] = weight_bytes_per_step(model, batch) / 1e9
+    if profile:
+        out["kernels"] = kernel_breakdown(lambda: runner.decode_logits(reqs, use_graphs=False))
     return out  # the pool and graphs are freed with this frame; main() empties the cache
 
 
@@ -173,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-fused", action="store_true",
                    help="the model's PyTorch norm/activation/RoPE ops instead of the fused Triton kernels")
+    p.add_argument("--profile", action="store_true",
+                   help="also record each shape's top GPU kernels of one eager step (torch profiler)")
     p.add_argument("--out", default="docs/benchmarks/engine_decode.json")
     p.add_argument("--md", default=None, help="also write the table as markdown here")
     p.add_argument("--render", default=None, metavar="JSON", help="only render --md from an earlier JSON")
@@ -192,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     for b, l in a.shapes:
         for dt in a.kv_dtypes:
             try:
-                row = run_shape(model, cfg, dt, b, l, a.iters, dev)
+                row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile)
             except Exception as e:  # noqa: BLE001 - recorded, the other shapes go on
                 traceback.print_exc()
                 row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
@@ -242,9 +275,22 @@ def _write_md(doc: dict, path: str) -> None:
         lines.append(f"| {shape} | {r['kv_dtype']} | {r['graph_ms']:.2f} | {r['eager_ms']:.2f} | "
                      f"{r['attention_ms']:.2f} | {r['attention_tb_s']:.2f} | {rest} | {floor} | "
                      f"{_over_floor(r)} | {r['tok_s']:.0f} | {ratio} |")
+    lines += _kernel_lines(rows)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
+
+
+def _kernel_lines(rows: list[dict]) -> list[str]:
+    """Per profiled shape: its top kernels of one eager step (``--profile``)."""
+    out = []
+    for r in rows:
+        if not r.get("kernels"):
+            continue
+        out += ["", f"### Kernels of one step: {r['batch']} x {r['seq_len']}, {r['kv_dtype']} (torch profiler, eager)",
+                "", "| kernel | us per step | launches per step |", "|---|---|---|"]
+        out += [f"| `{k['kernel']}` | {k['us']:.1f} | {k['launches']:.0f} |" for k in r["kernels"]]
+    return out
 
 
 def _rest_and_floor(r: dict) -> tuple[str, str]:
