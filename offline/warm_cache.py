@@ -12,6 +12,7 @@ and the NVFP4 decode planned for the target's SM count and compute capability (`
     nvfp4_quantize_kernel               write_kv of 1..16 tokens: every class Triton specializes the row count
                                         into (1, a multiple of 16, other), hence every batch and chunk size
     nvfp4_to_fp8_kernel                 gather_workspace of 1..16 cached tokens, the same classes
+    kv_write_kernel                     the fp8_e4m3 / bf16 pool write of 1..16 tokens, the same classes
 
 FlashInfer (into FLASHINFER_WORKSPACE_BASE's cache, when flashinfer imports): the FA2 modules of the prefill
 on FP8 (nvfp4, fp8_e4m3 pools) or BF16 (bf16 pools) workspace K/V and of the fp8/bf16 decode, built by nvcc
@@ -156,33 +157,52 @@ def _cache_files(root: Path) -> set[Path]:
 
 def warm_triton(plan: WarmPlan) -> dict[str, tuple[int, int]]:
     """Compile the Triton kernels of ``plan`` into TRITON_CACHE_DIR; {kernel: (launches, variants compiled)}."""
-    from engine.decode_graphs import batch_buckets, width_buckets
-    from engine.kv_pool import KVPool
-    from kernels.backends.triton_backend import DeviceTarget, TritonBackend, TritonBlockSelectBackend
+    from kernels.triton.kv_write import kv_write_kernel
     from kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
     from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_kernel
     from offline.triton_target_driver import TritonTarget, compile_for
 
-    if "nvfp4" not in plan.kv_dtypes:  # fp8_e4m3 / bf16 pools: only the decoder layer's fused ops are ours
-        with compile_for(TritonTarget(plan.capability)) as drv:
-            _warm_model_ops(plan)
-        return _report(drv.launches, _model_op_kernels())
+    dense = [kv for kv in plan.kv_dtypes if kv in ("fp8_e4m3", "bf16")]
+    kernels = [*_model_op_kernels(), *([kv_write_kernel] if dense else [])]
+    with compile_for(TritonTarget(plan.capability)) as drv:
+        if "nvfp4" in plan.kv_dtypes:
+            _warm_nvfp4(plan)
+            kernels += [nvfp4_decode_kernel, merge_kernel, nvfp4_quantize_kernel, nvfp4_to_fp8_kernel]
+        for kv in dense:  # their decode and prefill are FlashInfer's (warm_flashinfer); the pool write is ours
+            _warm_dense_write(plan, kv)
+        _warm_model_ops(plan)
+    return _report(drv.launches, kernels)
+
+
+def _warm_nvfp4(plan: WarmPlan) -> None:
+    """The NVFP4 decode for every graph shape, the quantize and the workspace dequant for every row class."""
+    from engine.decode_graphs import batch_buckets, width_buckets
+    from engine.kv_pool import KVPool
+    from kernels.backends.triton_backend import DeviceTarget, TritonBackend, TritonBlockSelectBackend
+
     target = DeviceTarget(plan.num_sms, plan.capability)
     backend = (TritonBlockSelectBackend if plan.block_select else TritonBackend)(target=target)
     pool = KVPool("nvfp4", 1, 16, plan.page_size, plan.num_kv_heads, plan.head_dim, scratch_pages=1)
     layer, hk, d = pool.layers[0], plan.num_kv_heads, plan.head_dim
     shapes = [(b, w) for b in batch_buckets(plan.max_batch) for w in width_buckets(plan.max_width)]
-    with compile_for(TritonTarget(plan.capability)) as drv:
-        backend.warm_decode(layer, shapes, plan.num_qo_heads, plan.q_dtype, d ** -0.5, pool.scratch_page)
-        for n in _ROW_CLASSES:
-            slots = torch.arange(n, dtype=torch.int64)
-            kv = torch.zeros(n, hk, d, dtype=plan.q_dtype)
-            backend.write_kv(layer, slots, kv, kv)
-            ws = torch.empty(n, hk, d, dtype=torch.float8_e4m3fn)
-            backend.gather_workspace(layer, slots, ws, ws)
-        _warm_model_ops(plan)
-    kernels = (nvfp4_decode_kernel, merge_kernel, nvfp4_quantize_kernel, nvfp4_to_fp8_kernel, *_model_op_kernels())
-    return _report(drv.launches, kernels)
+    backend.warm_decode(layer, shapes, plan.num_qo_heads, plan.q_dtype, d ** -0.5, pool.scratch_page)
+    for n in _ROW_CLASSES:
+        slots = torch.arange(n, dtype=torch.int64)
+        kv = torch.zeros(n, hk, d, dtype=plan.q_dtype)
+        backend.write_kv(layer, slots, kv, kv)
+        ws = torch.empty(n, hk, d, dtype=torch.float8_e4m3fn)
+        backend.gather_workspace(layer, slots, ws, ws)
+
+
+def _warm_dense_write(plan: WarmPlan, kv_dtype: str) -> None:
+    """The fp8_e4m3 / bf16 pool write (kernels/backends/triton_kv_write.py) for every row class."""
+    from engine.kv_pool import KVPool
+    from kernels.backends.triton_kv_write import write_rows
+
+    layer = KVPool(kv_dtype, 1, 16, plan.page_size, plan.num_kv_heads, plan.head_dim, scratch_pages=1).layers[0]
+    for n in _ROW_CLASSES:
+        kv = torch.zeros(n, plan.num_kv_heads, plan.head_dim, dtype=plan.q_dtype)
+        write_rows(layer, torch.arange(n, dtype=torch.int64), kv, kv)
 
 
 def _report(launches: Counter[str], kernels) -> dict[str, tuple[int, int]]:

@@ -2,7 +2,7 @@
 
 * Cross-compile (no GPU): the decode kernel for sm_90a with the software E2M1 decode (tensor-core HMMA in
   the SASS, no local-memory spills), for sm_100a / sm_120a with the hardware ``cvt.rn.f16x2.e2m1x2``
-  path (and that path is rejected on sm_90a); the quantize, workspace and page-copy kernels for sm_90a.
+  path (and that path is rejected on sm_90a); the quantize, workspace, page-copy and fp8/bf16 pool-write kernels for sm_90a.
 * Triton's CPU interpreter runs the backend (in a subprocess, since the interpreter must be chosen
   before the kernels are defined): quantize and workspace bytes equal the reference, decode matches it.
 
@@ -104,6 +104,22 @@ def test_block_select_quantize_kernel_compiles_for_sm90a_without_fused_multiply_
     ptx = q.asm["ptx"]
     assert "div.rn.f32" in ptx and "fma.rn.f32" not in ptx  # the error sums keep the reference's fp32 order
 
+
+
+@pytest.mark.parametrize("fp8, rows", [(True, "*bf16"), (False, "*bf16"), (False, "*fp16")],
+                         ids=["fp8", "bf16", "fp16-to-bf16"])
+def test_dense_pool_write_kernel_compiles_for_sm90a(tmp_path, fp8, rows):
+    from kernels.triton.kv_write import kv_write_kernel
+
+    pool = "*u8" if fp8 else "*bf16"
+    k = _compile(kv_write_kernel, {"K": rows, "V": rows, "SLOTS": "*i64", "POOL_K": pool, "POOL_V": pool,
+                                   "num_rows": "i32", "k_scale": "fp32", "v_scale": "fp32",
+                                   **{n: "i32" for n in ("stride_kt", "stride_kh", "stride_vt", "stride_vh")}},
+                 {"HK": 8, "D": 128, "BLOCK_R": 16, "FP8": fp8, "X_IS_BF16": rows == "*bf16"}, arch=90)
+    ptx = k.asm["ptx"]
+    assert ("div.rn.f32" in ptx) == fp8  # the scale's correctly rounded division (fp8 only)
+    sass = _sass(k, tmp_path)
+    assert "STL" not in sass and "LDL" not in sass
 
 
 _PAGE_COPY_PARTS = ("K_SRC", "K_DST", "V_SRC", "V_DST", "KSF_SRC", "KSF_DST", "VSF_SRC", "VSF_DST")

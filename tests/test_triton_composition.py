@@ -19,7 +19,7 @@ from kernels.backends.registry import get_backend
 from tests.test_reference_backend import make_layer, page_table_for
 
 ROOT = Path(__file__).resolve().parents[1]
-FP8_BF16 = {"write_kv": "reference", "gather_workspace": "reference", "prefill": "flashinfer-prefill, else reference",
+FP8_BF16 = {"write_kv": "triton-kv-write", "gather_workspace": "reference", "prefill": "flashinfer-prefill, else reference",
             "plan_decode": "triton-nvfp4-decode", "decode": "flashinfer-decode, else reference"}
 
 
@@ -41,10 +41,10 @@ def test_parts_are_shared_where_they_are_one_and_the_composition_is_fixed():
     parts = get_backend("triton").parts
     assert parts.planner is parts.pool("nvfp4").decode  # one part plans every decode and decodes nvfp4
     assert parts.pool("fp8_e4m3") is parts.pool("bf16") is parts.pool("int4") is parts.other
-    reference = parts.pool("bf16").write_kv
+    reference = parts.pool("bf16").gather_workspace
     assert isinstance(reference, ReferenceBackend)
-    assert parts.pool("bf16").gather_workspace is parts.prefill.fallback is parts.pool("bf16").decode.fallback \
-        is reference
+    assert parts.prefill.fallback is parts.pool("bf16").decode.fallback is reference
+    assert parts.pool("bf16").write_kv.name == "triton-kv-write"  # its CPU rows go to a reference of its own
     assert [p.name for p in parts.decode_parts()] == ["triton-nvfp4-decode", "flashinfer-decode"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         parts.prefill = None

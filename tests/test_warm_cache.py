@@ -64,8 +64,8 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
     from engine.engine import Engine
 
     cache = tmp_path / "triton"
-    res = _run(["-m", "nvfp4_serve.cli", "warm-cache", "--model", str(tiny_model), *_FLAGS],
-               {"TRITON_CACHE_DIR": str(cache)})
+    res = _run(["-m", "nvfp4_serve.cli", "warm-cache", "--model", str(tiny_model), *_FLAGS, "--kv-cache-dtype",
+                "nvfp4", "fp8_e4m3"], {"TRITON_CACHE_DIR": str(cache)})
     assert res.returncode == 0, res.stderr[-4000:]
     launches = {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"(\w+_kernel): (\d+) launches, (\d+) variants",
                                                                     res.stdout)}
@@ -76,14 +76,14 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
     assert launches["nvfp4_decode_kernel"][0] == len(shapes) == launches["merge_kernel"][0]
     cubins = _cubins(cache)
     for name in ("nvfp4_decode_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel",
-                 "rmsnorm_kernel", "silu_mul_kernel", "qk_norm_rope_kernel"):
+                 "rmsnorm_kernel", "silu_mul_kernel", "qk_norm_rope_kernel", "kv_write_kernel"):
         assert len(cubins[name]) == launches[name][1] >= 1, (name, launches, res.stdout)
         assert all(m["target"]["arch"] == 90 and m["target"]["backend"] == "cuda" for m in cubins[name])
     assert len(cubins["nvfp4_quantize_kernel"]) >= 2  # row counts divisible by 16 and not
 
     before = _files(cache)
-    again = _run(["-m", "nvfp4_serve.cli", "warm-cache", "--model", str(tiny_model), *_FLAGS],
-                 {"TRITON_CACHE_DIR": str(cache)})
+    again = _run(["-m", "nvfp4_serve.cli", "warm-cache", "--model", str(tiny_model), *_FLAGS, "--kv-cache-dtype",
+                  "nvfp4", "fp8_e4m3"], {"TRITON_CACHE_DIR": str(cache)})
     assert again.returncode == 0, again.stderr[-4000:]
     assert _files(cache) == before, "a second warm-cache compiled again"
     assert " 0 new files" in again.stdout

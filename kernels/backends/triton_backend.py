@@ -4,7 +4,7 @@
 its parts once, and ``TritonBackend().parts.table()`` lists them:
 
     phase             nvfp4 pool                          fp8_e4m3 / bf16 pool (and any other dtype)
-    write_kv          TritonNvfp4Write (quantize kernel)  ReferenceBackend (one fused elementwise pass on GPU)
+    write_kv          TritonNvfp4Write (quantize kernel)  TritonDenseWrite (K and V in one launch)
     gather_workspace  TritonNvfp4Gather (-> FP8 rows)     ReferenceBackend
     prefill           FlashInferRaggedPrefill: FlashInfer ragged FA2 on bf16 / fp8 workspace K,V when the
                       tensors are on CUDA and flashinfer imports, else ReferenceBackend
@@ -25,6 +25,7 @@ from types import MappingProxyType
 from kernels.backends.composition import ComposedBackend, Composition, PoolParts
 from kernels.backends.flashinfer_parts import FlashInferPagedDecode, FlashInferRaggedPrefill
 from kernels.backends.reference import ReferenceBackend
+from kernels.backends.triton_kv_write import TritonDenseWrite
 from kernels.backends.triton_decode import (  # noqa: F401 - the backend's public names
     DecodeConfig,
     DecodeState,
@@ -52,7 +53,7 @@ def triton_composition(decode_config: DecodeConfig | None = None, block_select: 
     nvfp4_decode = TritonNvfp4Decode(decode_config, target)
     nvfp4 = PoolParts(write_kv=TritonNvfp4Write(block_select), gather_workspace=TritonNvfp4Gather(),
                       decode=nvfp4_decode)
-    fp8_bf16 = PoolParts(write_kv=reference, gather_workspace=reference,
+    fp8_bf16 = PoolParts(write_kv=TritonDenseWrite(), gather_workspace=reference,
                             decode=FlashInferPagedDecode(fallback=reference))
     return Composition(prefill=FlashInferRaggedPrefill(fallback=reference), planner=nvfp4_decode,
                        pools=MappingProxyType({"nvfp4": nvfp4, "fp8_e4m3": fp8_bf16, "bf16": fp8_bf16}),
