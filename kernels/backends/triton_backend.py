@@ -25,7 +25,6 @@ from types import MappingProxyType
 from kernels.backends.composition import ComposedBackend, Composition, PoolParts
 from kernels.backends.flashinfer_parts import FlashInferPagedDecode, FlashInferRaggedPrefill
 from kernels.backends.reference import ReferenceBackend
-from kernels.backends.triton_kv_write import TritonDenseWrite
 from kernels.backends.triton_decode import (  # noqa: F401 - the backend's public names
     DecodeConfig,
     DecodeState,
@@ -36,6 +35,7 @@ from kernels.backends.triton_decode import (  # noqa: F401 - the backend's publi
     e2m1_mode,
     split_geometry,
 )
+from kernels.backends.triton_kv_write import TritonDenseWrite
 from kernels.backends.triton_nvfp4 import (  # noqa: F401 - the backend's public names
     TritonNvfp4Gather,
     TritonNvfp4Write,

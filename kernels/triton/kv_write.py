@@ -25,8 +25,9 @@ from kernels.triton.nvfp4_quantize import e4m3_rne_signed_sat
 def _e4m3_bytes(x, scale):
     """fp32 x -> E4M3 bytes of kernels.fp8.quantize(x, scale) (int32 holding 0..255)."""
     y = tl.math.div_rn(x, scale)
-    nan = y != y
-    sign = ((y.to(tl.int32, bitcast=True) >> 31) & 1) << 7
+    ybits = y.to(tl.int32, bitcast=True)
+    nan = (ybits & 0x7FFFFFFF) > 0x7F800000
+    sign = ((ybits >> 31) & 1) << 7
     byte = e4m3_rne_signed_sat(tl.where(nan, 0.0, y))  # +-inf saturate to +-448
     return tl.where(nan, 0x7F | sign, byte)
 
@@ -36,7 +37,7 @@ def _bf16_bits(x):
     """fp32 x -> the bf16 bits of x rounded to nearest even (int32 holding 0..65535); NaN -> 0x7FC0."""
     bits = x.to(tl.int32, bitcast=True)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-    return tl.where(x != x, 0x7FC0, rounded)
+    return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
 
 
 @triton.jit
