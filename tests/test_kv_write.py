@@ -10,14 +10,13 @@ device)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from kernels.backends.reference import ReferenceBackend
 from tests.test_reference_backend import make_layer
+from tests.triton_interpreter import run_interpreted
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (kv_dtype, page size, KV heads, head_dim, k_scale, v_scale, row dtype)
@@ -79,9 +78,7 @@ def test_kernel_in_the_triton_interpreter_matches_the_reference():
     code = ("from kernels.backends.triton_kv_write import write_rows\n"
             "from tests.test_kv_write import check_cases\n"
             "print('cases', check_cases(write_rows, 'cpu'))\n")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                         check=False, timeout=600)
+    res = run_interpreted(code)
     assert res.returncode == 0 and f"cases {len(CASES) * 3}" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from engine.kv_pool import KVPool
 from kernels.page_copy import copy_pages_reference
+from tests.triton_interpreter import run_interpreted
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (kv_dtype, page size, KV heads, head_dim): small pools; 1-byte scale slots (a word holds 4 slots' scales);
@@ -107,9 +106,7 @@ def test_kernel_in_the_triton_interpreter_matches_the_reference():
     code = ("from kernels.page_copy_triton import copy_pages\n"
             "from tests.test_page_copy import check_cases\n"
             "print('cases', check_cases(copy_pages, 'cpu'))\n")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                         check=False, timeout=600)
+    res = run_interpreted(code)
     assert res.returncode == 0 and "cases 68" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
 
 

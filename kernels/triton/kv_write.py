@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton.nvfp4_quantize import e4m3_rne_signed_sat
+from kernels.triton.nvfp4_quantize import e4m3_rne_signed_sat, slot_rows
 
 
 @triton.jit
@@ -61,13 +61,7 @@ def kv_write_kernel(
     HK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, FP8: tl.constexpr, X_IS_BF16: tl.constexpr,
 ):
     """POOL_K[SLOTS[t], h] = enc(K[t, h]) and POOL_V likewise; POOL_* are uint8 (FP8) or bf16, contiguous."""
-    pid = tl.program_id(0)
-    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = r < num_rows
-    t = r // HK
-    h = r % HK
-    slot = tl.load(SLOTS + t, mask=r_ok, other=0)
-    row = slot.to(tl.int64) * HK + h
+    r_ok, t, h, row = slot_rows(SLOTS, num_rows, HK, BLOCK_R)
     col = tl.arange(0, D)
     _write_rows(K, POOL_K, t, h, row, col, r_ok, stride_kt, stride_kh, k_scale, D, FP8, X_IS_BF16)
     _write_rows(V, POOL_V, t, h, row, col, r_ok, stride_vt, stride_vh, v_scale, D, FP8, X_IS_BF16)

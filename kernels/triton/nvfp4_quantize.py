@@ -20,6 +20,18 @@ import triton.language as tl
 
 
 @triton.jit
+def slot_rows(SLOTS, num_rows, HK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's rows r = (token r // HK, head r % HK): (in range, token, head, pool row SLOTS[token] * HK
+    + head as int64)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < num_rows
+    t = r // HK
+    h = r % HK
+    slot = tl.load(SLOTS + t, mask=r_ok, other=0)
+    return r_ok, t, h, slot.to(tl.int64) * HK + h
+
+
+@triton.jit
 def e4m3_rne_positive(s):
     """fp32 s in [0, 448] -> (E4M3 byte, its fp32 value), round to nearest even incl. subnormals."""
     bits = s.to(tl.int32, bitcast=True)
@@ -77,12 +89,7 @@ def nvfp4_quantize_kernel(
 ):
     """Row r = (token r // HK, head r % HK) -> pool slot SLOTS[token], head h."""
     NS: tl.constexpr = D // 16
-    pid = tl.program_id(0)
-    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = r < num_rows
-    t = r // HK
-    h = r % HK
-    slot = tl.load(SLOTS + t, mask=r_ok, other=0)
+    r_ok, t, h, row = slot_rows(SLOTS, num_rows, HK, BLOCK_R)
     col = tl.arange(0, D)
     x = tl.load(X + (t.to(tl.int64) * stride_xt + h * stride_xh)[:, None] + col[None, :], mask=r_ok[:, None],
                 other=0.0).to(tl.float32)
@@ -106,7 +113,6 @@ def nvfp4_quantize_kernel(
         code = tl.where(nonzero[:, :, None], e2m1_code(y), 0)
     lo, hi = tl.split(tl.reshape(code, [BLOCK_R, D // 2, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
-    row = slot.to(tl.int64) * HK + h
     tl.store(DATA + (row * (D // 2))[:, None] + tl.arange(0, D // 2)[None, :], packed, mask=r_ok[:, None])
     tl.store(SCALES + (row * NS)[:, None] + tl.arange(0, NS)[None, :], sbyte.to(tl.uint8), mask=r_ok[:, None])
 
@@ -126,13 +132,7 @@ def nvfp4_to_fp8_kernel(
 ):
     """OUT[i, h] = fp8((E2M1[code] * float(s)) * g / ws_scale) for row (i, h) of pool slot SLOTS[i]."""
     NS: tl.constexpr = D // 16
-    pid = tl.program_id(0)
-    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = r < num_rows
-    i = r // HK
-    h = r % HK
-    slot = tl.load(SLOTS + i, mask=r_ok, other=0)
-    row = slot.to(tl.int64) * HK + h
+    r_ok, i, h, row = slot_rows(SLOTS, num_rows, HK, BLOCK_R)
     packed = tl.load(DATA + (row * (D // 2))[:, None] + tl.arange(0, D // 2)[None, :], mask=r_ok[:, None],
                      other=0).to(tl.int32)
     code = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_R, NS, 16])
