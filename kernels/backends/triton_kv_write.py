@@ -42,6 +42,7 @@ class TritonDenseWrite:
         return (layer.kv_dtype in ("fp8_e4m3", "bf16") and k.is_cuda and d >= 16 and not d & (d - 1)
                 and all(t.dtype == want and tuple(t.shape[1:]) == (s, hk, d) and t.is_contiguous()
                         and t.device == k.device for t in (layer.k, layer.v))
+                and k.dtype == v.dtype
                 and all(x.dtype in _ROWS_DTYPES and x.stride(2) == 1 and x.device == k.device for x in (k, v)))
 
     def write_kv(self, layer: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -49,7 +50,7 @@ class TritonDenseWrite:
         if slots.dim() != 1 or tuple(k.shape) != expect or tuple(v.shape) != expect:
             raise ValueError(f"write_kv needs slots [T] and k, v {list(expect)}, got slots {tuple(slots.shape)}, "
                              f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-        if not self.serves(layer, k, v) or k.dtype != v.dtype:
+        if not self.serves(layer, k, v):
             self._reference.write_kv(layer, slots, k, v)
             return
         write_rows(layer, slots, k, v)
