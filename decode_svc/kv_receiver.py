@@ -4,7 +4,8 @@ allocated here, checking the handshake and every message, under a deadline per s
 Pages stream while the prefill computes the prompt (after each chunk, the pages it completed). The header
 names the path (``svc_common/kv_transfer.py``); writes run on worker threads and a side CUDA stream
 (``svc_common/kv_copy.py``), never on the engine thread, so a transfer neither waits for decode steps
-nor delays them:
+nor delays them; the stream is read ahead of the handling (``decode_svc/read_ahead.py``), so the next
+message is received while this one is checked:
 
     grpc      KVPageRun bytes (zero-copy views, ``svc_common/kv_wire.py``) -> PageImporter.write
     cuda-ipc  KVPageRefs -> PageImporter.copy_from the prefill's pool (opened once, decode_svc/kv_ipc.py);
@@ -14,8 +15,9 @@ nor delays them:
 
 Every value the peer sends is checked before it touches the pool or the engine: request id, layer, page
 ranges against the header (in sequence order per layer, nothing twice, no more than announced), part
-sizes against the layout, source page ids against the opened pool, scales (and fp8/bf16 values) finite,
-the first token inside the vocabulary. A bad message fails this request's transfer only.
+sizes against the layout, source page ids against the opened pool, the first token inside the vocabulary;
+scales (and fp8/bf16 values) are checked finite on the device as they are written, before any page reaches
+the engine. A bad message fails this request's transfer only.
 
 Invariant: ``pull`` returns (or raises) only once every write it issued is complete, so the caller may
 then free the pages (abort) or hand them to the engine.
@@ -28,7 +30,7 @@ import concurrent.futures
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -38,6 +40,7 @@ from decode_svc.config import Timeouts
 from decode_svc.kv_ipc import PeerShare, PrefillShares
 from decode_svc.kv_nixl_reads import NixlReads
 from decode_svc.peer_channels import PeerChannels
+from decode_svc.read_ahead import ReadAhead
 from engine.kv_pool import KVPool
 from engine.request import PullStart
 from engine.sampling import SamplingParams
@@ -61,7 +64,8 @@ from svc_common.metrics import ServiceMetrics
 from svc_common.tls import TLSConfig
 
 _HOLD_MARGIN = 0.9  # by-reference copies must complete within this share of the hold (messages in flight)
-_WRITES_IN_FLIGHT = 2  # writes running behind the message being read (bounds memory to ~3 messages)
+_WRITES_IN_FLIGHT = 2  # writes running behind the message being handled
+_READ_AHEAD = 4  # messages received ahead of the one being handled (with the writes: ~7 messages of memory)
 _RELEASE_TIMEOUT_S = 5.0
 
 log = logging.getLogger(__name__)
@@ -180,9 +184,11 @@ class KVReceiver:
         importer = PageImporter(self.pool)
         writes = _Writes(self._executor, _WRITES_IN_FLIGHT)
         reads: NixlReads | None = None
+        ahead: ReadAhead | None = None
         try:
             stream = call.__aiter__()
-            first = await self._next(stream, self.timeouts.prefill_first_message_s, "transfer header", address)
+            first = await self._next(stream.__anext__, self.timeouts.prefill_first_message_s, "transfer header",
+                                     address)
             header = self._parse(first, address)
             if header.request_id != start.rid or header.WhichOneof("payload") != "header":
                 raise PrefillUnavailable(f"prefill {address} sent {header.WhichOneof('payload')} for request "
@@ -194,7 +200,8 @@ class KVReceiver:
             path = self._path_of(address, h, offer, peer)
             if path == PATH_NIXL:
                 reads = NixlReads(self.shares.nixl, peer.view, importer, self.timeouts.between_pages_s)
-            received, done, t_last = await self._receive(stream, start, path, peer.view, reads, progress,
+            ahead = ReadAhead(stream, _READ_AHEAD)
+            received, done, t_last = await self._receive(ahead, start, path, peer.view, reads, progress,
                                                          importer, writes, address)
             await writes.drain("pages", address)
             try:
@@ -206,7 +213,7 @@ class KVReceiver:
                                          f"vocabulary [0, {self.vocab_size})")
             seconds = time.perf_counter() - t_header
             if by_reference(path):
-                await self._release(peer_stubs.stub, stream, h, time.perf_counter() - t_last, address)
+                await self._release(peer_stubs.stub, ahead, h, time.perf_counter() - t_last, address)
             self.metrics.observe_transfer(received, seconds, start.num_tokens - start.prefix_len)
             self.transfer_metrics.copy_seconds.inc(writes.busy_s)
             log.info("request %s: %d pages x %d layers from prefill %s via %s, %.1f MB in %.1f ms after the header "
@@ -226,6 +233,8 @@ class KVReceiver:
             raise
         finally:
             call.cancel()  # no-op when the stream completed; otherwise tells prefill to free its pages
+            if ahead is not None:
+                ahead.close()
             if reads is not None:
                 reads.stop()  # reads still in flight cancel and release their handles; settle waits for them
             await writes.settle()
@@ -242,14 +251,14 @@ class KVReceiver:
                 f"[{h.first_page}, +{h.num_pages}), expected {start.num_tokens} / [{first_page}, +{num_pages})")
         return _Progress(first_page, first_page + num_pages, [first_page] * self.layout.num_layers)
 
-    async def _receive(self, stream, start: PullStart, path: str, view: PoolView | NixlView | None,
+    async def _receive(self, ahead: ReadAhead, start: PullStart, path: str, view: PoolView | NixlView | None,
                        reads: NixlReads | None, progress: _Progress, importer: PageImporter, writes: _Writes,
                        address: str) -> tuple[int, prefill_pb2.PrefillDone, float]:
         """Read page messages up to PrefillDone, posting each one's pool write; returns (bytes, done, when the
         last page message arrived)."""
         received, t_last = 0, time.perf_counter()
         while True:
-            raw = await self._next(stream, self.timeouts.between_pages_s, "next KV page message", address)
+            raw = await self._next(ahead.next, self.timeouts.between_pages_s, "next KV page message", address)
             try:
                 run = decode_page_run(raw)
             except WireError as e:
@@ -335,15 +344,16 @@ class KVReceiver:
         self.transfer_metrics.count(f"prefill {address}", choice, self.shares.wanted)
         return path
 
-    async def _next(self, stream, timeout: float, what: str, address: str) -> bytes:
+    async def _next(self, read: Callable[[], Awaitable[bytes]], timeout: float, what: str, address: str) -> bytes:
         try:
-            return await asyncio.wait_for(stream.__anext__(), timeout)
+            return await asyncio.wait_for(read(), timeout)
         except TimeoutError:
             raise TransferTimeout(f"prefill {address} sent no {what} within {timeout:g} s") from None
         except StopAsyncIteration:
             raise PrefillUnavailable(f"prefill {address} ended the stream before it was done") from None
 
-    async def _release(self, stub, stream, h: prefill_pb2.TransferHeader, since_last: float, address: str) -> None:
+    async def _release(self, stub, ahead: ReadAhead, h: prefill_pb2.TransferHeader, since_last: float,
+                       address: str) -> None:
         """Release the prefill's source pages (every copy is complete) and let its stream end.
 
         The copies must have completed before the prefill's hold ended (it frees the pages then, and may
@@ -360,6 +370,6 @@ class KVReceiver:
         if not released:
             raise PrefillUnavailable(f"prefill {address} had freed the source pages before they were released")
         try:  # the prefill ends the stream once released; its status is of no consequence here
-            await asyncio.wait_for(stream.__anext__(), _RELEASE_TIMEOUT_S)
+            await asyncio.wait_for(ahead.next(), _RELEASE_TIMEOUT_S)
         except (StopAsyncIteration, TimeoutError, grpc.aio.AioRpcError):
             pass

@@ -6,7 +6,7 @@
              --kv_wire.encode_page_run (one copy)--> each message's bytes
     decode:  the message's bytes --one H2D copy of its payload on a side stream--> device slices per part
              --slice copies or index_copy_ into the request's pages--> pool; scales (and fp8/bf16 values)
-             checked on the device
+             checked on the device (nothing scanned on the host)
     cuda-ipc: the prefill's pages --one page-copy kernel per layer (every part, values checked in the same
               pass; kernels/page_copy_triton.py)--> the request's pages
     nixl:     NIXL's READ writes the request's pages (kv_transfer_nixl.py); check_written checks them (the
@@ -149,23 +149,13 @@ class PageImporter:
                 raise ValueError(f"part {name} of layer {run.layer} has {mv.nbytes} bytes, {run.num_pages} "
                                  f"{self.pool.kv_dtype} pages need {run.num_pages * page}")
 
-    def check_values(self, run: PageRunView, num_tokens: int) -> None:
-        """ValueError when an E4M3 byte (scale, or fp8 value) of the first ``num_tokens`` token slots is NaN
-        (0x7F/0xFF): memchr over the received bytes, no copy. bf16 values are checked on the device."""
-        for name, kind, (start, _), page in zip(PARTS, self._kinds, run.spans, self.page_bytes, strict=True):
-            if kind != torch.float8_e4m3fn:
-                continue
-            stop = start + num_tokens * (page // self.pool.page_size)
-            if run.data.find(b"\x7f", start, stop) >= 0 or run.data.find(b"\xff", start, stop) >= 0:
-                raise ValueError(f"part {name} of layer {run.layer} holds an E4M3 NaN")
-
     def write(self, run: PageRunView, page_ids: Sequence[int], num_tokens: int) -> None:
         """MUTATES the pool: ``run``'s bytes into pages ``page_ids`` of ``run.layer``, of which the first
-        ``num_tokens`` token slots hold the prompt (checked: sizes, then values; the rest of a last, partial page
-        is never read). Blocks until the host bytes are copied (call on a worker thread); device writes
-        complete by ``finish``."""
+        ``num_tokens`` token slots hold the prompt (checked: sizes here, values on the pool's device, reported
+        by ``finish``; the rest of a last, partial page is never read). Blocks until the host bytes are copied
+        (call on a worker thread); device writes complete by ``finish``. No scan of the bytes on the host: it
+        would hold the GIL for every byte while the gRPC reader waits for it."""
         self.check_sizes(run)
-        self.check_values(run, num_tokens)
         n = len(page_ids)
         if n == 0:
             return
@@ -185,8 +175,7 @@ class PageImporter:
                 if t is None:
                     continue
                 src = payload[a - lo:b - lo].view(n, -1)
-                if kind == torch.bfloat16:  # E4M3 bytes were checked on the host (check_values)
-                    flag_prompt_slots(src, t.shape[1], num_tokens, kind, self._flag())
+                flag_prompt_slots(src, t.shape[1], num_tokens, kind, self._flag())
                 _scatter(t, src, runs, idx)
 
     def copy_from(self, src_parts: Sequence[torch.Tensor | None], layer: int, src_ids: Sequence[int],

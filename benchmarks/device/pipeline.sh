@@ -9,7 +9,7 @@
 # Needs, carried as git-ignored folders: .gpu-carry (FlashInfer, from ../shared/tools/gpu-carry) and .whl (wheels
 # the GPU image lacks: grpcio>=1.85.1, grpcio-health-checking, grpcio-reflection, protobuf>=7.35.1, fastapi and
 # its needs incl. opentelemetry-api, starlette, pydantic, pydantic_core, annotated-types, annotated-doc,
-# typing-inspection, typing_extensions, uvicorn). Results land in docs/benchmarks of a copy under /tmp/w and
+# typing-inspection, typing_extensions, uvicorn; py-spy for stage spy). Results land in docs/benchmarks of a copy under /tmp/w and
 # are packed by poll.sh into $OUT/res.tgz. STAGES (default: all) picks stages, e.g. STAGES="model issue7".
 R=/tmp/res; mkdir -p $R
 exec >>$R/pipeline.log 2>&1
@@ -17,7 +17,7 @@ SRC="$(cd "$(dirname "$0")/../.." && pwd)"
 rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the checkout; work on a copy
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
-export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs, itl_check is on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -86,6 +86,9 @@ stage profile 200 python3 -m benchmarks.transfer.profile_copy --out docs/benchma
   --trace $R/transfer_profile_trace.txt
 stage transfer 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
   --num-layers 8 --lengths 32768 --log-dir $R/logs_tr
+# where the gRPC transfer's CPU time goes, per process and thread (py-spy, from .whl: py_spy-*.whl)
+stage spy 300 python3 -m benchmarks.transfer.spy_transfer --model /tmp/q8b --num-layers 8 --length 32768 \
+  --seconds ${SPY_SECONDS:-5} --rate 250 --log-dir $R/logs_spy
 stage pd 1500 python3 -m nvfp4_serve.cli bench pd --input-len 32768 --output-len 256 --concurrency 16 \
   --num-prompts 32 --deployments ${PD_DEPLOYMENTS:-colocated pd-ipc pd-grpc pd-grpc-fp8 pd-ipc-unpaced} --log-dir $R/logs_pd --launch --model /tmp/q8b --num-layers 8 --max-total-tokens 1048576 \
   --workspace-tokens 262144 --chunked-prefill-size 8192
