@@ -38,12 +38,18 @@ class TritonTarget:
         return GPUTarget("cuda", self.capability[0] * 10 + self.capability[1], 32)
 
 
-def _no_launch(launches: Counter[str]) -> type:
+def _no_launch(launches: Counter[str], stubs: list[str] | None) -> type:
     class NoLaunch:
-        """A compiled kernel's launcher: counts the launch under the kernel's name, runs nothing."""
+        """A compiled kernel's launcher: counts the launch under the kernel's name, runs nothing. With
+        ``stubs``, Triton's real host launcher of the variant is built into the cache first (and named there)."""
 
         def __init__(self, src: object, metadata: object) -> None:
             self.name = getattr(metadata, "name", "?")
+            if stubs is not None:
+                from offline.triton_host_launchers import build_launcher
+
+                build_launcher(src, metadata)
+                stubs.append(self.name)
 
         def __call__(self, *args: object) -> None:
             launches[self.name] += 1
@@ -66,11 +72,13 @@ class _Utils:
 class TargetDriver:
     """The parts of Triton's driver interface that compiling and launching use, for a GPU not present."""
 
-    def __init__(self, target: TritonTarget) -> None:
+    def __init__(self, target: TritonTarget, host_launchers: bool = False) -> None:
         self.target = target
         self.utils = _Utils(target)
         self.launches: Counter[str] = Counter()  # kernel name -> launches while active
-        self.launcher_cls = _no_launch(self.launches)
+        # kernel name per host launcher stub built (offline/triton_host_launchers.py); None: none are built
+        self.stubs: list[str] | None = [] if host_launchers else None
+        self.launcher_cls = _no_launch(self.launches, self.stubs)
 
     def is_active(self) -> bool:
         return True
@@ -89,12 +97,17 @@ class TargetDriver:
 
 
 @contextlib.contextmanager
-def compile_for(target: TritonTarget) -> Iterator[TargetDriver]:
+def compile_for(target: TritonTarget, host_launchers: bool = False) -> Iterator[TargetDriver]:
     """Triton launches in the block compile for ``target`` and run nothing; the previous driver after it.
-    Use it in a process that has launched no Triton kernel: each kernel keeps the binder (and target) of its
-    first launch per device index."""
+    ``host_launchers``: each compiled variant's host launcher stub (and Triton's driver helpers) are built into
+    the cache as well (``offline.triton_host_launchers.why_not()`` must be None). Use it in a process that has
+    launched no Triton kernel: each kernel keeps the binder (and target) of its first launch per device index."""
     previous = driver._active  # None until a driver was first needed: keep it unset then
-    stub = TargetDriver(target)
+    if host_launchers:
+        from offline.triton_host_launchers import build_utils
+
+        build_utils()
+    stub = TargetDriver(target, host_launchers)
     driver.set_active(stub)
     try:
         yield stub

@@ -14,6 +14,10 @@ and the NVFP4 decode planned for the target's SM count and compute capability (`
     nvfp4_to_fp8_kernel                 gather_workspace of 1..16 cached tokens, the same classes
     kv_write_kernel                     the fp8_e4m3 / bf16 pool write of 1..16 tokens, the same classes
 
+and, where gcc, Python's headers and a libcuda.so.1 to link against are found (the CUDA toolkit's stub library
+serves: TRITON_LIBCUDA_PATH), every variant's host launcher stub and Triton's driver helpers, which a GPU
+otherwise builds at a kernel's first load (``offline/triton_host_launchers.py``; --no-host-launchers skips them).
+
 FlashInfer (into FLASHINFER_WORKSPACE_BASE's cache, when flashinfer imports): the FA2 modules of the prefill
 on FP8 (nvfp4, fp8_e4m3 pools) or BF16 (bf16 pools) workspace K/V and of the fp8/bf16 decode, built by nvcc
 for FLASHINFER_CUDA_ARCH_LIST taken from --arch (``kernels.backends.flashinfer_backend.jit_specs``).
@@ -25,6 +29,7 @@ decode shapes of a server run with --disable-cuda-graph (no start-up warm-up the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import os
 import re
@@ -72,6 +77,7 @@ class WarmPlan:
     hidden_size: int = 0  # the decoder layer's fused ops (norms, SiLU-and-multiply, q/k norm + RoPE)
     intermediate_size: int = 0
     qk_norm: bool = False
+    host_launchers: bool = False  # Triton's host launcher stubs too (offline/triton_host_launchers.py)
 
 
 def build_parser(prog: str = "nvfp4-serve warm-cache") -> argparse.ArgumentParser:
@@ -98,6 +104,9 @@ def build_parser(prog: str = "nvfp4-serve warm-cache") -> argparse.ArgumentParse
     p.add_argument("--num-sms", type=int, default=DEFAULT_NUM_SMS,
                    help=f"the target GPU's SM count: the NVFP4 decode's split-KV geometry (default: "
                         f"{DEFAULT_NUM_SMS}, H200)")
+    p.add_argument("--no-host-launchers", action="store_true",
+                   help="skip Triton's host launcher stubs (default: built where gcc, Python's headers and a "
+                        "libcuda.so.1 to link against are found; else the reason is printed)")
     return p
 
 
@@ -148,15 +157,16 @@ def plan_from_args(a: argparse.Namespace) -> WarmPlan:
                     tuple(dict.fromkeys(a.kv_cache_dtype)), a.page_size,
                     min(a.cuda_graph_max_bs, a.max_running_requests), max_width_pages(context, a.page_size),
                     a.attention_backend == "triton-block-select", capability, a.num_sms, mc.hidden_size,
-                    mc.intermediate_size, mc.qk_norm)
+                    mc.intermediate_size, mc.qk_norm, not a.no_host_launchers)
 
 
 def _cache_files(root: Path) -> set[Path]:
     return {p.relative_to(root) for p in root.rglob("*") if p.is_file()} if root.is_dir() else set()
 
 
-def warm_triton(plan: WarmPlan) -> dict[str, tuple[int, int]]:
-    """Compile the Triton kernels of ``plan`` into TRITON_CACHE_DIR; {kernel: (launches, variants compiled)}."""
+def warm_triton(plan: WarmPlan) -> tuple[dict[str, tuple[int, int]], list[str] | None]:
+    """Compile the Triton kernels of ``plan`` into TRITON_CACHE_DIR; ({kernel: (launches, variants compiled)},
+    the kernel of each host launcher stub built, or None where ``plan`` builds none)."""
     from kernels.triton.kv_write import kv_write_kernel
     from kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
     from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_kernel
@@ -164,14 +174,14 @@ def warm_triton(plan: WarmPlan) -> dict[str, tuple[int, int]]:
 
     dense = [kv for kv in plan.kv_dtypes if kv in ("fp8_e4m3", "bf16")]
     kernels = [*_model_op_kernels(), *([kv_write_kernel] if dense else [])]
-    with compile_for(TritonTarget(plan.capability)) as drv:
+    with compile_for(TritonTarget(plan.capability), plan.host_launchers) as drv:
         if "nvfp4" in plan.kv_dtypes:
             _warm_nvfp4(plan)
             kernels += [nvfp4_decode_kernel, merge_kernel, nvfp4_quantize_kernel, nvfp4_to_fp8_kernel]
         for kv in dense:  # their decode and prefill are FlashInfer's (warm_flashinfer); the pool write is ours
             _warm_dense_write(plan, kv)
         _warm_model_ops(plan)
-    return _report(drv.launches, kernels)
+    return _report(drv.launches, kernels), drv.stubs
 
 
 def _warm_nvfp4(plan: WarmPlan) -> None:
@@ -266,13 +276,23 @@ def main(argv: list[str] | None = None, prog: str = "nvfp4-serve warm-cache") ->
     cache = Path(knobs.cache.dir)
     before = _cache_files(cache)
     t0 = time.perf_counter()
-    report = warm_triton(plan)
+    no_stubs = None
+    if plan.host_launchers:
+        from offline.triton_host_launchers import why_not
+
+        if (no_stubs := why_not()) is not None:
+            plan = dataclasses.replace(plan, host_launchers=False)
+    report, stubs = warm_triton(plan)
     new = len(_cache_files(cache) - before)
     print(f"triton sm_{plan.capability[0]}{plan.capability[1]}, {plan.num_sms} SMs, head_dim {plan.head_dim}, "
           f"{plan.num_qo_heads}/{plan.num_kv_heads} heads, batch <= {plan.max_batch}, {plan.max_width} pages: "
           f"{new} new files in {cache} ({time.perf_counter() - t0:.1f} s)")
     for name, (launches, variants) in report.items():
         print(f"  {name}: {launches} launches, {variants} variants")
+    if stubs is not None:
+        print(f"  host launcher stubs: {len(stubs)} (one per kernel variant) and the driver helpers")
+    elif not a.no_host_launchers:
+        print(f"  host launcher stubs: not built ({no_stubs}); a GPU builds them at each kernel's first load")
     for line in warm_flashinfer(plan):
         print(line)
     return 0

@@ -262,3 +262,14 @@ def test_cpu_profile_builds_starts_and_serves_a_completion():
         assert out["usage"]["completion_tokens"] >= 1 and out["choices"][0]["text"]
     finally:
         subprocess.run([*cli, "down", "--volumes"], check=False, timeout=600, env=env)
+
+
+def test_gpu_image_builds_the_launcher_stubs_against_the_toolkit_stub_for_that_step_only():
+    instructions = _instructions("Dockerfile.gpu")
+    warm = [line for k, line in instructions if k == "RUN" and "warm-cache" in line]
+    assert len(warm) == 1 and "--no-host-launchers" not in warm[0]
+    link = re.search(r"ln -s /usr/local/cuda/lib64/stubs/libcuda\.so (\S+)/libcuda\.so\.1", warm[0])
+    assert link and f"TRITON_LIBCUDA_PATH={link.group(1)}" in warm[0]
+    assert warm[0].index("TRITON_LIBCUDA_PATH") < warm[0].index("warm-cache")
+    # the stub must not reach the running image: there the host's driver is the libcuda.so.1 found
+    assert not any("TRITON_LIBCUDA_PATH" in line for k, line in instructions if k in ("ENV", "ARG"))

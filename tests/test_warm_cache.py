@@ -2,7 +2,9 @@
 
 * CPU (needs only triton): for a tiny model, sm_90a cubins of the decode kernels (one Triton launch per shape of
   ``DecodeGraphRunner.shapes()``, one cubin per variant those launches specialize into) and of the quantize and
-  workspace kernels land in TRITON_CACHE_DIR; a second run adds nothing; bad flags give one-line errors.
+  workspace kernels land in TRITON_CACHE_DIR, with each variant's host launcher stub where gcc is found (linked
+  against a libcuda.so.1 made here, as the GPU image links them against the toolkit's stub); a second run adds
+  nothing; bad flags give one-line errors.
 * GPU: warm-cache run with CUDA hidden for the real GPU's arch and SM count, then an Engine on that GPU
   (triton backend, nvfp4 and fp8_e4m3) generates tokens and adds no compiled artifact to either cache.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -56,6 +59,44 @@ def _cubins(cache: Path) -> dict[str, list[dict]]:
     return out
 
 
+def _link_only_libcuda(tmp_path: Path) -> Path:
+    """A directory with a libcuda.so.1 that the launcher stubs link against and never call (no GPU here; the
+    GPU image links them against the CUDA toolkit's stub library the same way). Empty where there is no gcc."""
+    out = tmp_path / "libcuda"
+    out.mkdir()
+    src = out / "empty.c"
+    src.write_text("int nvfp4_serve_link_only;\n")
+    if shutil.which("gcc"):
+        subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out / "libcuda.so.1"),
+                        str(src)], check=True, capture_output=True)
+    return out
+
+
+def _stub_toolchain(libcuda: Path) -> str | None:
+    """What a warm-cache subprocess with TRITON_LIBCUDA_PATH=libcuda finds: None when it can build launcher
+    stubs, else why not."""
+    from triton.backends.nvidia import driver
+
+    from offline.triton_host_launchers import why_not
+
+    before = os.environ.get("TRITON_LIBCUDA_PATH")
+    os.environ["TRITON_LIBCUDA_PATH"] = str(libcuda)
+    driver.libcuda_dirs.cache_clear()
+    try:
+        return why_not()
+    finally:
+        if before is None:
+            del os.environ["TRITON_LIBCUDA_PATH"]
+        else:
+            os.environ["TRITON_LIBCUDA_PATH"] = before
+        driver.libcuda_dirs.cache_clear()
+
+
+def test_why_not_names_a_missing_libcuda(tmp_path):
+    why = _stub_toolchain(tmp_path)  # a directory without libcuda.so.1
+    assert why is not None and ("libcuda.so.1" in why or "compiler" in why or "Python.h" in why)
+
+
 def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(tiny_model, tmp_path):
     import torch
 
@@ -64,8 +105,10 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
     from engine.engine import Engine
 
     cache = tmp_path / "triton"
+    libcuda = _link_only_libcuda(tmp_path)
+    env = {"TRITON_CACHE_DIR": str(cache), "TRITON_LIBCUDA_PATH": str(libcuda)}
     res = _run(["-m", "nvfp4_serve.cli", "warm-cache", "--model", str(tiny_model), *_FLAGS, "--kv-cache-dtype",
-                "nvfp4", "fp8_e4m3"], {"TRITON_CACHE_DIR": str(cache)})
+                "nvfp4", "fp8_e4m3"], env)
     assert res.returncode == 0, res.stderr[-4000:]
     launches = {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"(\w+_kernel): (\d+) launches, (\d+) variants",
                                                                     res.stdout)}
@@ -80,10 +123,18 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
         assert len(cubins[name]) == launches[name][1] >= 1, (name, launches, res.stdout)
         assert all(m["target"]["arch"] == 90 and m["target"]["backend"] == "cuda" for m in cubins[name])
     assert len(cubins["nvfp4_quantize_kernel"]) >= 2  # row counts divisible by 16 and not
+    # Triton's host launcher stubs: one per distinct launcher source (variants of one signature share it)
+    stubs = sorted(cache.rglob("__triton_launcher*.so"))
+    if (why := _stub_toolchain(libcuda)) is None:
+        built = re.search(r"host launcher stubs: (\d+) \(one per kernel variant\)", res.stdout)
+        assert built and int(built.group(1)) == sum(v for _, v in launches.values()), res.stdout
+        assert 1 <= len(stubs) <= int(built.group(1)) and len(list(cache.rglob("cuda_utils*.so"))) == 1
+    else:
+        assert f"host launcher stubs: not built ({why})" in res.stdout and not stubs
 
     before = _files(cache)
     again = _run(["-m", "nvfp4_serve.cli", "warm-cache", "--model", str(tiny_model), *_FLAGS, "--kv-cache-dtype",
-                  "nvfp4", "fp8_e4m3"], {"TRITON_CACHE_DIR": str(cache)})
+                  "nvfp4", "fp8_e4m3"], env)
     assert again.returncode == 0, again.stderr[-4000:]
     assert _files(cache) == before, "a second warm-cache compiled again"
     assert " 0 new files" in again.stdout
@@ -126,10 +177,7 @@ _ENGINE = textwrap.dedent("""
         assert all(len(o.token_ids) > 0 for o in outs), outs
         print(kv, "ok")
 """)
-_ARTIFACT = re.compile(r"\.(cubin|so|o|ptx|json)$")
-# Triton's host-side launcher stubs, one per kernel signature, are C built by gcc against the GPU host's libcuda
-# at a kernel's first load (about a second each); warm-cache builds kernels, not these.
-_LAUNCHER_STUB = re.compile(r"/(__triton_launcher|cuda_utils)\.[^/]*\.so$")
+_ARTIFACT = re.compile(r"\.(cubin|so|o|ptx|json)$")  # Triton's host launcher stubs (.so) included
 
 
 @pytest.mark.gpu
@@ -150,7 +198,7 @@ def test_a_server_on_the_gpu_compiles_nothing_after_warm_cache(tiny_model, tmp_p
     assert before[0], warm.stdout
     served = _run(["-c", _ENGINE, str(tiny_model)], env, timeout=1800)
     assert served.returncode == 0 and "fp8_e4m3 ok" in served.stdout, served.stdout[-3000:] + served.stderr[-4000:]
-    new = [sorted(p for p in (_files(r) if r.is_dir() else {}).keys() - b.keys() if _ARTIFACT.search(p) and not _LAUNCHER_STUB.search(p))
+    new = [sorted(p for p in (_files(r) if r.is_dir() else {}).keys() - b.keys() if _ARTIFACT.search(p))
            for r, b in zip(roots, before)]
     assert new == [[], []], f"compiled at serving time after warm-cache: triton {new[0]}, flashinfer {new[1]}\n" \
                             f"{warm.stdout}"
