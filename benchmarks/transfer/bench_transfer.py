@@ -28,7 +28,6 @@ import argparse
 import inspect
 import json
 import random
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,16 @@ import grpc
 
 from benchmarks.transfer.anchors import attach_anchors, measure_anchors
 from benchmarks.transfer.report import GOAL_RATIO, anchor_table, ratio_table, summarize, table, write
-from benchmarks.transfer.services import Service, delta, flush_decode_cache, metrics, spawn, wait_ready
+from benchmarks.transfer.services import (
+    Service,
+    delta,
+    flush_decode_cache,
+    invocation,
+    metrics,
+    spawn,
+    stop_all,
+    wait_ready,
+)
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
 
 PATHS = ("grpc", "cuda-ipc", "nixl")
@@ -220,12 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"WARNING: asked for {path}, the decode took {r['path_used']} (see its log)",
                               flush=True)
     finally:
-        for group in services.values():
-            for s in group.values():
-                s.stop()
+        stop_all(services)
     doc = {
-        "command": "python -m benchmarks.transfer.bench_transfer " + shlex.join(sys.argv[1:] if argv is None
-                                                                                else argv),
+        "command": invocation("benchmarks.transfer.bench_transfer", argv),
         "gpu": gpu_name(a), "goal_ratio": GOAL_RATIO, "wall_s": time.perf_counter() - t_start,
         "setup": {"model": str(model) if a.model else f"random weights, Qwen3-8B shapes, vocab {vocab}",
                   "num_layers": a.num_layers or cfg["num_hidden_layers"],

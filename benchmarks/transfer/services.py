@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -64,6 +65,18 @@ def spawn(name: str, module: str, args: list[str], log_dir: Path, gpu: str | Non
 
     threading.Thread(target=pump, daemon=True).start()
     return svc
+
+
+def stop_all(groups: dict[str, dict[str, Service]]) -> None:
+    """Stop every service of ``start_services``'s groups."""
+    for group in groups.values():
+        for s in group.values():
+            s.stop()
+
+
+def invocation(module: str, argv: list[str] | None) -> str:
+    """The command line that ran ``module`` with ``argv`` (None: this process's own arguments)."""
+    return f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
 def wait_ready(services: list[Service], timeout_s: float) -> None:

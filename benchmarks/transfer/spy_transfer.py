@@ -36,7 +36,7 @@ from typing import Any
 
 from benchmarks.transfer.bench_transfer import build_arg_parser as transfer_parser
 from benchmarks.transfer.bench_transfer import prepare_model, run_one, start_services
-from benchmarks.transfer.services import REPO_ROOT
+from benchmarks.transfer.services import REPO_ROOT, invocation, stop_all
 
 _THREAD = re.compile(r"^thread \((0x[0-9a-f]+|\d+)\)(?::\s*(.*))?$")
 _FRAME = re.compile(r"^(.*) \((.*?)(?::(\d+))?\)$")
@@ -230,11 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{kv} {mode}: {count} transfers, {moved / max(busy, 1e-9) / 1e9:.2f} GB/s while sampled",
                       flush=True)
     finally:
-        for group in services.values():
-            for s in group.values():
-                s.stop()
-    doc = {"command": "python -m benchmarks.transfer.spy_transfer " + shlex.join(sys.argv[1:] if argv is None
-                                                                                else argv),
+        stop_all(services)
+    doc = {"command": invocation("benchmarks.transfer.spy_transfer", argv),
            "length": a.length, "seconds": a.seconds, "rate": a.rate, "native": a.native, "results": results}
     Path(a.out_json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out_json).write_text(json.dumps(doc, indent=1) + "\n")
