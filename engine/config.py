@@ -169,7 +169,7 @@ class EngineConfig:
         "weights and activations; auto: bfloat16 on CUDA, float32 on CPU", choices=DTYPES))
     attention_backend: str = field(default="auto", metadata=flag(
         "auto: triton on CUDA, reference on CPU; reference: pure PyTorch; reference-block-select: pure PyTorch with "
-        "the per-block NVFP4 scale choice (amax/6 or amax/4); triton: the fused NVFP4 kernels (FlashInfer for "
+        "the per-block NVFP4 scale choice (the E4M3 scale near amax/6 that reconstructs the block best); triton: the fused NVFP4 kernels (FlashInfer for "
         "fp8/bf16 and prefill when installed); triton-block-select: triton with that per-block scale choice in its "
         "quantize-on-write kernel (CUDA)", choices=_attention_backends))
     # Longest prompt + output served (--context-length); None -> the model's own (config.json, capped by a

@@ -10,6 +10,7 @@ import torch
 
 from engine.loader import model_fingerprint
 from kernels import nvfp4
+from kernels import nvfp4_block_select as block_select
 from kernels.backends.block_select import BlockSelectBackend
 from kernels.kv_layout import LayerKV
 from kernels.nvfp4_block_select import quantize_block_select
@@ -96,6 +97,12 @@ def test_block_select_is_never_worse_per_block_and_the_reference_decodes_it():
         # where amax/6 was kept, the bytes are the reference's
         codes_equal = (d.view(256, 4, 8) == d6.view(256, 4, 8)).all(-1)
         assert bool(codes_equal[kept].all())
+        # never worse than amax/4 either, and codes below c6 are among the choices
+        s4 = (x.view(256, 4, 16).abs().amax(-1, keepdim=True) / 4 / scale).clamp(max=448).to(torch.float8_e4m3fn)
+        d4 = (block_select._codes_for_scale(x.view(256, 4, 16), s4, torch.tensor(scale))[1] - x.view(256, 4, 16))
+        assert bool((err <= d4.square().sum(-1)).all())
+        offsets = s.view(torch.uint8).to(torch.int32) - s6.view(torch.uint8).to(torch.int32)
+        assert set(offsets.unique().tolist()) <= set(block_select.SCALE_OFFSETS) and int(offsets.min()) == -1
 
 
 def test_block_select_backend_stores_the_block_select_bytes():

@@ -97,7 +97,7 @@ _INTERPRETED = textwrap.dedent("""
 
     worst = 0.0
     for outliers in (False, True):
-        for t in (1, 7, 64):
+        for t in (1, 7, 32):  # 32: a row count divisible by 16 (what Triton specializes on)
             for n in (4096, 1000):
                 x, r = inputs((t, n), outliers), inputs((t, n), outliers)
                 w = (1 + 0.3 * torch.randn(n)).to(BF)

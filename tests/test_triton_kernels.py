@@ -80,7 +80,7 @@ def test_block_select_write_kv_matches_the_block_select_reference_bytes(dtype, d
     TritonBackend().write_kv(plain, slots, k, v)
     for name in ("k", "v", "k_sf", "v_sf"):
         assert torch.equal(getattr(ours, name).view(torch.uint8), getattr(ref, name).view(torch.uint8)), name
-    assert not torch.equal(ours.k_sf.view(torch.uint8), plain.k_sf.view(torch.uint8))  # some blocks took amax/4
+    assert not torch.equal(ours.k_sf.view(torch.uint8), plain.k_sf.view(torch.uint8))  # some blocks took another code
 
 
 def test_write_kv_takes_strided_rows():

@@ -1,9 +1,9 @@
 """The reference backend with the block-select NVFP4 encoder (``--attention-backend reference-block-select``).
 
-NVFP4 pool writes pick, per 16-value block, the scale amax/6 or amax/4 that reconstructs better
+NVFP4 pool writes pick, per 16-value block, the E4M3 scale near amax/6 that reconstructs it best
 (``kernels.nvfp4_block_select``); the bytes format and every reader stay the same, so decode, transfer
 and the prefill/decode handshake are unchanged. Chosen because the evaluation (docs/benchmarks/accuracy.md)
-shows ~28% lower KL vs the bf16 cache than the default encoder on the shipped model. Pure PyTorch: on GPU
+shows a lower KL vs the bf16 cache than the default encoder on the shipped model. Pure PyTorch: on GPU
 it runs the reference paths; ``--attention-backend triton-block-select`` serves the same encoder at speed
 (``kernels/backends/triton_backend.py``, bit-identical).
 """

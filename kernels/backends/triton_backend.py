@@ -47,7 +47,7 @@ from kernels.backends.triton_nvfp4 import (  # noqa: F401 - the backend's public
 
 def triton_composition(decode_config: DecodeConfig | None = None, block_select: bool = False,
                        target: DeviceTarget | None = None) -> Composition:
-    """The Triton backend's parts; ``block_select``: NVFP4 writes with the amax/6-or-amax/4 block encoder;
+    """The Triton backend's parts; ``block_select``: NVFP4 writes with the per-block scale search;
     ``target``: the GPU the NVFP4 decode is planned for (default: the tensors' device)."""
     reference = ReferenceBackend()
     nvfp4_decode = TritonNvfp4Decode(decode_config, target)
@@ -72,7 +72,7 @@ class TritonBackend(ComposedBackend):
 
 class TritonBlockSelectBackend(TritonBackend):
     """``--attention-backend triton-block-select``: the Triton backend whose NVFP4 pool writes pick, per
-    16-value block, the scale amax/6 or amax/4 that reconstructs better (bit-identical to
+    16-value block, the E4M3 scale near amax/6 that reconstructs it best (bit-identical to
     kernels.nvfp4_block_select). Same bytes format and readers: decode, transfer and the handshake are
     unchanged; only the quantize-on-write kernel does more work."""
 

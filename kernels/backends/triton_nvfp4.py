@@ -18,6 +18,9 @@ from kernels.kv_layout import LayerKV
 from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_kernel
 
 _QUANT_BLOCK_ROWS = 32
+# block select: a program's rows hold this many values (8 a thread at 4 warps), so its scale search stays in
+# registers (sm_90a: 127 registers at head_dim 128, where 32 rows spill)
+_SELECT_BLOCK_VALUES = 1024
 
 
 def check_nvfp4_layer(layer: LayerKV) -> None:
@@ -56,9 +59,10 @@ def quantize_rows(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor, scal
     if t == 0:
         return
     rows = t * hk
-    nvfp4_quantize_kernel[(triton.cdiv(rows, _QUANT_BLOCK_ROWS),)](
+    block_r = max(1, _SELECT_BLOCK_VALUES // d) if block_select else _QUANT_BLOCK_ROWS
+    nvfp4_quantize_kernel[(triton.cdiv(rows, block_r),)](
         x, slots, data, u8(scales), rows, float(torch.tensor(global_scale, dtype=torch.float32)),
-        x.stride(0), x.stride(1), HK=hk, D=d, BLOCK_R=_QUANT_BLOCK_ROWS, BLOCK_SELECT=block_select,
+        x.stride(0), x.stride(1), HK=hk, D=d, BLOCK_R=block_r, BLOCK_SELECT=block_select,
         enable_fp_fusion=not block_select)  # block select: the error sums' fp32 order is part of the result
 
 

@@ -2,8 +2,8 @@
 
 ``nvfp4_quantize_kernel``  rows x [T, HK, D] (bf16/fp16/fp32, any strides) -> pool slots: packed codes
                            [P*S, HK, D/2] uint8 and E4M3 scales [P*S, HK, D/16] (both contiguous);
-                           with ``BLOCK_SELECT`` each block keeps amax/6 or amax/4, whichever reconstructs
-                           better, bit-identical to kernels.nvfp4_block_select (launch it with
+                           with ``BLOCK_SELECT`` each block takes the scale code near amax/6 that
+                           reconstructs it best, bit-identical to kernels.nvfp4_block_select (launch it with
                            ``enable_fp_fusion=False``: its error sums must not contract into FMAs).
 ``nvfp4_to_fp8_kernel``    pool slots -> FP8 workspace rows [N, HK, D]: fp8(dequant(code) / ws_scale).
 
@@ -58,17 +58,26 @@ def e2m1_code(y):
 
 
 @triton.jit
-def _codes_under(xb, s32, global_scale):
-    """(E4M3 byte, E2M1 codes, dequantized fp32) of blocks ``xb`` [R, NS, 16] under the fp32 scale ``s32``
-    [R, NS] (rounded to E4M3 here); a zero scale gives zero codes."""
-    sbyte, sval = e4m3_rne_positive(s32)
+def e4m3_value_positive(byte):
+    """E4M3 byte 0..0x7F without sign (int32) -> its fp32 value: exponent field 0 is subnormal (m * 2**-9)."""
+    e = byte >> 3
+    m = byte & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+
+
+@triton.jit
+def _codes_under(xb, sbyte, global_scale):
+    """(E2M1 codes, dequantized fp32) of blocks ``xb`` [R, NS, 16] under E4M3 scale bytes ``sbyte`` [R, NS]
+    (int32); a zero scale gives zero codes."""
+    sval = e4m3_value_positive(sbyte)
     nonzero = sval != 0.0
     denom = tl.where(nonzero, sval * global_scale, 1.0)
     code = tl.where(nonzero[:, :, None], e2m1_code(tl.math.div_rn(xb, denom[:, :, None])), 0)
     c = code & 7
     mag = tl.where(c < 4, c.to(tl.float32) * 0.5, tl.where(c < 6, (c - 2).to(tl.float32), (c - 4).to(tl.float32) * 2.0))
     val = (mag.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
-    return sbyte, code, (val * sval[:, :, None]) * global_scale
+    return code, (val * sval[:, :, None]) * global_scale
 
 
 @triton.jit
@@ -79,6 +88,14 @@ def _pairwise_sum16(e, R: tl.constexpr, NS: tl.constexpr):
     a, b = tl.split(tl.reshape(a + b, [R, NS, 2, 2]))
     a, b = tl.split(a + b)
     return a + b
+
+
+@triton.jit
+def _block_error(xb, sbyte, global_scale, R: tl.constexpr, NS: tl.constexpr):
+    """Sum of squared reconstruction errors [R, NS] of blocks ``xb`` under scale bytes ``sbyte``."""
+    _, dq = _codes_under(xb, sbyte, global_scale)
+    e = dq - xb
+    return _pairwise_sum16(e * e, R, NS)
 
 
 @triton.jit
@@ -96,15 +113,18 @@ def nvfp4_quantize_kernel(
     xb = tl.reshape(x, [BLOCK_R, NS, 16])
     amax = tl.max(tl.abs(xb), 2)
     s32 = tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, 6.0), global_scale), 448.0)
-    if BLOCK_SELECT:
-        sbyte, code, dq = _codes_under(xb, s32, global_scale)
-        s4 = tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, 4.0), global_scale), 448.0)
-        sbyte4, code4, dq4 = _codes_under(xb, s4, global_scale)
-        d6 = dq - xb
-        d4 = dq4 - xb
-        use4 = _pairwise_sum16(d4 * d4, BLOCK_R, NS) < _pairwise_sum16(d6 * d6, BLOCK_R, NS)  # a tie keeps amax/6
-        sbyte = tl.where(use4, sbyte4, sbyte)
-        code = tl.where(use4[:, :, None], code4, code)
+    if BLOCK_SELECT:  # codes c6 + k, k in kernels.nvfp4_block_select.SCALE_OFFSETS, in that order
+        c6, _ = e4m3_rne_positive(s32)
+        err = _block_error(xb, c6, global_scale, BLOCK_R, NS)
+        sbyte = c6
+        for i in range(8):  # k = -1, 1, 2, ..., 7; a loop, not unrolled: one candidate's values live at a time
+            k = tl.where(i == 0, -1, i)
+            cand = tl.minimum(tl.maximum(c6 + k, 0), 0x7E)
+            err_k = _block_error(xb, cand, global_scale, BLOCK_R, NS)
+            better = err_k < err  # strict: a tie keeps the earlier code
+            err = tl.where(better, err_k, err)
+            sbyte = tl.where(better, cand, sbyte)
+        code, _ = _codes_under(xb, sbyte, global_scale)  # only per-block errors stay live across candidates
     else:
         sbyte, sval = e4m3_rne_positive(s32)
         nonzero = sval != 0.0
@@ -137,11 +157,7 @@ def nvfp4_to_fp8_kernel(
                      other=0).to(tl.int32)
     code = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_R, NS, 16])
     sb = tl.load(SCALES + (row * NS)[:, None] + tl.arange(0, NS)[None, :], mask=r_ok[:, None], other=0).to(tl.int32)
-    # E4M3 byte -> fp32 (scales are >= 0): exponent field 0 is subnormal (m * 2**-9)
-    e = (sb >> 3) & 0xF
-    m = sb & 7
-    s_norm = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
-    s = tl.where(e == 0, m.to(tl.float32) * 0.001953125, s_norm)
+    s = e4m3_value_positive(sb & 0x7F)  # scales are >= 0
     # E2M1 magnitude: code&7 -> 0, .5, 1, 1.5, 2, 3, 4, 6 ; fp16-style bits give it exactly
     c = code & 7
     mag = tl.where(c < 4, c.to(tl.float32) * 0.5, tl.where(c < 6, (c - 2).to(tl.float32), (c - 4).to(tl.float32) * 2.0))
