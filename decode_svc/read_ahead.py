@@ -3,8 +3,8 @@
 One reader task keeps a read pending on the stream at all times (up to ``depth`` messages wait in a queue),
 so the next message is being received while this one is checked and its pool write posted. Read one message at
 a time instead, and every moment spent on a message is a moment the stream's receive stands still: the
-sender's next message waits for it (measured on a KV transfer: the decode's event-loop thread busy 41% of the
-time, none of the threads near 100%, the stream at 60% of raw grpcio's rate).
+sender's next message waits for it (docs/benchmarks/transfer_spy.md: on a KV transfer no thread of either
+service is near 100% busy; each end waits on the other).
 
 Invariants: messages come out in stream order, each once; the stream's end and its error come out after every
 message before them; ``close`` cancels the reader (the stream itself is cancelled by its caller).
