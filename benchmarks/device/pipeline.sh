@@ -46,6 +46,10 @@ stage engine 400 python3 -m benchmarks.engine.bench_decode_step --shapes $ENGINE
 # the same shapes with the decoder's PyTorch ops instead of the fused kernels (the before/after of the same run)
 stage engine_nofused 400 python3 -m benchmarks.engine.bench_decode_step --shapes $ENGINE_SHAPES --iters 8 --no-fused \
   --out docs/benchmarks/engine_decode_nofused.json --md docs/benchmarks/engine_decode_nofused.md
+# nvfp4 with the per-block scale search in its pool writes (triton-block-select): the step's cost of the search
+stage engine_blocksel 300 python3 -m benchmarks.engine.bench_decode_step --shapes 1x32768 16x32768 44x32768 --iters 8 \
+  --kv-dtypes nvfp4 --block-select --profile --out docs/benchmarks/engine_decode_block_select.json \
+  --md docs/benchmarks/engine_decode_block_select.md
 stage model 240 python3 -m nvfp4_serve.cli make-model /tmp/q8b --preset qwen3-8b --device cuda
 stage issue5 900 python3 -m nvfp4_serve.cli bench experiments --kv-dtypes bf16 fp8_e4m3 nvfp4 \
   --iso 32768:40 163840:8 --capacity-input-lens 32768 --sweep-concurrency 1 4 16 --sweep-input-len 32768 \

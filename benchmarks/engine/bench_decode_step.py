@@ -127,14 +127,14 @@ def kernel_breakdown(step, steps: int = 3, top: int = 12) -> list[dict]:
 
 
 def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, device: torch.device,
-              profile: bool = False) -> dict:
+              profile: bool = False, block_select: bool = False) -> dict:
     from engine.attention_paths import AttentionPaths
     from engine.decode_graphs import DecodeGraphRunner, max_width_pages
     from engine.kv_pool import KVPool
     from engine.model_runner import ModelRunner
     from engine.request import Request
     from engine.sampling import SamplingParams
-    from kernels.backends.triton_backend import TritonBackend
+    from kernels.backends.triton_backend import TritonBackend, TritonBlockSelectBackend
     from kernels.kv_layout import bytes_per_token_per_layer
 
     pages_per_seq = math.ceil((seq_len + 1) / PAGE)
@@ -149,7 +149,7 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     pool = KVPool(kv_dtype, cfg.num_hidden_layers, num_pages, PAGE, cfg.num_key_value_heads, cfg.head_dim,
                   device=device, k_scales=scales, v_scales=scales, scratch_pages=1)
     fill_pool_random(pool)
-    backend = TritonBackend()
+    backend = TritonBlockSelectBackend() if block_select else TritonBackend()
     paths = AttentionPaths(pool, backend, PAGE, cfg.num_attention_heads, cfg.head_dim ** -0.5, device)
     graphs = DecodeGraphRunner(model, paths, device, max(batch, 1), max_width_pages(seq_len + 64, PAGE), True)
     runner = ModelRunner(model, paths, device, graphs)
@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-fused", action="store_true",
                    help="the model's PyTorch norm/activation/RoPE ops instead of the fused Triton kernels")
+    p.add_argument("--block-select", action="store_true",
+                   help="nvfp4 pool writes with the per-block scale search (--attention-backend triton-block-select)")
     p.add_argument("--profile", action="store_true",
                    help="also record each shape's top GPU kernels of one eager step (torch profiler)")
     p.add_argument("--out", default="docs/benchmarks/engine_decode.json")
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     for b, l in a.shapes:
         for dt in a.kv_dtypes:
             try:
-                row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile)
+                row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile, a.block_select)
             except Exception as e:  # noqa: BLE001 - recorded, the other shapes go on
                 traceback.print_exc()
                 row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
@@ -237,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             _log(json.dumps(row))
     _print_table(rows, a.layers)
     doc = {"gpu": torch.cuda.get_device_name(dev), "copy_tb_s": bw, "layers": a.layers, "fused_ops": not a.no_fused,
+           "block_select": a.block_select,
            "model": "Qwen3-8B-shaped, random bf16 weights", "command": " ".join(["python -m benchmarks.engine.bench_decode_step", *sys.argv[1:]]), "rows": rows}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
@@ -252,7 +255,9 @@ def _write_md(doc: dict, path: str) -> None:
     lines = [
         f"# Engine decode step ({doc['gpu']}, {doc['model']}, {doc['layers']} layers)", "",
         (f"Command: `{doc['command']}`. Copy bandwidth measured: {doc['copy_tb_s']:.2f} TB/s. Decoder norms, "
-        f"activation and RoPE: {'fused Triton kernels' if doc.get('fused_ops', True) else 'PyTorch ops'}."), "",
+        f"activation and RoPE: {'fused Triton kernels' if doc.get('fused_ops', True) else 'PyTorch ops'}."
+        + (" NVFP4 pool writes: the per-block scale search (triton-block-select)." if doc.get("block_select") else "")),
+        "",
         ("One whole decode step (`ModelRunner.decode_logits`: every layer, K/V write, attention, logits) over B "
          "sequences of L cached tokens; the pool holds random valid K/V bytes (no prefill). `graph` = CUDA graph "
          "replay, `eager` = the same step without graphs, `attention` = the decode kernels of all layers alone "
