@@ -105,6 +105,24 @@ def test_an_inf_bf16_value_in_a_message_fails_the_write(device):
         bad.finish()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype, part, byte", [("nvfp4", "k_sf", 0x7F), ("nvfp4", "v_sf", 0xFF),
+                                                  ("fp8_e4m3", "k", 0xFF), ("fp8_e4m3", "v", 0x7F)])
+def test_an_e4m3_nan_in_a_message_fails_the_write_only_inside_the_prompt(device, kv_dtype, part, byte):
+    # checked on the pool's device as the message is written (no host scan), reported by finish
+    src, dst = _pool(kv_dtype, device), _pool(kv_dtype, device)
+    t = getattr(src.layers[1], part).view(torch.uint8)
+    t[9, 2].view(-1)[0] = byte  # second page of the run, token slot 2: token 4 + 2 = 6 of the prompt
+    run = decode_page_run(PageExporter(src).messages("r", 1, 0, [8, 9], 2, None)[0])
+    ok = PageImporter(dst)
+    ok.write(run, [0, 1], 6)  # a 6-token prompt ends before that slot
+    ok.finish()
+    bad = PageImporter(dst)
+    bad.write(run, [0, 1], 7)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        bad.finish()
+
+
 @pytest.mark.parametrize("sizes", [(64, 8, 64, 8), (96, 0, 96, 0)])
 def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
     from nvfp4_serve_proto import prefill_pb2
