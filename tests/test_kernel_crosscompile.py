@@ -183,11 +183,13 @@ _INTERPRETED = textwrap.dedent("""
         from kernels.backends.block_select import BlockSelectBackend
         from kernels.backends.triton_backend import TritonBlockSelectBackend
         sel, sel_ref = layer(), layer()
-        TritonBlockSelectBackend(DecodeConfig(2, 16, 2)).write_kv(sel, slots, k, v)
-        BlockSelectBackend().write_kv(sel_ref, slots, k, v)
+        few = slice(0, 40)  # the scale search is 9 encodes a block: 40 rows keep the interpreter quick
+        TritonBlockSelectBackend(DecodeConfig(2, 16, 2)).write_kv(sel, slots[few], k[few], v[few])
+        BlockSelectBackend().write_kv(sel_ref, slots[few], k[few], v[few])
         for n in ("k", "v", "k_sf", "v_sf"):
             assert torch.equal(getattr(sel, n).view(torch.uint8), getattr(sel_ref, n).view(torch.uint8)), "sel " + n
-        assert not torch.equal(sel.k_sf.view(torch.uint8), ours.k_sf.view(torch.uint8))  # some blocks chose another code
+        rows = lambda t: t.view(torch.uint8).view(P * S, HK, -1)[slots[few]]
+        assert not torch.equal(rows(sel.k_sf), rows(ours.k_sf))  # some blocks chose another code than amax/6's
         ws = [torch.zeros(150, HK, D, dtype=torch.float8_e4m3fn) for _ in range(4)]
         tb.gather_workspace(ours, slots, ws[0], ws[1])
         rb.gather_workspace(ref, slots, ws[2], ws[3])
