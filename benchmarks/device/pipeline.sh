@@ -90,7 +90,8 @@ stage profile 200 python3 -m benchmarks.transfer.profile_copy --out docs/benchma
   --trace $R/transfer_profile_trace.txt
 stage transfer 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
   --num-layers 8 --lengths 32768 --log-dir $R/logs_tr
-# where the gRPC transfer's CPU time goes, per process and thread (py-spy, from .whl: py_spy-*.whl)
+# where the gRPC transfer's CPU time goes, per process and thread (py-spy: its wheel in .whl for that run; with
+# the 64 MiB carry limit, the web wheels fastapi/pydantic/starlette/uvicorn can stay out, this stage needs none)
 stage spy 300 python3 -m benchmarks.transfer.spy_transfer --model /tmp/q8b --num-layers 8 --length 32768 \
   --seconds ${SPY_SECONDS:-5} --rate 250 --log-dir $R/logs_spy
 stage pd 1500 python3 -m nvfp4_serve.cli bench pd --input-len 32768 --output-len 256 --concurrency 16 \
