@@ -16,7 +16,7 @@ import torch
 
 from kernels.backends.reference import ReferenceBackend
 from tests.test_reference_backend import make_layer
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import interpreted_cases
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (kv_dtype, page size, KV heads, head_dim, k_scale, v_scale, row dtype)
@@ -75,11 +75,8 @@ def check_cases(write, device: str) -> int:
 
 def test_kernel_in_the_triton_interpreter_matches_the_reference():
     pytest.importorskip("triton")
-    code = ("from kernels.backends.triton_kv_write import write_rows\n"
-            "from tests.test_kv_write import check_cases\n"
-            "print('cases', check_cases(write_rows, 'cpu'))\n")
-    res = run_interpreted(code)
-    assert res.returncode == 0 and f"cases {len(CASES) * 3}" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+    cases, output = interpreted_cases("kernels.backends.triton_kv_write:write_rows", "tests.test_kv_write")
+    assert cases == len(CASES) * 3, output
 
 
 def test_cpu_rows_and_unservable_pools_go_to_the_reference():

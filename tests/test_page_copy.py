@@ -17,7 +17,7 @@ import torch
 
 from engine.kv_pool import KVPool
 from kernels.page_copy import copy_pages_reference
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import interpreted_cases
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (kv_dtype, page size, KV heads, head_dim): small pools; 1-byte scale slots (a word holds 4 slots' scales);
@@ -103,11 +103,8 @@ def test_reference_copies_the_named_pages_and_flags_a_nan_only_inside_the_prompt
 
 def test_kernel_in_the_triton_interpreter_matches_the_reference():
     pytest.importorskip("triton")
-    code = ("from kernels.page_copy_triton import copy_pages\n"
-            "from tests.test_page_copy import check_cases\n"
-            "print('cases', check_cases(copy_pages, 'cpu'))\n")
-    res = run_interpreted(code)
-    assert res.returncode == 0 and "cases 68" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+    cases, output = interpreted_cases("kernels.page_copy_triton:copy_pages", "tests.test_page_copy")
+    assert cases == 68, output
 
 
 def test_the_launch_refuses_what_the_kernel_cannot_do():

@@ -1,5 +1,5 @@
 """Triton's CPU interpreter (TRITON_INTERPRET=1) in a subprocess: ``PRELUDE``, the lines such a subprocess runs first
-with numpy >= 2.4, and ``run_interpreted``."""
+with numpy >= 2.4, ``run_interpreted`` and ``interpreted_cases``."""
 
 import os
 import subprocess
@@ -22,3 +22,14 @@ def run_interpreted(code: str, timeout: float = 600) -> subprocess.CompletedProc
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True,
                           check=False, timeout=timeout)
+
+
+def interpreted_cases(kernel: str, cases_module: str) -> tuple[int | None, str]:
+    """``check_cases(kernel, "cpu")`` of ``cases_module`` (it returns how many cases it checked) under the
+    interpreter, ``kernel`` named "module:function": (that count, or None where the run failed; its output)."""
+    module, name = kernel.split(":")
+    res = run_interpreted(f"from {module} import {name}\nfrom {cases_module} import check_cases\n"
+                          f"print('cases', check_cases({name}, 'cpu'))\n")
+    counts = [line.split()[1] for line in res.stdout.splitlines() if line.startswith("cases ")]
+    ok = res.returncode == 0 and len(counts) == 1
+    return (int(counts[0]) if ok else None), res.stdout[-2000:] + res.stderr[-4000:]
