@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--md", default=None, help="also write the table as markdown here")
     p.add_argument("--render", default=None, metavar="JSON", help="only render --md from an earlier JSON")
     a = p.parse_args(argv)
+    if a.block_select and set(a.kv_dtypes) != {"nvfp4"}:
+        p.error("--block-select changes only nvfp4 pool writes: give --kv-dtypes nvfp4")
     if a.render:
         with open(a.render) as f:
             doc = json.load(f)

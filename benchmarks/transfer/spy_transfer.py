@@ -173,7 +173,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--length", type=int, default=32768, help="prompt tokens")
     p.add_argument("--kv-dtypes", nargs="+", default=["nvfp4", "fp8_e4m3"])
-    p.add_argument("--seconds", type=float, default=6.0, help="length of each sampling window")
+    p.add_argument("--seconds", type=int, default=6, help="length of each sampling window (whole seconds: py-spy's unit)")
     p.add_argument("--rate", type=int, default=500, help="samples per second")
     p.add_argument("--native", action="store_true",
                    help="native frames too (each sample pauses the process: slower, and it perturbs the transfer)")
@@ -187,7 +187,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    a = parser.parse_args(argv)
+    if a.seconds < 1 or a.rate < 1 or a.length < 1:
+        parser.error(f"--seconds, --rate and --length must be >= 1, got {a.seconds}, {a.rate}, {a.length}")
     if shutil.which("py-spy") is None:
         print("py-spy is not installed: pip install py-spy", file=sys.stderr)
         return 2
