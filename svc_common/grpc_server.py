@@ -110,9 +110,18 @@ async def _abort(context, method: str, exc: Exception) -> None:
     await context.abort(code, msg)
 
 
+# The largest HTTP/2 frame this end accepts (the protocol's maximum, 2^24 - 1; gRPC's default is 16 KiB). A
+# sender frames each message in frames up to the size its peer announced: a 4 MiB KV page message is then one
+# frame instead of 256, and raw grpcio's single stream on one H200 host carries 3.4 GB/s instead of 2.6
+# (docs/benchmarks/transfer.md's anchors). Only the receiver's memory per frame grows, within the message bound.
+HTTP2_MAX_FRAME_BYTES = (1 << 24) - 1
+
+
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """The options of every server of the services, and of the decode's channels to its prefills."""
     return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.http2.max_frame_size", HTTP2_MAX_FRAME_BYTES)]
 
 
 def build_server(max_message_bytes: int, tls: TLSConfig | None = None) -> grpc.aio.Server:

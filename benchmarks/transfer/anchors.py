@@ -1,8 +1,9 @@
 """The transfer benchmark's anchors, measured in the same run as the paths they judge:
 
 - ``raw_grpc``: raw grpcio between two processes of this machine (``benchmarks/transfer/raw_grpc.py``:
-  identity serializers, no pool reads or writes), at the prefills' message size, over 1 and 4 channels;
-  the gRPC path is judged against the 1-channel figure, the stream count it uses.
+  identity serializers, no pool reads or writes), at the prefills' message size, over 1 and 4 channels, with
+  gRPC's defaults and with the services' heap and HTTP/2 frame settings; the gRPC path is judged against the
+  best 1-channel figure, the stream count it uses.
 - ``device_gather``: one ``index_select`` of the benchmark's largest transfer (its pages, every layer, in
   random order) on the decode's device; the cuda-ipc path is judged against it.
 """
@@ -19,17 +20,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from svc_common.grpc_server import HTTP2_MAX_FRAME_BYTES
+
 _READY = re.compile(r"raw grpc ready on (\S+)")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def raw_grpc(message_bytes: int, total_bytes: int, channels: tuple[int, ...], log_dir: Path,
-             timeout_s: float = 300.0, keep_freed: bool = False) -> list[dict[str, Any]]:
+             timeout_s: float = 300.0, keep_freed: bool = False, max_frame_bytes: int = 0) -> list[dict[str, Any]]:
     """GB/s of raw grpcio, one client process per channel count against one server process; ``keep_freed``:
-    both processes with the services' heap setting (``svc_common/host_malloc.py``)."""
+    both processes with the services' heap setting (``svc_common/host_malloc.py``); ``max_frame_bytes``: the
+    HTTP/2 frame size both ends announce (0: gRPC's default; the services announce ``HTTP2_MAX_FRAME_BYTES``)."""
     env = {**os.environ, "NVFP4_KEEP_FREED_BLOCKS": "1" if keep_freed else "0"}
-    log = (log_dir / f"raw-grpc-server{'-heap' if keep_freed else ''}.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "benchmarks.transfer.raw_grpc", "serve"], cwd=REPO_ROOT,
+    frame = ["--http2-max-frame-bytes", str(max_frame_bytes)]
+    log = (log_dir / f"raw-grpc-server{'-heap' if keep_freed else ''}{'-frame' if max_frame_bytes else ''}.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "benchmarks.transfer.raw_grpc", "serve", *frame], cwd=REPO_ROOT,
                               stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
         line = server.stdout.readline()
@@ -40,7 +45,7 @@ def raw_grpc(message_bytes: int, total_bytes: int, channels: tuple[int, ...], lo
         for c in channels:
             res = subprocess.run([sys.executable, "-m", "benchmarks.transfer.raw_grpc", "client", "--address",
                                   m.group(1), "--total-bytes", str(total_bytes), "--message-bytes", str(message_bytes),
-                                  "--channels", str(c), "--repeat", "3"], cwd=REPO_ROOT, capture_output=True,
+                                  "--channels", str(c), "--repeat", "3", *frame], cwd=REPO_ROOT, capture_output=True,
                                  text=True, timeout=timeout_s, check=True, env=env)
             out.append({**json.loads(res.stdout.strip().splitlines()[-1]), "keep_freed_blocks": keep_freed})
         return out
@@ -93,8 +98,11 @@ def measure_anchors(a: argparse.Namespace, model: Path, log_dir: Path) -> dict[s
     out: dict[str, Any] = {"message_bytes": a.message_bytes}
     if "grpc" in a.paths or "nixl" in a.paths:
         out["raw_grpc"] = raw_grpc(a.message_bytes, a.anchor_bytes, (1, 4), log_dir) + \
-            raw_grpc(a.message_bytes, a.anchor_bytes, (1,), log_dir, keep_freed=True)
-        print(f"raw grpcio: {[round(r['best_gb_s'], 2) for r in out['raw_grpc']]} GB/s on 1/4 channels, 1 with the services' heap setting", flush=True)
+            raw_grpc(a.message_bytes, a.anchor_bytes, (1,), log_dir, keep_freed=True) + \
+            raw_grpc(a.message_bytes, a.anchor_bytes, (1, 4), log_dir, keep_freed=True,
+                     max_frame_bytes=HTTP2_MAX_FRAME_BYTES)
+        print(f"raw grpcio: {[round(r['best_gb_s'], 2) for r in out['raw_grpc']]} GB/s on 1/4 channels; 1 with the "
+              f"services' heap setting; 1/4 with it and the services' HTTP/2 frame size", flush=True)
     if "cuda-ipc" in a.paths or a.device == "cuda":
         page_bytes, layers = _page_bytes(model, a.kv_dtypes[0], a.page_size)
         layers = a.num_layers or layers

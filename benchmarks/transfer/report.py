@@ -60,6 +60,8 @@ def anchor_table(anchors: dict[str, Any]) -> str:
     lines = ["| anchor | setting | GB/s |", "|---|---|---|"]
     for r in anchors.get("raw_grpc", []):
         heap = ", services' heap setting" if r.get("keep_freed_blocks") else ""
+        if r.get("http2_max_frame_bytes"):
+            heap += f", HTTP/2 frames up to {r['http2_max_frame_bytes']:,} B"
         lines.append(f"| raw grpcio, 2 processes | {r['channels']} channel(s), {r['message_bytes']:,} B messages{heap} | "
                      f"{r['best_gb_s']:.2f} |")
     g = anchors.get("device_gather")
