@@ -4,9 +4,9 @@
     prefill: pool pages of several messages --one gather per part on a side stream, after the fence of the
              chunk that wrote them--> one device buffer --one D2H copy--> pinned host memory
              --kv_wire.encode_page_run (one copy)--> each message's bytes
-    decode:  the message's bytes --one H2D copy of its payload on a side stream--> device slices per part
-             --slice copies or index_copy_ into the request's pages--> pool; scales (and fp8/bf16 values)
-             checked on the device (nothing scanned on the host)
+    decode:  the message's bytes and the destination page ids --numpy copies into aligned offsets--> pinned
+             staging --one H2D copy on a side stream, one page-copy launch (every part)--> the request's pages;
+             scales (and fp8/bf16 values) checked in the same launch (nothing scanned on the host)
     cuda-ipc: the prefill's pages --one page-copy kernel per layer (every part, values checked in the same
               pass; kernels/page_copy_triton.py)--> the request's pages
     nixl:     NIXL's READ writes the request's pages (kv_transfer_nixl.py); check_written checks them (the
@@ -32,14 +32,15 @@ import torch
 
 from engine.fence import Fence
 from engine.kv_pool import KVPool
-from kernels.page_copy import check_kind, copy_pages_reference, flag_prompt_slots
+from kernels.page_copy import check_kind, copy_pages_reference
 from svc_common.kv_transfer_ipc import page_runs
 from svc_common.kv_wire import Frame, PageRunView, encode_page_run, frame_page_run
 
 PARTS = ("k", "k_sf", "v", "v_sf")
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # (NULL, n): an uninitialized bytes object of n bytes
 _new_bytes.argtypes, _new_bytes.restype = [ctypes.c_void_p, ctypes.c_ssize_t], ctypes.py_object
-_MAX_SLICE_RUNS = 16  # up to this many runs of consecutive pages are copied run by run
+_MAX_SLICE_RUNS = 16  # up to this many runs of consecutive pages are copied run by run (a host pool's export)
+_ALIGN = 64  # staged parts start at multiples of this (the page copy's 16-byte accesses, dtype views)
 
 
 def _parts(pool: KVPool, layer: int) -> list[torch.Tensor | None]:
@@ -134,6 +135,7 @@ class PageImporter:
         self._lock = threading.Lock()  # one write at a time (writes of one transfer come from several threads)
         self._last_ids: tuple | None = None  # (src ids, dst ids, their device tensors): see _indices
         self._bad: torch.Tensor | None = None  # device int32 flag: a written value or scale is NaN/inf
+        self._arange: torch.Tensor | None = None  # see _first_ids
         self._copy_pages = copy_pages_reference
         if pool.device.type == "cuda":
             from kernels.page_copy_triton import ACCESS_BYTES, copy_pages  # triton: a GPU install's
@@ -153,30 +155,39 @@ class PageImporter:
         """MUTATES the pool: ``run``'s bytes into pages ``page_ids`` of ``run.layer``, of which the first
         ``num_tokens`` token slots hold the prompt (checked: sizes here, values on the pool's device, reported
         by ``finish``; the rest of a last, partial page is never read). Blocks until the host bytes are copied
-        (call on a worker thread); device writes complete by ``finish``. No scan of the bytes on the host: it
-        would hold the GIL for every byte while the gRPC reader waits for it."""
+        (call on a worker thread); device writes complete by ``finish``.
+
+        The destination ids and each part are copied (numpy, off the GIL) into one staging buffer at aligned
+        offsets (pinned on a GPU), outside the lock, so two writes stage at once; then, under it, one H2D copy
+        and one page-copy launch for every part with the values' check (``copy_pages``, as ``copy_from``). A
+        write thus waits for the GIL a handful of times, not once per torch op: on a transfer the gRPC reader
+        holds it for every received byte, and each wait is a switch interval (docs/benchmarks/transfer_spy.md).
+        No scan of the bytes on the host."""
         self.check_sizes(run)
         n = len(page_ids)
         if n == 0:
             return
-        dst = [int(p) for p in page_ids]
-        spans = [(a, b) for (a, b), t in zip(run.spans, _parts(self.pool, run.layer), strict=True) if t is not None]
-        lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
-        with self._lock, _on(self.stream), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # frombuffer over read-only bytes: only read here
-            payload = torch.frombuffer(memoryview(run.data)[lo:hi], dtype=torch.uint8)
-            if self.stream is not None:  # the whole payload (the parts lie in it): to pinned memory, then one
-                staged = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=True)  # async copy to the device
-                staged.copy_(payload)
-                payload = staged.to(self.pool.device, non_blocking=True)
-            runs = page_runs(list(range(n)), dst)
-            idx = None if len(runs) <= _MAX_SLICE_RUNS else _device_ids(dst, self.pool.device)
-            for t, (a, b), kind in zip(_parts(self.pool, run.layer), run.spans, self._kinds, strict=True):
-                if t is None:
-                    continue
-                src = payload[a - lo:b - lo].view(n, -1)
-                flag_prompt_slots(src, t.shape[1], num_tokens, kind, self._flag())
-                _scatter(t, src, runs, idx)
+        if n != run.num_pages:
+            raise ValueError(f"{n} destination pages for a run of {run.num_pages}")
+        dst = _parts(self.pool, run.layer)
+        offsets, total = _staging_offsets(8 * n, [mv.nbytes for mv in run.parts])
+        staged = torch.empty(total, dtype=torch.uint8, pin_memory=self.stream is not None)
+        host = staged.numpy()
+        host[:8 * n].view(np.int64)[:] = page_ids
+        for mv, at, t in zip(run.parts, offsets, dst, strict=True):
+            if t is not None:
+                host[at:at + mv.nbytes] = np.frombuffer(mv, dtype=np.uint8)
+        with self._lock, _on(self.stream):
+            dev = staged.to(self.pool.device, non_blocking=True) if self.stream is not None else staged
+            src = [None if t is None else dev[at:at + mv.nbytes].view(t.dtype).view(n, *t.shape[1:])
+                   for mv, at, t in zip(run.parts, offsets, dst, strict=True)]
+            self._copy_pages(src, dst, self._first_ids(n), dev[:8 * n].view(torch.int64), num_tokens, self._flag())
+
+    def _first_ids(self, n: int) -> torch.Tensor:
+        """0..n-1 on the pool's device (the rows of a staged message), made once per size bound (under the lock)."""
+        if self._arange is None or self._arange.numel() < n:
+            self._arange = torch.arange(max(n, 256), dtype=torch.int64, device=self.pool.device)
+        return self._arange[:n]
 
     def copy_from(self, src_parts: Sequence[torch.Tensor | None], layer: int, src_ids: Sequence[int],
                   page_ids: Sequence[int], num_tokens: int) -> None:
@@ -259,11 +270,14 @@ def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
     return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
 
 
-def _scatter(t: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]], idx: torch.Tensor | None) -> None:
-    """Rows of ``src`` (one page each, in run order) into pages of pool tensor ``t``."""
-    raw = t.view(torch.uint8).view(t.shape[0], -1)
-    if idx is not None:
-        raw.index_copy_(0, idx, src)
-        return
-    for s0, d0, m in runs:
-        raw[d0:d0 + m].copy_(src[s0:s0 + m])
+def _staging_offsets(head: int, sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Offsets of parts of ``sizes`` bytes after ``head`` bytes, each at a multiple of ``_ALIGN``; the total."""
+    offsets, at = [], _aligned(head)
+    for size in sizes:
+        offsets.append(at)
+        at = _aligned(at + size)
+    return offsets, max(at, 1)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
