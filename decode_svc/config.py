@@ -76,6 +76,11 @@ class DecodeConfig:
         "while prompts are being pulled from a prefill service, start decode-only steps at least this far apart, "
         "leaving the GPU to a prefill that shares it (0: off; `up` sets it where a prefill shares the decode's GPU)",
         name="--decode-interval-while-pulling-ms", default=0.0, has_default=True, to_fields=_seconds_of_ms))
+    # grpc path: streams per transfer, each on a connection of its own (the prefill caps them at 8 and at the
+    # layer count); layer l travels on stream l % lanes
+    kv_grpc_lanes: int = field(default=1, metadata=flag(
+        "grpc path: streams each transfer's pages are spread over, each on its own connection (layer l on stream "
+        "l %% lanes; at most 8)"))
     timeouts: Timeouts = Timeouts()
     faults: FaultInjection = field(default_factory=FaultInjection)  # tests only (svc_common/fault_injection.py)
 
@@ -85,6 +90,8 @@ class DecodeConfig:
         check_mode(self.kv_transfer)
         for address in self.prefill_addresses:
             check_address(address, "--prefill-addresses")
+        if not 1 <= self.kv_grpc_lanes <= 8:
+            raise ValueError(f"--kv-grpc-lanes must be in [1, 8], got {self.kv_grpc_lanes}")
         if not 0 <= self.decode_interval_while_pulling_s <= 1:
             raise ValueError(f"--decode-interval-while-pulling-ms must be in [0, 1000], got "
                              f"{self.decode_interval_while_pulling_s * 1e3:g}")

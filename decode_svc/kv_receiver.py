@@ -39,7 +39,7 @@ from google.protobuf.message import DecodeError
 from decode_svc.config import Timeouts
 from decode_svc.kv_ipc import PeerShare, PrefillShares
 from decode_svc.kv_nixl_reads import NixlReads
-from decode_svc.peer_channels import PeerChannels
+from decode_svc.peer_channels import PeerChannels, PeerStubs
 from decode_svc.read_ahead import ReadAhead
 from engine.kv_pool import KVPool
 from engine.request import PullStart
@@ -58,7 +58,7 @@ from svc_common.kv_transfer import (
 )
 from svc_common.kv_transfer_ipc import PoolView
 from svc_common.kv_transfer_nixl import NixlView
-from svc_common.kv_wire import WireError, decode_page_run
+from svc_common.kv_wire import PageRunView, WireError, decode_page_run
 from svc_common.layout import check_layout
 from svc_common.metrics import ServiceMetrics
 from svc_common.tls import TLSConfig
@@ -149,10 +149,60 @@ async def _uncancellable(coro) -> None:
         raise asyncio.CancelledError
 
 
+@dataclass
+class _Lane:
+    call: grpc.aio.UnaryStreamCall
+    ahead: ReadAhead
+    writes: _Writes
+
+
+class _Lanes:
+    """The PrefillLane streams of one grpc transfer with lanes (none without): read ahead each, their pool
+    writes apart, received concurrently with the Prefill stream; the first failure of any stream ends all."""
+
+    def __init__(self) -> None:
+        self.lanes: list[_Lane] = []
+
+    def open(self, call: grpc.aio.UnaryStreamCall, writes: _Writes) -> None:
+        self.lanes.append(_Lane(call, ReadAhead(call.__aiter__(), _READ_AHEAD), writes))
+
+    async def run(self, main: Awaitable, lanes: list[Awaitable]) -> tuple[int, prefill_pb2.PrefillDone, float]:
+        """``main``'s result (its bytes plus every lane's) once it and every lane completed; the first error of
+        any, the others cancelled."""
+        tasks = [asyncio.ensure_future(main), *(asyncio.ensure_future(c) for c in lanes)]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:  # the first failure in stream order (a cancelled lane's own error comes after)
+                if t in done and not t.cancelled() and t.exception() is not None:
+                    raise t.exception()
+            received, done_msg, t_last = tasks[0].result()
+            for t in tasks[1:]:
+                lane_bytes, lane_last = t.result()
+                received, t_last = received + lane_bytes, max(t_last, lane_last)
+            return received, done_msg, t_last
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def drain(self, address: str) -> None:
+        for lane in self.lanes:
+            await lane.writes.drain("pages", address)
+
+    def cancel(self) -> None:
+        for lane in self.lanes:
+            lane.call.cancel()
+            lane.ahead.close()
+
+    async def settle(self) -> None:
+        for lane in self.lanes:
+            await lane.writes.settle()
+
+
 class KVReceiver:
     def __init__(self, pool: KVPool, layout: common_pb2.KVLayout, metrics: ServiceMetrics, timeouts: Timeouts,
                  max_message_bytes: int, vocab_size: int, tls: TLSConfig | None = None,
-                 kv_transfer: str = "auto"):
+                 kv_transfer: str = "auto", grpc_lanes: int = 1):
         self.pool = pool
         self.layout = layout
         self.metrics = metrics
@@ -161,6 +211,7 @@ class KVReceiver:
         self.channels = PeerChannels(tls or TLSConfig(), max_message_bytes)
         self.transfer_metrics = TransferMetrics(metrics)
         self.shares = PrefillShares(pool, layout, kv_transfer)
+        self.grpc_lanes = grpc_lanes
         self._executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kv-write")
 
     async def close(self) -> None:
@@ -174,9 +225,10 @@ class KVReceiver:
         async with self.channels.lease(address) as peer_stubs:
             return await self._pull(peer_stubs, address, start, token_ids, sampling)
 
-    async def _pull(self, peer_stubs, address: str, start: PullStart, token_ids: list[int],
+    async def _pull(self, peer_stubs: PeerStubs, address: str, start: PullStart, token_ids: list[int],
                     sampling: SamplingParams) -> int:
         offer, peer = await self.shares.offer(address, peer_stubs.stub)
+        offer.grpc_lanes = self.grpc_lanes
         call = peer_stubs.prefill(prefill_pb2.PrefillRequest(
             request_id=start.rid, token_ids=token_ids, prefix_len=start.prefix_len,
             sampling=sampling_to_proto(sampling), expected_layout=self.layout, transfer=offer))
@@ -185,6 +237,7 @@ class KVReceiver:
         writes = _Writes(self._executor, _WRITES_IN_FLIGHT)
         reads: NixlReads | None = None
         ahead: ReadAhead | None = None
+        lanes = _Lanes()
         try:
             stream = call.__aiter__()
             first = await self._next(stream.__anext__, self.timeouts.prefill_first_message_s, "transfer header",
@@ -201,9 +254,17 @@ class KVReceiver:
             if path == PATH_NIXL:
                 reads = NixlReads(self.shares.nixl, peer.view, importer, self.timeouts.between_pages_s)
             ahead = ReadAhead(stream, _READ_AHEAD)
-            received, done, t_last = await self._receive(ahead, start, path, peer.view, reads, progress,
-                                                         importer, writes, address)
+            num_lanes = self._lanes_of(h, path, address)
+            receive = self._receive(ahead, start, path, peer.view, reads, progress, importer, writes, address,
+                                    num_lanes)
+            if num_lanes > 1:
+                receive = self._with_lanes(receive, lanes, peer_stubs, h.transfer_id, num_lanes, start, progress,
+                                           importer, address)
+            received, done, t_last = await receive
+            if missing := progress.num_missing():
+                raise PrefillUnavailable(f"prefill {address} finished with {missing} layer pages missing")
             await writes.drain("pages", address)
+            await lanes.drain(address)
             try:
                 await asyncio.to_thread(importer.finish)  # every write complete; scales checked
             except ValueError as e:
@@ -235,9 +296,11 @@ class KVReceiver:
             call.cancel()  # no-op when the stream completed; otherwise tells prefill to free its pages
             if ahead is not None:
                 ahead.close()
+            lanes.cancel()
             if reads is not None:
                 reads.stop()  # reads still in flight cancel and release their handles; settle waits for them
             await writes.settle()
+            await lanes.settle()
             await _uncancellable(asyncio.to_thread(importer.settle))
 
     def _check_header(self, h: prefill_pb2.TransferHeader, start: PullStart, address: str) -> _Progress:
@@ -253,30 +316,18 @@ class KVReceiver:
 
     async def _receive(self, ahead: ReadAhead, start: PullStart, path: str, view: PoolView | NixlView | None,
                        reads: NixlReads | None, progress: _Progress, importer: PageImporter, writes: _Writes,
-                       address: str) -> tuple[int, prefill_pb2.PrefillDone, float]:
+                       address: str, num_lanes: int = 1) -> tuple[int, prefill_pb2.PrefillDone, float]:
         """Read page messages up to PrefillDone, posting each one's pool write; returns (bytes, done, when the
-        last page message arrived)."""
+        last page message arrived). With lanes, this stream is lane 0."""
         received, t_last = 0, time.perf_counter()
         while True:
             raw = await self._next(ahead.next, self.timeouts.between_pages_s, "next KV page message", address)
-            try:
-                run = decode_page_run(raw)
-            except WireError as e:
-                raise PrefillUnavailable(f"prefill {address} sent an undecodable message: {e}") from None
+            run = self._page_run(raw, address)
             if run is not None:
-                if path != PATH_GRPC or run.request_id != start.rid:
-                    raise PrefillUnavailable(f"unexpected KV page bytes for {run.request_id[:80]!r} on the {path} "
-                                             f"transfer of {start.rid!r} from prefill {address}")
-                progress.claim(run.layer, run.first_page, run.num_pages, address)
-                try:
-                    importer.check_sizes(run)
-                except ValueError as e:
-                    raise PrefillUnavailable(f"bad KV page run from prefill {address}: {e}") from None
-                pages = start.page_ids[run.first_page:run.first_page + run.num_pages]
-                valid = self._tokens_in(start, run.first_page, run.num_pages)
-                await writes.post(lambda run=run, pages=pages, valid=valid: importer.write(run, pages, valid),
-                                  "page run", address)
-                received += run.num_bytes
+                if path != PATH_GRPC:
+                    raise PrefillUnavailable(f"unexpected KV page bytes on the {path} transfer of {start.rid!r} from "
+                                             f"prefill {address}")
+                received += await self._post_run(run, start, progress, importer, writes, address, 0, num_lanes)
                 t_last = time.perf_counter()
                 continue
             msg = self._parse(raw, address)
@@ -302,11 +353,71 @@ class KVReceiver:
                 received += len(src) * self.pool.page_bytes_per_layer
                 t_last = time.perf_counter()
             elif kind == "done":
-                if missing := progress.num_missing():
-                    raise PrefillUnavailable(f"prefill {address} finished with {missing} layer pages missing")
                 return received, msg.done, t_last
             else:
                 raise PrefillUnavailable(f"unexpected {kind} message on the {path} transfer from prefill {address}")
+
+    def _with_lanes(self, receive: Awaitable, lanes: _Lanes, peer_stubs: PeerStubs, transfer_id: str,
+                    num_lanes: int, start: PullStart, progress: _Progress, importer: PageImporter, address: str
+                    ) -> Awaitable[tuple[int, prefill_pb2.PrefillDone, float]]:
+        """``receive`` (lane 0) run with lanes 1 .. num_lanes - 1, each opened now on its own connection."""
+        for k, call in enumerate(self.channels.lane_calls(address, peer_stubs, num_lanes), start=1):
+            lanes.open(call(prefill_pb2.PrefillLaneRequest(transfer_id=transfer_id, lane=k)),
+                       _Writes(self._executor, _WRITES_IN_FLIGHT))
+        return lanes.run(receive, [self._receive_lane(lane.ahead, start, progress, importer, lane.writes, address,
+                                                      k, num_lanes) for k, lane in enumerate(lanes.lanes, start=1)])
+
+    async def _receive_lane(self, ahead: ReadAhead, start: PullStart, progress: _Progress, importer: PageImporter,
+                            writes: _Writes, address: str, lane: int, num_lanes: int) -> tuple[int, float]:
+        """Lane ``lane``'s page runs (only layers l % num_lanes == lane) up to its stream's end; returns
+        (bytes, when its last page message arrived)."""
+        received, t_last = 0, time.perf_counter()
+        while True:
+            try:
+                raw = await asyncio.wait_for(ahead.next(), self.timeouts.between_pages_s)
+            except TimeoutError:
+                raise TransferTimeout(f"prefill {address} sent nothing on lane {lane} within "
+                                      f"{self.timeouts.between_pages_s:g} s") from None
+            except StopAsyncIteration:
+                return received, t_last
+            run = self._page_run(raw, address)
+            if run is None:
+                raise PrefillUnavailable(f"prefill {address} sent a message other than page bytes on lane {lane}")
+            received += await self._post_run(run, start, progress, importer, writes, address, lane, num_lanes)
+            t_last = time.perf_counter()
+
+    @staticmethod
+    def _page_run(raw: bytes, address: str) -> PageRunView | None:
+        try:
+            return decode_page_run(raw)
+        except WireError as e:
+            raise PrefillUnavailable(f"prefill {address} sent an undecodable message: {e}") from None
+
+    async def _post_run(self, run: PageRunView, start: PullStart, progress: _Progress, importer: PageImporter,
+                        writes: _Writes, address: str, lane: int, num_lanes: int) -> int:
+        """Check one page run of lane ``lane`` and post its pool write; returns its bytes."""
+        if run.request_id != start.rid:
+            raise PrefillUnavailable(f"KV page bytes for {run.request_id[:80]!r} on the transfer of {start.rid!r} "
+                                     f"from prefill {address}")
+        if run.layer % num_lanes != lane:
+            raise PrefillUnavailable(f"prefill {address} sent layer {run.layer} on lane {lane} of {num_lanes}")
+        progress.claim(run.layer, run.first_page, run.num_pages, address)
+        try:
+            importer.check_sizes(run)
+        except ValueError as e:
+            raise PrefillUnavailable(f"bad KV page run from prefill {address}: {e}") from None
+        pages = start.page_ids[run.first_page:run.first_page + run.num_pages]
+        valid = self._tokens_in(start, run.first_page, run.num_pages)
+        await writes.post(lambda: importer.write(run, pages, valid), "page run", address)
+        return run.num_bytes
+
+    def _lanes_of(self, h: prefill_pb2.TransferHeader, path: str, address: str) -> int:
+        """The header's lane count, checked against this decode's offer."""
+        lanes = max(1, h.lanes)
+        if lanes > 1 and (path != PATH_GRPC or lanes > self.grpc_lanes or not h.transfer_id):
+            raise PrefillUnavailable(f"prefill {address} announces {h.lanes} lanes on the {path} path (offered "
+                                     f"{self.grpc_lanes}{'' if h.transfer_id else ', without a transfer id'})")
+        return lanes
 
     def _tokens_in(self, start: PullStart, first_page: int, num_pages: int) -> int:
         """Prompt tokens in sequence pages [first_page, +num_pages) (a last, partial page holds fewer)."""

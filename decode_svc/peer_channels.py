@@ -23,6 +23,10 @@ from svc_common.tls import TLSConfig, open_channel
 _RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                       ("grpc.max_reconnect_backoff_ms", 1000)]
 PREFILL_METHOD = "/nvfp4serve.v1.Prefill/Prefill"
+LANE_METHOD = "/nvfp4serve.v1.Prefill/PrefillLane"
+# A lane's channel gets a TCP connection of its own (channels with equal arguments share gRPC's global
+# subchannel pool, so they would share one connection, and its one reader).
+_LANE_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
 
 
 @dataclass
@@ -32,6 +36,12 @@ class PeerStubs:
     prefill: grpc.aio.UnaryStreamMultiCallable  # Prefill with each response left as its serialized bytes
     users: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    # PrefillLane on lanes 1, 2, ...: each on a channel (connection) of its own, opened on first use
+    lanes: list[tuple[grpc.aio.Channel, grpc.aio.UnaryStreamMultiCallable]] = field(default_factory=list)
+
+    async def close(self) -> None:
+        for ch in [self.channel, *(c for c, _ in self.lanes)]:
+            await ch.close()
 
 
 class PeerChannels:
@@ -56,6 +66,15 @@ class PeerChannels:
             peer.users -= 1
             peer.last_used = time.monotonic()
 
+    def lane_calls(self, address: str, peer: PeerStubs, lanes: int) -> list[grpc.aio.UnaryStreamMultiCallable]:
+        """PrefillLane of ``address`` on lanes 1 .. lanes - 1 (the channels opened once, kept with the peer's)."""
+        while len(peer.lanes) < lanes - 1:
+            ch = open_channel(address, self.tls, [*self.options, *_LANE_OPTIONS])
+            peer.lanes.append((ch, ch.unary_stream(
+                LANE_METHOD, request_serializer=prefill_pb2.PrefillLaneRequest.SerializeToString,
+                response_deserializer=None)))
+        return [call for _, call in peer.lanes[:lanes - 1]]
+
     def _open(self, address: str) -> PeerStubs:
         self._close_idle()
         peer = self._peers.get(address)
@@ -75,9 +94,9 @@ class PeerChannels:
         excess = len(self._peers) + 1 - self.max_channels
         for i, (last, address) in enumerate(idle):
             if now - last > self.idle_s or i < excess:
-                asyncio.ensure_future(self._peers.pop(address).channel.close())
+                asyncio.ensure_future(self._peers.pop(address).close())
 
     async def close(self) -> None:
         peers, self._peers = list(self._peers.values()), {}
         for p in peers:
-            await p.channel.close()
+            await p.close()

@@ -78,7 +78,7 @@ class DecodeWorker:
         self.layout = layout_of(self.engine)
         self.receiver = KVReceiver(self.engine.pool, self.layout, metrics, config.timeouts,
                                    config.max_message_bytes, self.engine.model_config.vocab_size, config.tls,
-                                   config.kv_transfer)
+                                   config.kv_transfer, config.kv_grpc_lanes)
         # tests only (svc_common/fault_injection.py): the engine callback itself unless a token delay is set
         self._with_faults = config.faults.stall_after_tokens
         self._in_flight: set[str] = set()  # request ids between submit and the end of their stream

@@ -24,12 +24,14 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefix_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., expected_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., transfer: _Optional[_Union[TransferOffer, _Mapping]] = ...) -> None: ...
 
 class TransferOffer(_message.Message):
-    __slots__ = ("endpoint", "ipc_share_id")
+    __slots__ = ("endpoint", "ipc_share_id", "grpc_lanes")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     IPC_SHARE_ID_FIELD_NUMBER: _ClassVar[int]
+    GRPC_LANES_FIELD_NUMBER: _ClassVar[int]
     endpoint: _common_pb2.TransferEndpoint
     ipc_share_id: str
-    def __init__(self, endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., ipc_share_id: _Optional[str] = ...) -> None: ...
+    grpc_lanes: int
+    def __init__(self, endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., ipc_share_id: _Optional[str] = ..., grpc_lanes: _Optional[int] = ...) -> None: ...
 
 class PrefillMessage(_message.Message):
     __slots__ = ("request_id", "header", "pages", "done", "page_refs")
@@ -46,7 +48,7 @@ class PrefillMessage(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., header: _Optional[_Union[TransferHeader, _Mapping]] = ..., pages: _Optional[_Union[KVPageRun, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ..., page_refs: _Optional[_Union[KVPageRefs, _Mapping]] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("layout", "num_tokens", "prefix_len", "first_page", "num_pages", "path", "endpoint", "share_id", "transfer_id", "hold_timeout_s")
+    __slots__ = ("layout", "num_tokens", "prefix_len", "first_page", "num_pages", "path", "endpoint", "share_id", "transfer_id", "hold_timeout_s", "lanes")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,7 @@ class TransferHeader(_message.Message):
     SHARE_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     HOLD_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.KVLayout
     num_tokens: int
     prefix_len: int
@@ -67,7 +70,16 @@ class TransferHeader(_message.Message):
     share_id: str
     transfer_id: str
     hold_timeout_s: float
-    def __init__(self, layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., prefix_len: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., path: _Optional[str] = ..., endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., share_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., hold_timeout_s: _Optional[float] = ...) -> None: ...
+    lanes: int
+    def __init__(self, layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., prefix_len: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., path: _Optional[str] = ..., endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., share_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., hold_timeout_s: _Optional[float] = ..., lanes: _Optional[int] = ...) -> None: ...
+
+class PrefillLaneRequest(_message.Message):
+    __slots__ = ("transfer_id", "lane")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    lane: int
+    def __init__(self, transfer_id: _Optional[str] = ..., lane: _Optional[int] = ...) -> None: ...
 
 class KVPageRun(_message.Message):
     __slots__ = ("layer", "first_page", "num_pages", "k", "k_scales", "v", "v_scales")

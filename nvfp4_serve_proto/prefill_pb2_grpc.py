@@ -60,6 +60,11 @@ class PrefillStub:
                 request_serializer=nvfp4__serve__proto_dot_prefill__pb2.ReleaseTransferRequest.SerializeToString,
                 response_deserializer=nvfp4__serve__proto_dot_prefill__pb2.ReleaseTransferResponse.FromString,
                 _registered_method=True)
+        self.PrefillLane = channel.unary_stream(
+                '/nvfp4serve.v1.Prefill/PrefillLane',
+                request_serializer=nvfp4__serve__proto_dot_prefill__pb2.PrefillLaneRequest.SerializeToString,
+                response_deserializer=nvfp4__serve__proto_dot_prefill__pb2.PrefillMessage.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -68,7 +73,8 @@ class PrefillServicer:
     def Prefill(self, request, context):
         """Stream: one TransferHeader, then page messages as the prompt is computed (after each chunk of the chunked
         prefill, the pages it completed, every layer in order; after the last chunk, the rest), then PrefillDone.
-        The header goes out with the first chunk's pages. Pages of one layer arrive in sequence order.
+        The header goes out with the first chunk's pages. Pages of one layer arrive in sequence order, on one
+        stream (grpc with lanes: the layers of lane 0 here, the others' on their PrefillLane streams).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,6 +108,18 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillLane(self, request, context):
+        """grpc path with TransferHeader.lanes > 1: the pages of the layers of lane `lane` (layer % lanes == lane) of
+        transfer `transfer_id`, as KVPageRun messages in the order the Prefill stream would carry them, then the
+        stream ends OK. Each lane 1 .. lanes - 1 is opened once, by the decode that got the header, on a
+        connection of its own; NOT_FOUND for an unknown transfer id, INVALID_ARGUMENT for a lane outside it,
+        FAILED_PRECONDITION for a lane already opened. A lane not opened within the prefill's lane deadline, or
+        one that fails, fails the whole transfer (the Prefill stream ends with an error).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +147,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.ReleaseTransfer,
                     request_deserializer=nvfp4__serve__proto_dot_prefill__pb2.ReleaseTransferRequest.FromString,
                     response_serializer=nvfp4__serve__proto_dot_prefill__pb2.ReleaseTransferResponse.SerializeToString,
+            ),
+            'PrefillLane': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillLane,
+                    request_deserializer=nvfp4__serve__proto_dot_prefill__pb2.PrefillLaneRequest.FromString,
+                    response_serializer=nvfp4__serve__proto_dot_prefill__pb2.PrefillMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +289,33 @@ class Prefill:
             '/nvfp4serve.v1.Prefill/ReleaseTransfer',
             nvfp4__serve__proto_dot_prefill__pb2.ReleaseTransferRequest.SerializeToString,
             nvfp4__serve__proto_dot_prefill__pb2.ReleaseTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nvfp4serve.v1.Prefill/PrefillLane',
+            nvfp4__serve__proto_dot_prefill__pb2.PrefillLaneRequest.SerializeToString,
+            nvfp4__serve__proto_dot_prefill__pb2.PrefillMessage.FromString,
             options,
             channel_credentials,
             insecure,

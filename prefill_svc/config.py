@@ -43,6 +43,11 @@ class PrefillConfig:
     # leave it more of the GIL (the transfer benchmark's raw grpcio anchor runs at the same message size).
     kv_message_bytes: int = field(default=4 << 20, metadata=flag(
         "grpc path: page bytes per message (at least one page; capped by --max-message-bytes)"))
+    # grpc path with lanes (the decode's --kv-grpc-lanes): how long a lane may stay unopened or unread before
+    # the transfer fails and frees everything (prefill_svc/lanes.py)
+    kv_lane_timeout_s: float = field(default=30.0, metadata=flag(
+        "grpc path with lanes: seconds the prefill waits for the decode to open or read each extra stream of a "
+        "transfer before failing it", name="--kv-lane-timeout"))
     faults: FaultInjection = field(default_factory=FaultInjection)  # tests only (svc_common/fault_injection.py)
 
     def __post_init__(self) -> None:
@@ -53,6 +58,8 @@ class PrefillConfig:
             raise ValueError(f"--kv-message-bytes must be >= 1, got {self.kv_message_bytes}")
         if not self.kv_hold_timeout_s > 0:
             raise ValueError(f"--kv-hold-timeout must be > 0 seconds, got {self.kv_hold_timeout_s}")
+        if not self.kv_lane_timeout_s > 0:
+            raise ValueError(f"--kv-lane-timeout must be > 0 seconds, got {self.kv_lane_timeout_s}")
 
 
 def build_arg_parser() -> argparse.ArgumentParser:

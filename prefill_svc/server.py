@@ -22,7 +22,7 @@ async def serve(config: PrefillConfig) -> None:
     loop = EngineLoop(engine).start()
     metrics = ServiceMetrics("prefill")
     worker = PrefillWorker(loop, config.max_message_bytes, metrics, config.faults, config.kv_transfer,
-                           config.kv_hold_timeout_s, config.kv_message_bytes)
+                           config.kv_hold_timeout_s, config.kv_message_bytes, config.kv_lane_timeout_s)
     server = build_server(config.max_message_bytes, config.tls)
     add_to_server(PrefillServicer(worker), server)
     try:

@@ -1,7 +1,7 @@
 """Thin gRPC servicer of the Prefill service: protobuf in, one worker call, protobuf out.
 
 ``add_to_server`` registers it like the generated ``add_PrefillServicer_to_server``, except that the Prefill
-stream's messages may also be bytes already serialized (``svc_common/kv_wire.py``: page runs framed without
+and PrefillLane streams' messages may also be bytes already serialized (``svc_common/kv_wire.py``: page runs framed without
 protobuf copies); on the wire both are the same ``PrefillMessage``.
 """
 
@@ -21,6 +21,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request, context):
         async for msg in self.worker.prefill(request):
+            yield msg
+
+    async def PrefillLane(self, request, context):
+        async for msg in self.worker.lane(request):
             yield msg
 
     async def GetLoad(self, request, context):
@@ -55,6 +59,9 @@ def add_to_server(servicer: PrefillServicer, server: grpc.aio.Server) -> None:
                 for name, (req, resp) in _UNARY.items()}
     handlers["Prefill"] = grpc.unary_stream_rpc_method_handler(
         servicer.Prefill, request_deserializer=prefill_pb2.PrefillRequest.FromString,
+        response_serializer=_serialize_message)
+    handlers["PrefillLane"] = grpc.unary_stream_rpc_method_handler(
+        servicer.PrefillLane, request_deserializer=prefill_pb2.PrefillLaneRequest.FromString,
         response_serializer=_serialize_message)
     service = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]
     assert set(handlers) == set(service.methods_by_name), "the Prefill service's methods changed: register each here"

@@ -27,11 +27,12 @@ from engine.outcome import Failure, FailureKind, FinishReason
 from engine.request import PrefillProgress, Request, StepOutput
 from nvfp4_serve_proto import prefill_pb2
 from prefill_svc.kv_share import Hold, KVShareSource
+from prefill_svc.lanes import MAX_LANES, LaneTransfer, TransferLanes
 from svc_common.convert import check_token_ids, sampling_from_proto
-from svc_common.errors import InvalidRequest, check_request_id, service_error
+from svc_common.errors import InvalidRequest, PrefillUnavailable, check_request_id, service_error
 from svc_common.fault_injection import FaultInjection
 from svc_common.kv_copy import PageExporter
-from svc_common.kv_transfer import PATH_NIXL, TRANSFER_MODES, TransferMetrics, by_reference
+from svc_common.kv_transfer import PATH_GRPC, PATH_NIXL, TRANSFER_MODES, TransferMetrics, by_reference
 from svc_common.layout import check_layout, layout_of
 from svc_common.metrics import ServiceMetrics
 
@@ -46,7 +47,8 @@ _NO_FAULTS = FaultInjection()  # frozen: one shared default
 class PrefillWorker:
     def __init__(self, loop: EngineLoop, max_message_bytes: int, metrics: ServiceMetrics,
                  faults: FaultInjection = _NO_FAULTS,
-                 kv_transfer: str = "auto", kv_hold_timeout_s: float = 60.0, kv_message_bytes: int = 4 << 20):
+                 kv_transfer: str = "auto", kv_hold_timeout_s: float = 60.0, kv_message_bytes: int = 4 << 20,
+                 kv_lane_timeout_s: float = 30.0):
         self.loop = loop
         self.debug_delay = faults.transfer_delay_s  # tests only (svc_common/fault_injection.py); 0 in a deployment
         self.debug_header_delay = faults.header_delay_s
@@ -66,6 +68,7 @@ class PrefillWorker:
         self.transfer_metrics = TransferMetrics(metrics)
         self.share = KVShareSource(self.engine.pool, self.layout, kv_transfer, kv_hold_timeout_s,
                                    self.transfer_metrics)
+        self.lanes = TransferLanes(kv_lane_timeout_s)
 
     def _validate(self, request: prefill_pb2.PrefillRequest) -> list[int]:
         check_request_id(request.request_id)
@@ -80,7 +83,17 @@ class PrefillWorker:
         if request.HasField("transfer") and mode not in TRANSFER_MODES:
             raise InvalidRequest(f"transfer.endpoint.kv_transfer must be one of {', '.join(TRANSFER_MODES)}, "
                                  f"got {mode[:40]!r}")
+        if request.transfer.grpc_lanes < 0:
+            raise InvalidRequest(f"transfer.grpc_lanes must be >= 0, got {request.transfer.grpc_lanes}")
         return ids
+
+    async def lane(self, request: prefill_pb2.PrefillLaneRequest) -> AsyncIterator[bytes]:
+        """One lane of a grpc transfer with lanes (``prefill_svc/lanes.py``): its page messages, then the end."""
+        if not request.transfer_id or len(request.transfer_id) > 64 or not request.transfer_id.isalnum():
+            raise InvalidRequest("transfer_id must be the 1-64 letters and digits of a transfer header")
+        transfer = self.lanes.open_lane(request.transfer_id, request.lane)
+        async for msg in transfer.stream(request.lane):
+            yield msg
 
     async def prefill(self, request: prefill_pb2.PrefillRequest) -> AsyncIterator[prefill_pb2.PrefillMessage | bytes]:
         """The transfer stream of one prompt. Pages go out as the engine writes them: after each chunk of the
@@ -125,6 +138,7 @@ class PrefillWorker:
                     async for msg in stream.pages(req.page_ids[sent:ready], sent, fence):
                         yield msg
                     sent = ready
+            await stream.end_lanes()
             yield prefill_pb2.PrefillMessage(request_id=rid, done=prefill_pb2.PrefillDone(
                 first_token_id=out.new_token_ids[0], num_computed_tokens=len(ids) - out.num_cached_tokens))
             await stream.finish()
@@ -162,6 +176,8 @@ class _Stream:
         self.first_page, self.num_pages = first_page, num_pages
         self.started = False
         self.hold: Hold | None = None
+        self.lanes: LaneTransfer | None = None  # grpc with lanes: the other streams of this transfer
+        self.completed = False
         self.serving = False  # nixl: this process's agent serves the decode's READs until close()
         self.path = ""
         self.num_bytes = 0
@@ -178,6 +194,10 @@ class _Stream:
         if by_reference(choice.path):
             self.hold = w.share.holds.open(w.share.hold_timeout_s)
             header.transfer_id, header.hold_timeout_s = self.hold.transfer_id, self.hold.timeout_s
+        lanes = min(self.request.transfer.grpc_lanes, MAX_LANES, w.layout.num_layers) if self.num_pages else 1
+        if choice.path == PATH_GRPC and lanes > 1:
+            self.lanes = w.lanes.open(lanes)
+            header.transfer_id, header.lanes = self.lanes.transfer_id, lanes
         if choice.path == PATH_NIXL:
             w.share.nixl_agent.serve_begin()
             self.serving = True
@@ -215,23 +235,39 @@ class _Stream:
         try:
             for k in range(len(runs)):
                 msgs, ahead = await ahead, (export(k + 1) if k + 1 < len(runs) else None)
+                lane = self.lanes.lane_of(runs[k][0]) if self.lanes is not None else 0
                 for msg in msgs:
                     if w.debug_delay:
                         await asyncio.sleep(w.debug_delay)
                     self.num_bytes += len(msg)
-                    yield msg
+                    if lane:
+                        await self.lanes.put(lane, msg)
+                    else:
+                        yield msg
         finally:
             if ahead is not None:
                 ahead.cancel()  # an export already running ends on its thread; its bytes are dropped
 
+    async def end_lanes(self) -> None:
+        """Before PrefillDone: every lane's stream ends after its last queued page."""
+        if self.lanes is not None:
+            await self.lanes.end()
+
     async def finish(self) -> None:
-        """After PrefillDone: cuda-ipc and nixl wait for the decode's release (or the hold's deadline)."""
+        """After PrefillDone: cuda-ipc and nixl wait for the decode's release (or the hold's deadline); grpc
+        with lanes for every lane's stream to have sent its pages."""
         if self.hold is not None:
             await self.hold.wait_released()
+        if self.lanes is not None:
+            await self.lanes.drained()
+        self.completed = True
         self.w.metrics.observe_transfer(self.num_bytes, time.perf_counter() - self.t_header,
                                         len(self.request.token_ids) - self.request.prefix_len)
 
     def close(self) -> None:
+        if self.lanes is not None:
+            self.w.lanes.close(self.lanes, None if self.completed else
+                               PrefillUnavailable("the Prefill stream of the transfer ended early"))
         if self.serving:
             self.w.share.nixl_agent.serve_end()
         if self.hold is not None:

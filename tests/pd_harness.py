@@ -88,15 +88,18 @@ class PD:
 
 @contextlib.asynccontextmanager
 async def services(model_dir: str, kv_dtype: str = "nvfp4", page_size: int = 4, chunk_size: int = 8,
-                   also_allowed: tuple[str, ...] = ()) -> AsyncIterator[PD]:
-    """The pair; the decode's deployment names the prefill and ``also_allowed`` (e.g. a fake prefill)."""
+                   also_allowed: tuple[str, ...] = (), grpc_lanes: int = 1,
+                   lane_timeout_s: float = 30.0) -> AsyncIterator[PD]:
+    """The pair; the decode's deployment names the prefill and ``also_allowed`` (e.g. a fake prefill), and
+    spreads each transfer over ``grpc_lanes`` streams."""
     pe, de = engine(model_dir, kv_dtype, page_size, chunk_size), engine(model_dir, kv_dtype, page_size, chunk_size)
     ploop, dloop = EngineLoop(pe).start(), EngineLoop(de).start()
-    prefill = PrefillWorker(ploop, 16 << 20, ServiceMetrics("prefill"), kv_transfer="grpc")
+    prefill = PrefillWorker(ploop, 16 << 20, ServiceMetrics("prefill"), kv_transfer="grpc",
+                            kv_lane_timeout_s=lane_timeout_s)
     ps, ds = build_server(16 << 20), build_server(16 << 20)
     add_to_server(PrefillServicer(prefill), ps)
     paddr = f"127.0.0.1:{ps.add_insecure_port('127.0.0.1:0')}"
-    decode = DecodeWorker(dloop, DecodeConfig(engine=de.config, kv_transfer="grpc",
+    decode = DecodeWorker(dloop, DecodeConfig(engine=de.config, kv_transfer="grpc", kv_grpc_lanes=grpc_lanes,
                                               prefill_addresses=(paddr, *also_allowed)), ServiceMetrics("decode"))
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), ds)
     daddr = f"127.0.0.1:{ds.add_insecure_port('127.0.0.1:0')}"

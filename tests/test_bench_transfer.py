@@ -12,29 +12,37 @@ from benchmarks.transfer.report import summarize
 def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_path):
     out_json, out_md = tmp_path / "transfer.json", tmp_path / "transfer.md"
     rc = main(["--model", tiny_model_dir, "--device", "cpu", "--dtype", "float32", "--lengths", "40", "72",
-               "--paths", "grpc", "--decode-tokens", "3", "--warmup-len", "8", "--page-size", "4",
+               "--paths", "grpc", "grpc-lanes", "--grpc-lanes", "2", "--decode-tokens", "3", "--warmup-len", "8", "--page-size", "4",
                "--anchor-bytes", str(8 << 20),
                "--log-dir", str(tmp_path / "logs"), "--out-json", str(out_json), "--out-md", str(out_md)])
     assert rc == 0
     doc = json.loads(out_json.read_text())
-    rows = {(r["kv_dtype"], r["prompt_len"]): r for r in doc["rows"]}
-    assert sorted(rows) == [("fp8_e4m3", 40), ("fp8_e4m3", 72), ("nvfp4", 40), ("nvfp4", 72)]
-    for (kv, n), r in rows.items():
-        assert r["path"] == r["path_used"] == "grpc" and r["generated_tokens"] == 3
+    rows = {(r["kv_dtype"], r["prompt_len"], r["path"]): r for r in doc["rows"]}
+    assert sorted(rows) == [(kv, n, p) for kv in ("fp8_e4m3", "nvfp4") for n in (40, 72)
+                            for p in ("grpc", "grpc-lanes")]
+    for (kv, n, _), r in rows.items():
+        assert r["path_used"] == "grpc" and r["generated_tokens"] == 3  # grpc-lanes is grpc over 2 streams
         assert r["ttft_s"] > 0 and r["prefill_compute_s"] > 0 and r["transfer_s"] > 0
         per_token = 2 * 2 * (8 + 1) if kv == "nvfp4" else 2 * 2 * 16  # 2 KV heads, head_dim 16: K + V bytes
         assert r["transfer_bytes"] == 2 * -(-n // 4) * 4 * per_token  # 2 layers x pages of 4 tokens
         # the same prompt again: every page comes from the prefill's cache, the same bytes travel
         assert r["ready_transfer_bytes"] == r["transfer_bytes"] and r["ready_path_used"] == "grpc"
         assert r["ready_transfer_gbps"] > 0 and r["anchor_gbps"] > 0 and r["of_anchor"] > 0
-    assert [(s["path"], s["prompt_len"]) for s in doc["summary"]] == [("grpc", 40), ("grpc", 72)]
+    assert [(s["path"], s["prompt_len"]) for s in doc["summary"]] == \
+        [("grpc", 40), ("grpc", 72), ("grpc-lanes", 40), ("grpc-lanes", 72)]
+    assert doc["setup"]["grpc_lanes"] == 2
     assert all(s["bytes_ratio"] == 0.5625 for s in doc["summary"])
     assert doc["summary"] == summarize(doc["rows"]) and doc["goal_ratio"] == 0.6
     md = out_md.read_text()
     assert "| kv dtype | prompt | path | TTFT s |" in md and "| grpc | 40 |" in md and "Command: `python -m" in md
     assert (tmp_path / "logs" / "decode-nvfp4-grpc.log").exists()
-    assert [(r["channels"], r["keep_freed_blocks"]) for r in doc["anchors"]["raw_grpc"]] == \
-        [(1, False), (4, False), (1, True)] and "| raw grpcio, 2 processes |" in md and "heap setting" in md
+    assert [(r["channels"], r["keep_freed_blocks"], r["http2_max_frame_bytes"]) for r in doc["anchors"]["raw_grpc"]] \
+        == [(1, False, 0), (4, False, 0), (1, True, 0), (1, True, (1 << 24) - 1), (4, True, (1 << 24) - 1)]
+    assert "| raw grpcio, 2 processes |" in md and "heap setting" in md and "HTTP/2 frames up to" in md
+    raw = doc["anchors"]["raw_grpc"]  # grpc judged against raw's best single stream, grpc-lanes against its best
+    assert {r["anchor_gbps"] for r in doc["rows"] if r["path"] == "grpc"} == \
+        {max(x["best_gb_s"] for x in raw if x["channels"] == 1)}
+    assert {r["anchor_gbps"] for r in doc["rows"] if r["path"] == "grpc-lanes"} == {max(x["best_gb_s"] for x in raw)}
 
 
 def test_the_share_ratio_meets_the_goal_only_at_or_below_0_6():

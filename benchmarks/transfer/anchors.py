@@ -96,7 +96,7 @@ def _page_bytes(model: Path, kv_dtype: str, page_size: int) -> tuple[int, int]:
 
 def measure_anchors(a: argparse.Namespace, model: Path, log_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"message_bytes": a.message_bytes}
-    if "grpc" in a.paths or "nixl" in a.paths:
+    if set(a.paths) & {"grpc", "grpc-lanes", "nixl"}:
         out["raw_grpc"] = raw_grpc(a.message_bytes, a.anchor_bytes, (1, 4), log_dir) + \
             raw_grpc(a.message_bytes, a.anchor_bytes, (1,), log_dir, keep_freed=True) + \
             raw_grpc(a.message_bytes, a.anchor_bytes, (1, 4), log_dir, keep_freed=True,
@@ -113,12 +113,15 @@ def measure_anchors(a: argparse.Namespace, model: Path, log_dir: Path) -> dict[s
 
 
 def attach_anchors(rows: list[dict[str, Any]], anchors: dict[str, Any]) -> None:
-    """Each row's anchor: raw grpcio on one channel for grpc and nixl (the faster of its default heap and the
-    services'), the device gather for cuda-ipc; and the share of it the ready transfer reached."""
-    raw = max((r["best_gb_s"] for r in anchors.get("raw_grpc", []) if r["channels"] == 1), default=None)
+    """Each row's anchor: raw grpcio on one channel for grpc and nixl (the fastest of its settings), on any
+    channel count for grpc-lanes (several streams: the best raw figure at all), the device gather for cuda-ipc;
+    and the share of it the ready transfer reached."""
+    raws = anchors.get("raw_grpc", [])
+    raw = max((r["best_gb_s"] for r in raws if r["channels"] == 1), default=None)
+    raw_any = max((r["best_gb_s"] for r in raws), default=None)
     gather = anchors.get("device_gather", {}).get("gb_s")
     for row in rows:  # nixl over UCX is a host transport here, as grpc is: judged against raw grpcio too
-        anchor = gather if row["path"] == "cuda-ipc" else raw
+        anchor = gather if row["path"] == "cuda-ipc" else raw_any if row["path"] == "grpc-lanes" else raw
         got = row.get("ready_transfer_gbps")
         row["anchor_gbps"] = anchor
         row["of_anchor"] = got / anchor if got and anchor else None

@@ -3,7 +3,8 @@
     python -m benchmarks.transfer.bench_transfer [--prefill-gpu 0 --decode-gpu 0] [--lengths 32768 163840]
         [--model DIR [--num-layers N]] [--paths grpc cuda-ipc [nixl]] [--kv-dtypes nvfp4 fp8_e4m3]
 
-For each KV dtype it starts one prefill service and one decode service per path (``--kv-transfer grpc`` and
+For each KV dtype it starts one prefill service and one decode service per path (``--kv-transfer grpc``, the
+same with ``--kv-grpc-lanes`` (path grpc-lanes: each transfer over several streams and connections) and
 ``--kv-transfer cuda-ipc``; ``nixl`` too when asked for: the prefills then run ``--kv-transfer nixl``, which
 the grpc and cuda-ipc decodes meet under their own rules), all at once, on the given GPUs (one GPU works: two processes on one GPU still
 use CUDA IPC). Then, one request at a time on idle services, a unique random prompt per (dtype, length, path)
@@ -51,8 +52,15 @@ from benchmarks.transfer.services import (
 )
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
 
-PATHS = ("grpc", "cuda-ipc", "nixl")
-DEFAULT_PATHS = ("grpc", "cuda-ipc")  # nixl needs the optional nixl extra on both ends
+TRANSPORTS = ("grpc", "cuda-ipc", "nixl")  # the decode's --kv-transfer (and its metrics' path label)
+GRPC_LANES = "grpc-lanes"  # grpc with the decode's --kv-grpc-lanes (--grpc-lanes of this script)
+PATHS = ("grpc", GRPC_LANES, "cuda-ipc", "nixl")
+DEFAULT_PATHS = ("grpc", GRPC_LANES, "cuda-ipc")  # nixl needs the optional nixl extra on both ends
+
+
+def transport(path: str) -> str:
+    """The transfer mode a benchmark path runs (grpc-lanes is grpc with several streams)."""
+    return "grpc" if path == GRPC_LANES else path
 KV_DTYPES = ("nvfp4", "fp8_e4m3")
 MODEL_SHAPE = {"arch": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_heads": 32,
                "num_kv_heads": 8, "head_dim": 128, "vocab_size": 4096, "rope_theta": 1e6,
@@ -70,6 +78,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES)
     p.add_argument("--lengths", nargs="+", type=int, default=[32768, 163840], help="prompt lengths (tokens)")
     p.add_argument("--paths", nargs="+", default=list(DEFAULT_PATHS), choices=PATHS)
+    p.add_argument("--grpc-lanes", type=int, default=4, help="the grpc-lanes path's decode --kv-grpc-lanes")
     p.add_argument("--prefill-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the prefill services")
     p.add_argument("--decode-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the decode services")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the script")
@@ -139,9 +148,10 @@ def start_services(a: argparse.Namespace, model: Path, log_dir: Path) -> dict[st
         wait_ready(every, a.startup_timeout)
         for kv in a.kv_dtypes:
             for path in a.paths:
+                lanes = ["--kv-grpc-lanes", str(a.grpc_lanes)] if path == GRPC_LANES else []
                 started[kv][path] = spawn(f"decode-{kv}-{path}", "decode_svc",
-                                          [*commons[kv], "--kv-transfer", path, "--prefill-addresses",
-                                           started[kv]["prefill"].address],
+                                          [*commons[kv], "--kv-transfer", transport(path), *lanes,
+                                           "--prefill-addresses", started[kv]["prefill"].address],
                                           log_dir, a.decode_gpu if a.device == "cuda" else None)
                 every.append(started[kv][path])
         wait_ready(every, a.startup_timeout)
@@ -171,7 +181,7 @@ def run_one(prefill: Service, decode: Service, rid: str, ids: list[int], max_tok
     transfer_s = delta(da, db, "nvfp4_decode_kv_transfer_seconds_total")
     copy_s = delta(da, db, "nvfp4_decode_kv_transfer_copy_seconds_total")
     nbytes = delta(da, db, "nvfp4_decode_kv_transfer_bytes_total")
-    used = [p for p in PATHS if delta(da, db, f'nvfp4_decode_kv_transfer_path_total{{path="{p}"}}') > 0]
+    used = [p for p in TRANSPORTS if delta(da, db, f'nvfp4_decode_kv_transfer_path_total{{path="{p}"}}') > 0]
     return {
         "ttft_s": ttft, "prefill_compute_s": delta(pa, pb, "nvfp4_prefill_ttft_seconds_sum"),
         "prefill_wait_s": delta(da, db, "nvfp4_decode_kv_transfer_wait_seconds_total"),
@@ -224,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                 "transfer_bytes", "path_used")})
                     rows.append({"kv_dtype": kv, "prompt_len": n, "path": path, **r})
                     print(table([rows[-1]]).splitlines()[-1], flush=True)
-                    if r["path_used"] != path:
+                    if r["path_used"] != transport(path):
                         print(f"WARNING: asked for {path}, the decode took {r['path_used']} (see its log)",
                               flush=True)
     finally:
@@ -236,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                   "num_layers": a.num_layers or cfg["num_hidden_layers"],
                   "num_kv_heads": cfg["num_key_value_heads"], "head_dim": cfg.get("head_dim"),
                   "page_size": a.page_size, "chunk_size": a.chunked_prefill_size, "decode_tokens": a.decode_tokens,
-                  "prefill_gpu": a.prefill_gpu, "decode_gpu": a.decode_gpu, "device": a.device},
+                  "prefill_gpu": a.prefill_gpu, "decode_gpu": a.decode_gpu, "device": a.device,
+                  "grpc_lanes": a.grpc_lanes if GRPC_LANES in a.paths else None},
         "rows": rows, "summary": summarize(rows), "anchors": anchors}
     attach_anchors(rows, anchors)
     write(doc, Path(a.out_json), Path(a.out_md))
