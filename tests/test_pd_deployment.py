@@ -74,3 +74,13 @@ def test_bench_pd_cpu_smoke_writes_every_deployment_ratios_and_the_report(tiny_m
     assert per_token[0] / per_token[1] == 0.5625
     text = md.read_text()
     assert "| colocated |" in text and "## Against colocated (same run)" in text and "0.5625x" in text
+
+
+def test_a_deployments_own_decode_args_join_the_shared_ones():
+    from benchmarks.serving.pd import DEPLOYMENTS, _with_own
+
+    shared = ["--model", "m", "--decode-args", "--between-tokens-timeout 300"]
+    args = _with_own(shared, DEPLOYMENTS["pd-grpc-lanes4"])
+    assert args.count("--decode-args") == 1
+    assert args[args.index("--decode-args") + 1] == "--between-tokens-timeout 300 --kv-grpc-lanes 4"
+    assert _with_own(shared, DEPLOYMENTS["pd-grpc"]) == [*shared, *DEPLOYMENTS["pd-grpc"]]  # nothing to join

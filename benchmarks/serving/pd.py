@@ -12,6 +12,7 @@ Each deployment is ``nvfp4-serve up`` with the shared args plus its own (one at 
     pd-grpc-fp8   --num-prefill 1 --kv-transfer grpc --kv-cache-dtype fp8_e4m3
     pd-ipc-unpaced  as pd-ipc with --shared-gpu-decode-interval-ms 0 (on one GPU: what pacing the decode buys)
     pd-nixl       --num-prefill 1 --kv-transfer nixl --kv-cache-dtype nvfp4  (asked for by name: needs the nixl extra)
+    pd-grpc-lanes4, pd-grpc-fp8-lanes4   as pd-grpc, pd-grpc-fp8 with --decode-args '--kv-grpc-lanes 4' (by name)
 
 One point each (the workload above, random prompts, warm-up first); per deployment TTFT mean / median /
 p99, ITL p50 / p99, input and output tok/s, and from the decode's metrics the transfer bytes, the time
@@ -44,8 +45,14 @@ DEPLOYMENTS: dict[str, list[str]] = {
     "pd-ipc-unpaced": ["--num-prefill", "1", "--kv-transfer", "cuda-ipc", "--kv-cache-dtype", "nvfp4",
                        "--shared-gpu-decode-interval-ms", "0"],
     "pd-nixl": ["--num-prefill", "1", "--kv-transfer", "nixl", "--kv-cache-dtype", "nvfp4"],
+    # gRPC with each transfer over 4 streams and connections (the decode's --kv-grpc-lanes)
+    "pd-grpc-lanes4": ["--num-prefill", "1", "--kv-transfer", "grpc", "--kv-cache-dtype", "nvfp4",
+                       "--decode-args", "--kv-grpc-lanes 4"],
+    "pd-grpc-fp8-lanes4": ["--num-prefill", "1", "--kv-transfer", "grpc", "--kv-cache-dtype", "fp8_e4m3",
+                           "--decode-args", "--kv-grpc-lanes 4"],
 }
-DEFAULT_DEPLOYMENTS = [d for d in DEPLOYMENTS if d != "pd-nixl"]  # nixl is an optional extra
+DEFAULT_DEPLOYMENTS = ["colocated", "pd-ipc", "pd-grpc", "pd-grpc-fp8", "pd-ipc-unpaced"]  # the others by name
+_GRPC_PAIRS = (("pd-grpc", "pd-grpc-fp8"), ("pd-grpc-lanes4", "pd-grpc-fp8-lanes4"))  # nvfp4 vs fp8 in PD
 _OWN_FLAGS = ("--num-prefill", "--kv-transfer", "--kv-cache-dtype", "--shared-gpu-decode-interval-ms")
 
 
@@ -76,6 +83,22 @@ def _strip(args: list[str], flags: tuple[str, ...]) -> list[str]:
         elif not any(x.startswith(f + "=") for f in flags):
             out.append(x)
     return out
+
+
+def _with_own(shared: list[str], own: list[str]) -> list[str]:
+    """``up`` args of a deployment: the shared ones, then its own; a ``--decode-args`` of both is joined
+    (the shared flags first), not replaced."""
+    if "--decode-args" not in own:
+        return [*shared, *own]
+    extra = []
+    for i, x in enumerate(shared):
+        if x == "--decode-args" and i + 1 < len(shared):
+            extra.append(shared[i + 1])
+        elif x.startswith("--decode-args="):
+            extra.append(x.split("=", 1)[1])
+    at = own.index("--decode-args")
+    joined = " ".join([*extra, own[at + 1]])
+    return [*_strip(shared, ("--decode-args",)), *own[:at], "--decode-args", joined, *own[at + 2:]]
 
 
 def _bytes_ratio(nv: dict[str, Any], f8: dict[str, Any]) -> str:
@@ -125,7 +148,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                            "output_len": a.output_len, "concurrency": a.concurrency, "num_prompts": a.num_prompts},
                            "deployments": {}}
     for name in a.deployments:
-        args = [*shared, *DEPLOYMENTS[name]]
+        args = _with_own(shared, DEPLOYMENTS[name])
         record: dict[str, Any] = {"up_args": args, "status": "failed"}
         doc["deployments"][name] = record
         t0 = time.perf_counter()
@@ -186,12 +209,13 @@ def report(doc: dict[str, Any]) -> str:
                 s = rec["summary"]
                 lines.append(f"| {name} | {_ratio(s['output_tok_s'], col['output_tok_s'])} | "
                              f"{_ratio(s['ttft_mean_ms'], col['ttft_mean_ms'])} | {_f(s['itl_p99_ms'], 1)} |")
-    g4, g8 = deps.get("pd-grpc", {}).get("summary"), deps.get("pd-grpc-fp8", {}).get("summary")
-    if g4 and g8:
-        lines += ["", "## nvfp4 vs fp8_e4m3, both PD over gRPC", "",
-                  _bytes_ratio(g4["transfer"], g8["transfer"]),
-                  f"- TTFT mean: {_ratio(g4['ttft_mean_ms'], g8['ttft_mean_ms'])}",
-                  f"- output tok/s: {_ratio(g4['output_tok_s'], g8['output_tok_s'])}"]
+    for nv, f8 in _GRPC_PAIRS:
+        g4, g8 = deps.get(nv, {}).get("summary"), deps.get(f8, {}).get("summary")
+        if g4 and g8:
+            lines += ["", f"## nvfp4 vs fp8_e4m3, both PD over gRPC ({nv} / {f8})", "",
+                      _bytes_ratio(g4["transfer"], g8["transfer"]),
+                      f"- TTFT mean: {_ratio(g4['ttft_mean_ms'], g8['ttft_mean_ms'])}",
+                      f"- output tok/s: {_ratio(g4['output_tok_s'], g8['output_tok_s'])}"]
     lines += ["", ("Transfer columns come from the decode's metrics over the measured requests: bytes received, the "
               "time from each transfer's header to its last page (pages stream while the prefill computes, so this "
               "includes the prompt's compute after its first chunk), and the time the pool writes took on the "
