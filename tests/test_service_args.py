@@ -24,11 +24,13 @@ PREFILL_FLAGS = {
     "--kv-transfer": (["grpc"], {lambda c: c.kv_transfer: "grpc"}),
     "--kv-hold-timeout": (["7.5"], {lambda c: c.kv_hold_timeout_s: 7.5}),
     "--kv-message-bytes": (["65536"], {lambda c: c.kv_message_bytes: 65536}),
+    "--kv-lane-timeout": (["3.25"], {lambda c: c.kv_lane_timeout_s: 3.25}),
 }
 DECODE_FLAGS = {
     "--kv-transfer": (["cuda-ipc"], {lambda c: c.kv_transfer: "cuda-ipc"}),
     "--prefill-addresses": (["h1:1", "h2:2"], {lambda c: c.prefill_addresses: ("h1:1", "h2:2")}),
     "--decode-interval-while-pulling-ms": (["5"], {lambda c: c.decode_interval_while_pulling_s: 0.005}),
+    "--kv-grpc-lanes": (["3"], {lambda c: c.kv_grpc_lanes: 3}),
     "--admission-timeout": (["1.5"], {lambda c: c.timeouts.admission_s: 1.5}),
     "--prefill-first-message-timeout": (["2.5"], {lambda c: c.timeouts.prefill_first_message_s: 2.5}),
     "--between-pages-timeout": (["3.5"], {lambda c: c.timeouts.between_pages_s: 3.5}),
