@@ -89,7 +89,7 @@ stage gpu_unit 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kv
 stage profile 200 python3 -m benchmarks.transfer.profile_copy --out docs/benchmarks/transfer_profile.json \
   --trace $R/transfer_profile_trace.txt
 stage transfer 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
-  --num-layers 8 --lengths 32768 --log-dir $R/logs_tr
+  --num-layers 8 --lengths 32768 --paths ${TRANSFER_PATHS:-grpc grpc-lanes cuda-ipc} --log-dir $R/logs_tr
 # where the gRPC transfer's CPU time goes, per process and thread (py-spy: its wheel in .whl for that run; with
 # the 64 MiB carry limit, the web wheels fastapi/pydantic/starlette/uvicorn can stay out, this stage needs none)
 stage spy 300 python3 -m benchmarks.transfer.spy_transfer --model /tmp/q8b --num-layers 8 --length 32768 \
