@@ -70,6 +70,16 @@ async def _drain(it) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
+def _raw_calls(ch: grpc.aio.Channel):
+    """Prefill and PrefillLane as a raw client (a decode that may misbehave) calls them."""
+    return (ch.unary_stream("/nvfp4serve.v1.Prefill/Prefill",
+                            request_serializer=prefill_pb2.PrefillRequest.SerializeToString,
+                            response_deserializer=prefill_pb2.PrefillMessage.FromString),
+            ch.unary_stream("/nvfp4serve.v1.Prefill/PrefillLane",
+                            request_serializer=prefill_pb2.PrefillLaneRequest.SerializeToString,
+                            response_deserializer=prefill_pb2.PrefillMessage.FromString))
+
+
 def _request(pd, rid: str, ids: list[int], lanes: int) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(request_id=rid, token_ids=ids, expected_layout=pd.prefill.layout,
                                       sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=1),
@@ -82,12 +92,7 @@ def test_lane_requests_are_checked_and_a_lane_opens_once(four_layer_model):
         async with services(four_layer_model, "nvfp4", PAGE, CHUNK) as pd:
             pd.prefill.pages_per_message = 1  # more messages for lane 1 than its queue holds
             async with grpc.aio.insecure_channel(pd.prefill_address) as ch:
-                prefill = ch.unary_stream("/nvfp4serve.v1.Prefill/Prefill",
-                                          request_serializer=prefill_pb2.PrefillRequest.SerializeToString,
-                                          response_deserializer=prefill_pb2.PrefillMessage.FromString)
-                lane = ch.unary_stream("/nvfp4serve.v1.Prefill/PrefillLane",
-                                       request_serializer=prefill_pb2.PrefillLaneRequest.SerializeToString,
-                                       response_deserializer=prefill_pb2.PrefillMessage.FromString)
+                prefill, lane = _raw_calls(ch)
                 codes = {}
                 for name, tid, k in [("unknown", "ab" * 16, 1), ("not an id", "../x", 1), ("empty", "", 1)]:
                     codes[name] = await _drain(lane(prefill_pb2.PrefillLaneRequest(transfer_id=tid, lane=k)))
@@ -103,9 +108,9 @@ def test_lane_requests_are_checked_and_a_lane_opens_once(four_layer_model):
                 codes["main"] = await _drain(it)
                 codes["lane 1"] = await lane_task
             load, rep = await pd.idle()
-            return header, codes, load, len(pd.prefill.lanes)
+            return header, codes, load, rep, len(pd.prefill.lanes)
 
-    header, codes, load, open_transfers = asyncio.run(scenario())
+    header, codes, load, rep, open_transfers = asyncio.run(scenario())
     assert header.lanes == 2 and header.transfer_id
     assert codes["unknown"][0] is grpc.StatusCode.NOT_FOUND
     assert codes["not an id"][0] is grpc.StatusCode.INVALID_ARGUMENT
@@ -114,7 +119,7 @@ def test_lane_requests_are_checked_and_a_lane_opens_once(four_layer_model):
     assert codes["lane 2 of 2"][0] is grpc.StatusCode.INVALID_ARGUMENT
     assert codes["lane 1 again"][0] is grpc.StatusCode.FAILED_PRECONDITION
     assert codes["main"][0] is grpc.StatusCode.OK and codes["lane 1"][0] is grpc.StatusCode.OK  # the rest ran on
-    assert open_transfers == 0 and load.pool_pages_in_use == 0
+    assert open_transfers == 0 and load.pool_pages_in_use == 0 and rep.num_in_use == 0
 
 
 @pytest.mark.parametrize("how", ["never opened", "cancelled midway", "main cancelled"])
@@ -123,12 +128,7 @@ def test_a_lane_that_fails_ends_the_whole_transfer_and_frees_the_pages(four_laye
         async with services(four_layer_model, "nvfp4", PAGE, CHUNK, lane_timeout_s=0.5) as pd:
             pd.prefill.pages_per_message = 1
             async with grpc.aio.insecure_channel(pd.prefill_address) as ch:
-                prefill = ch.unary_stream("/nvfp4serve.v1.Prefill/Prefill",
-                                          request_serializer=prefill_pb2.PrefillRequest.SerializeToString,
-                                          response_deserializer=prefill_pb2.PrefillMessage.FromString)
-                lane = ch.unary_stream("/nvfp4serve.v1.Prefill/PrefillLane",
-                                       request_serializer=prefill_pb2.PrefillLaneRequest.SerializeToString,
-                                       response_deserializer=prefill_pb2.PrefillMessage.FromString)
+                prefill, lane = _raw_calls(ch)
                 main = prefill(_request(pd, f"lane-{how}", prompt(60), 3))
                 header, it = await _header(main)
                 lane_codes = []
