@@ -47,6 +47,7 @@ class LaneTransfer:
         self._opened: set[int] = set()
         self._running: dict[int, asyncio.Event] = {}  # lane -> set when its stream has ended
         self._error: BaseException | None = None
+        self._failed = asyncio.Event()  # set with _error
 
     def lane_of(self, layer: int) -> int:
         return layer % self.lanes
@@ -54,13 +55,21 @@ class LaneTransfer:
     async def put(self, lane: int, msg: bytes) -> None:
         """Queue ``msg`` for lane ``lane`` (1 .. lanes - 1), waiting up to ``wait_s`` for room."""
         self._raise_if_failed()
-        try:
-            await asyncio.wait_for(self._queues[lane].put(msg), self.wait_s)
-        except TimeoutError:
+        q = self._queues[lane]
+        if not q.full():
+            q.put_nowait(msg)
+            return
+        put, failed = asyncio.ensure_future(q.put(msg)), asyncio.ensure_future(self._failed.wait())
+        try:  # a failure elsewhere wakes this wait at once (it drains the queues only once)
+            await asyncio.wait((put, failed), timeout=self.wait_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (put, failed):
+                t.cancel()
+        self._raise_if_failed()
+        if not put.done() or put.cancelled():
             opened = "read too slowly" if lane in self._opened else "never opened"
             raise TransferTimeout(f"lane {lane} of transfer {self.transfer_id[:8]} was {opened}: no room for a "
-                                  f"page message within {self.wait_s:g} s") from None
-        self._raise_if_failed()
+                                  f"page message within {self.wait_s:g} s")
 
     async def end(self) -> None:
         """Every page is queued: each lane's stream ends once it has sent its messages."""
@@ -85,6 +94,7 @@ class LaneTransfer:
         if self._error is not None:
             return
         self._error = error
+        self._failed.set()
         for q in self._queues.values():
             while not q.empty():
                 q.get_nowait()
