@@ -198,6 +198,10 @@ class _Lanes:
         for lane in self.lanes:
             await lane.writes.settle()
 
+    def busy_s(self) -> float:
+        """Seconds the lanes' pool writes ran (their own, beside lane 0's)."""
+        return sum(lane.writes.busy_s for lane in self.lanes)
+
 
 class KVReceiver:
     def __init__(self, pool: KVPool, layout: common_pb2.KVLayout, metrics: ServiceMetrics, timeouts: Timeouts,
@@ -276,11 +280,12 @@ class KVReceiver:
             if by_reference(path):
                 await self._release(peer_stubs.stub, ahead, h, time.perf_counter() - t_last, address)
             self.metrics.observe_transfer(received, seconds, start.num_tokens - start.prefix_len)
-            self.transfer_metrics.copy_seconds.inc(writes.busy_s)
-            log.info("request %s: %d pages x %d layers from prefill %s via %s, %.1f MB in %.1f ms after the header "
+            busy_s = writes.busy_s + lanes.busy_s()
+            self.transfer_metrics.copy_seconds.inc(busy_s)
+            log.info("request %s: %d pages x %d layers from prefill %s via %s%s, %.1f MB in %.1f ms after the header "
                      "(%.1f ms of it copying: %.2f GB/s)", start.rid, progress.end_page - progress.first_page,
-                     self.layout.num_layers, address, path, received / 1e6, seconds * 1e3, writes.busy_s * 1e3,
-                     received / max(writes.busy_s, 1e-9) / 1e9)
+                     self.layout.num_layers, address, path, f" over {len(lanes.lanes) + 1} lanes" if lanes.lanes else "",
+                     received / 1e6, seconds * 1e3, busy_s * 1e3, received / max(busy_s, 1e-9) / 1e9)
             return done.first_token_id
         except grpc.aio.AioRpcError as e:
             self.metrics.failed_transfers.labels(e.code().name.lower()).inc()

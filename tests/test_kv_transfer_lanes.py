@@ -44,9 +44,14 @@ def test_pages_over_lanes_give_the_engine_greedy_tokens_and_free_everything(four
             again = await pd.generate("lanes-2", prompt(45, offset=11), max_tokens=3)
             load, rep = await pd.idle()
             peer = pd.decode.receiver.channels._peers[pd.prefill_address]
-            return got, again, load, rep, len(peer.lanes), len(pd.prefill.lanes)
+            received = pd.decode.metrics.transfer_bytes._value.get()
+            sent = pd.prefill.metrics.transfer_bytes._value.get()
+            page = pd.decode.engine.pool.page_bytes_per_layer * 4  # every layer of one page
+            return got, again, load, rep, len(peer.lanes), len(pd.prefill.lanes), received, sent, page
 
-    got, again, load, rep, lane_channels, open_transfers = asyncio.run(scenario())
+    got, again, load, rep, lane_channels, open_transfers, received, sent, page = asyncio.run(scenario())
+    assert received == 2 * 12 * page  # every lane's page bytes counted (2 prompts of 12 pages)
+    assert sent > received  # the prefill counts whole messages, framing included
     assert got == reference(four_layer_model, kv_dtype, ids, 6)
     assert again == reference(four_layer_model, kv_dtype, prompt(45, offset=11), 3)
     assert lane_channels == min(lanes, 4) - 1  # the prefill caps the lanes at the layer count; channels reused
