@@ -41,10 +41,11 @@ def test_samples_are_counted_per_thread_with_the_innermost_frame_of_ours_and_the
 def test_cpu_run_samples_both_services(tiny_model_dir, tmp_path):
     out_json = tmp_path / "spy.json"
     rc = main(["--model", tiny_model_dir, "--device", "cpu", "--length", "96", "--seconds", "1", "--rate", "50",
-               "--kv-dtypes", "nvfp4", "--extra", "--dtype float32 --warmup-len 8 --page-size 4",
+               "--kv-dtypes", "nvfp4", "--grpc-lanes", "2", "--extra", "--dtype float32 --warmup-len 8 --page-size 4",
                "--log-dir", str(tmp_path / "logs"), "--out-json", str(out_json), "--out-md", str(tmp_path / "s.md")])
     assert rc == 0
     doc = json.loads(out_json.read_text())
     assert [(r["mode"], r["process"]) for r in doc["results"]] == [
         ("cpu", "prefill"), ("cpu", "decode"), ("gil", "prefill"), ("gil", "decode")]
     assert all(r["transfers"] > 0 for r in doc["results"])
+    assert "via grpc over 2 lanes" in (tmp_path / "logs" / "decode-nvfp4-grpc-lanes.log").read_text()

@@ -93,7 +93,7 @@ stage transfer 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0
 # where the gRPC transfer's CPU time goes, per process and thread (py-spy: its wheel in .whl for that run; with
 # the 64 MiB carry limit, the web wheels fastapi/pydantic/starlette/uvicorn can stay out, this stage needs none)
 stage spy 300 python3 -m benchmarks.transfer.spy_transfer --model /tmp/q8b --num-layers 8 --length 32768 \
-  --seconds ${SPY_SECONDS:-5} --rate 250 --log-dir $R/logs_spy
+  --seconds ${SPY_SECONDS:-5} --rate 250 --grpc-lanes ${SPY_LANES:-1} --log-dir $R/logs_spy
 stage pd 1500 python3 -m nvfp4_serve.cli bench pd --input-len 32768 --output-len 256 --concurrency 16 \
   --num-prompts 32 --deployments ${PD_DEPLOYMENTS:-colocated pd-ipc pd-grpc pd-grpc-fp8 pd-ipc-unpaced} --log-dir $R/logs_pd --launch --model /tmp/q8b --num-layers 8 --max-total-tokens 1048576 \
   --workspace-tokens 262144 --chunked-prefill-size 8192

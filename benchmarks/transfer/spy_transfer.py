@@ -179,6 +179,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="native frames too (each sample pauses the process: slower, and it perturbs the transfer)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--gpu", default="0", help="CUDA_VISIBLE_DEVICES of both services")
+    p.add_argument("--grpc-lanes", type=int, default=1,
+                   help="the decode's --kv-grpc-lanes (above 1: bench_transfer's grpc-lanes path)")
     p.add_argument("--extra", default="", help="more bench_transfer flags, one string (e.g. '--dtype float32')")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--out-json", default="docs/benchmarks/transfer_spy.json")
@@ -189,14 +191,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_arg_parser()
     a = parser.parse_args(argv)
-    if a.seconds < 1 or a.rate < 1 or a.length < 1:
-        parser.error(f"--seconds, --rate and --length must be >= 1, got {a.seconds}, {a.rate}, {a.length}")
+    if a.seconds < 1 or a.rate < 1 or a.length < 1 or a.grpc_lanes < 1:
+        parser.error(f"--seconds, --rate, --length and --grpc-lanes must be >= 1, got {a.seconds}, {a.rate}, "
+                     f"{a.length}, {a.grpc_lanes}")
     if shutil.which("py-spy") is None:
         print("py-spy is not installed: pip install py-spy", file=sys.stderr)
         return 2
     log_dir = Path(a.log_dir) if a.log_dir else Path(tempfile.mkdtemp(prefix="spy-transfer-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    targs = ["--paths", "grpc", "--lengths", str(a.length), "--device", a.device, "--prefill-gpu", a.gpu,
+    path = "grpc-lanes" if a.grpc_lanes > 1 else "grpc"
+    targs = ["--paths", path, "--grpc-lanes", str(a.grpc_lanes), "--lengths", str(a.length), "--device", a.device, "--prefill-gpu", a.gpu,
              "--decode-gpu", a.gpu, "--kv-dtypes", *a.kv_dtypes, *shlex.split(a.extra)]
     if a.model:
         targs += ["--model", a.model]
@@ -209,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         for kv, group in services.items():
-            prefill, decode = group["prefill"], group["grpc"]
+            prefill, decode = group["prefill"], group[path]
             ids = [3 + (i * 7919) % (vocab - 3) for i in range(a.length)]
             run_one(prefill, decode, f"warm-{kv}", ids[:ta.warmup_len], 2)
             run_one(prefill, decode, f"first-{kv}", ids, 2)  # computed once: its pages stay in the prefill's cache
