@@ -378,12 +378,9 @@ class KVReceiver:
         (bytes, when its last page message arrived)."""
         received, t_last = 0, time.perf_counter()
         while True:
-            try:
-                raw = await asyncio.wait_for(ahead.next(), self.timeouts.between_pages_s)
-            except TimeoutError:
-                raise TransferTimeout(f"prefill {address} sent nothing on lane {lane} within "
-                                      f"{self.timeouts.between_pages_s:g} s") from None
-            except StopAsyncIteration:
+            raw = await self._next(ahead.next, self.timeouts.between_pages_s, f"message on lane {lane}", address,
+                                   end_ok=True)
+            if raw is None:
                 return received, t_last
             run = self._page_run(raw, address)
             if run is None:
@@ -460,12 +457,17 @@ class KVReceiver:
         self.transfer_metrics.count(f"prefill {address}", choice, self.shares.wanted)
         return path
 
-    async def _next(self, read: Callable[[], Awaitable[bytes]], timeout: float, what: str, address: str) -> bytes:
+    async def _next(self, read: Callable[[], Awaitable[bytes]], timeout: float, what: str, address: str,
+                    end_ok: bool = False) -> bytes | None:
+        """The next message within ``timeout``; the stream's end is None where ``end_ok`` (a lane's end), else
+        PrefillUnavailable."""
         try:
             return await asyncio.wait_for(read(), timeout)
         except TimeoutError:
             raise TransferTimeout(f"prefill {address} sent no {what} within {timeout:g} s") from None
         except StopAsyncIteration:
+            if end_ok:
+                return None
             raise PrefillUnavailable(f"prefill {address} ended the stream before it was done") from None
 
     async def _release(self, stub, ahead: ReadAhead, h: prefill_pb2.TransferHeader, since_last: float,

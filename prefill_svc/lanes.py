@@ -21,18 +21,10 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from svc_common.errors import InvalidRequest, PrefillUnavailable, ServiceError, TransferTimeout
+from svc_common.errors import InvalidRequest, LaneInUse, PrefillUnavailable, TransferTimeout, UnknownTransfer
 
 MAX_LANES = 8  # streams per transfer, whatever a decode asks for
 _QUEUE_MESSAGES = 2  # messages queued per lane (each up to --kv-message-bytes)
-
-
-class UnknownTransfer(ServiceError):
-    status_name = "NOT_FOUND"
-
-
-class LaneInUse(ServiceError):
-    status_name = "FAILED_PRECONDITION"
 
 
 @dataclass(frozen=True)
@@ -48,6 +40,12 @@ class LaneTransfer:
         self._running: dict[int, asyncio.Event] = {}  # lane -> set when its stream has ended
         self._error: BaseException | None = None
         self._failed = asyncio.Event()  # set with _error
+
+    def mark_opened(self, lane: int) -> None:
+        """Lane ``lane`` is being opened; LaneInUse if it already was."""
+        if lane in self._opened:
+            raise LaneInUse(f"lane {lane} of transfer {self.transfer_id[:8]} is already open")
+        self._opened.add(lane)
 
     def lane_of(self, layer: int) -> int:
         return layer % self.lanes
@@ -144,9 +142,7 @@ class TransferLanes:
             raise UnknownTransfer(f"no open transfer {transfer_id[:8]!r} with lanes")
         if not 1 <= lane < t.lanes:
             raise InvalidRequest(f"lane {lane} outside 1..{t.lanes - 1} of transfer {transfer_id[:8]}")
-        if lane in t._opened:
-            raise LaneInUse(f"lane {lane} of transfer {transfer_id[:8]} is already open")
-        t._opened.add(lane)
+        t.mark_opened(lane)
         return t
 
     def close(self, t: LaneTransfer, error: BaseException | None) -> None:

@@ -49,6 +49,18 @@ class TransferTimeout(ServiceError):
     status_name = "DEADLINE_EXCEEDED"
 
 
+class UnknownTransfer(ServiceError):
+    """A PrefillLane request names no open transfer with lanes."""
+
+    status_name = "NOT_FOUND"
+
+
+class LaneInUse(ServiceError):
+    """A PrefillLane request for a lane of a transfer that was already opened."""
+
+    status_name = "FAILED_PRECONDITION"
+
+
 def check_request_id(rid: str) -> str:
     """A request id must be non-empty, at most MAX_REQUEST_ID_LEN characters and printable (it appears in
     log lines and error messages)."""
