@@ -114,17 +114,26 @@ CASES: dict[str, tuple[Callable[[Wire], list[bytes]], grpc.StatusCode, str]] = {
 }
 
 
-async def fake_prefill(port: int, case: Callable[[Wire], list[bytes]], wire: dict) -> grpc.aio.Server:
-    """A Prefill server at ``port`` answering every Prefill call with ``case``'s messages."""
+async def fake_prefill(port: int, case: Callable[[Wire], list[bytes]], wire: dict,
+                       idle_lanes: bool = False) -> grpc.aio.Server:
+    """A Prefill server at ``port`` answering every Prefill call with ``case``'s messages; with ``idle_lanes``,
+    PrefillLane calls are accepted and send nothing (until the server stops)."""
 
     async def prefill(request: prefill_pb2.PrefillRequest, context):
         for msg in case(Wire(request, wire["layout"], wire["page_bytes"])):
             yield msg
 
+    async def lane(request: prefill_pb2.PrefillLaneRequest, context):
+        await asyncio.sleep(60)
+        yield b""
+
+    handlers = {"Prefill": grpc.unary_stream_rpc_method_handler(
+        prefill, request_deserializer=prefill_pb2.PrefillRequest.FromString, response_serializer=None)}
+    if idle_lanes:
+        handlers["PrefillLane"] = grpc.unary_stream_rpc_method_handler(
+            lane, request_deserializer=prefill_pb2.PrefillLaneRequest.FromString, response_serializer=None)
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("nvfp4serve.v1.Prefill", {
-        "Prefill": grpc.unary_stream_rpc_method_handler(
-            prefill, request_deserializer=prefill_pb2.PrefillRequest.FromString, response_serializer=None)}),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("nvfp4serve.v1.Prefill", handlers),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server

@@ -164,34 +164,61 @@ def test_a_lane_that_fails_ends_the_whole_transfer_and_frees_the_pages(four_laye
     assert load.pool_pages_in_use == 0
 
 
-def test_a_decode_refuses_lanes_it_did_not_offer(four_layer_model):
-    """The decode's side: a header announcing more lanes than offered fails that request, frees its pages."""
-    from tests.test_hostile_prefill import Wire, fake_prefill  # the hostile-prefill harness
+HOSTILE_LANES = {  # case -> (the fake prefill's Prefill stream, a fragment of the decode's error)
+    "more lanes than offered": (lambda w: [w.header(lanes=4, transfer_id="ab" * 16)], "4 lanes"),
+    "lanes without a transfer id": (lambda w: [w.header(lanes=2)], "without a transfer id"),
+    "a layer on the wrong lane": (lambda w: [w.header(lanes=2, transfer_id="ab" * 16), w.pages(1, 0, 2)],
+                                  "layer 1 on lane 0 of 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_LANES))
+def test_a_decode_refuses_lanes_it_did_not_offer_or_pages_off_their_lane(four_layer_model, case):
+    """The decode's side: each case fails its request with UNAVAILABLE and frees its pages."""
+    from nvfp4_serve.launcher import free_port
+    from nvfp4_serve_proto import decode_pb2_grpc
+    from svc_common.kv_copy import part_page_bytes
+    from tests.test_hostile_prefill import fake_prefill
+
+    messages, fragment = HOSTILE_LANES[case]
 
     async def scenario():
-        from nvfp4_serve.launcher import free_port
-
         port = free_port()
-        wire: dict = {}
         async with services(four_layer_model, "nvfp4", PAGE, CHUNK, also_allowed=(f"127.0.0.1:{port}",),
                             grpc_lanes=2) as pd:
-            from svc_common.kv_copy import part_page_bytes
-
-            wire.update(layout=pd.decode.layout, page_bytes=part_page_bytes(pd.decode.engine.pool))
-            fake = await fake_prefill(port, lambda w: [w.header(lanes=4, transfer_id="ab" * 16)], wire)
-            req = pd.request("too-many-lanes", prompt(20), 2)
+            wire = {"layout": pd.decode.layout, "page_bytes": part_page_bytes(pd.decode.engine.pool)}
+            fake = await fake_prefill(port, messages, wire, idle_lanes=True)
+            req = pd.request(f"hostile-{len(case)}", prompt(20), 2)
             req.prefill_address = f"127.0.0.1:{port}"
             try:
                 async with grpc.aio.insecure_channel(pd.decode_address) as dch:
-                    from nvfp4_serve_proto import decode_pb2_grpc
-
                     code = await _drain(decode_pb2_grpc.DecodeStub(dch).Generate(req))
             finally:
                 await fake.stop(None)
             _, rep = await pd.idle()
             return code, rep
 
-    assert Wire  # imported for the harness's message shapes
     (code, details), rep = asyncio.run(scenario())
-    assert code is grpc.StatusCode.UNAVAILABLE and "4 lanes" in details
+    assert code is grpc.StatusCode.UNAVAILABLE and fragment in details, details
     assert rep.num_in_use == 0 and rep.ok
+
+
+def test_lane_flags_and_offers_out_of_range_are_refused(four_layer_model):
+    from decode_svc.config import DecodeConfig
+    from engine.config import EngineConfig
+    from prefill_svc.config import PrefillConfig
+
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="--kv-grpc-lanes must be in"):
+            DecodeConfig(engine=EngineConfig(model_dir=four_layer_model), kv_grpc_lanes=bad)
+    with pytest.raises(ValueError, match="--kv-lane-timeout must be > 0"):
+        PrefillConfig(engine=EngineConfig(model_dir=four_layer_model), kv_lane_timeout_s=0)
+
+    async def scenario():
+        async with services(four_layer_model, "nvfp4", PAGE, CHUNK) as pd, \
+                grpc.aio.insecure_channel(pd.prefill_address) as ch:
+            prefill, _ = _raw_calls(ch)
+            return await _drain(prefill(_request(pd, "negative-lanes", prompt(8), -1)))
+
+    code, details = asyncio.run(scenario())
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "grpc_lanes must be >= 0" in details
