@@ -1,6 +1,8 @@
-"""One nixl transfer's reads into this decode's pool: per KVPageRefs message, one NIXL READ of the runs of
-consecutive pages of every part of that layer, waited for on the writer thread, then the written rows checked
-as ``PageImporter.copy_from`` checks its copies (NaN/inf scales and values; ``finish`` raises).
+"""One nixl transfer's reads into this decode's pool: one NIXL READ per batch of KVPageRefs messages (a run of
+pages of a chunk, every layer: the prefill sends them back to back), of the runs of consecutive pages of
+every part of each message's layer, waited for on the writer thread, then the written rows checked as
+``PageImporter.copy_from`` checks its copies (NaN/inf scales and values; ``finish`` raises). A READ's set-up
+and completion cost about 0.6 ms whatever its size, so a batch of a chunk's 8-36 layers costs one of them.
 
 Invariant: ``read`` returns (or raises) only once NIXL no longer writes the destination pages (its handle is
 released), so once every posted read returned the pull may free or hand over the pages. ``stop`` makes reads
@@ -10,30 +12,55 @@ still waiting give up (their handles are cancelled and released) when the transf
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from svc_common.kv_copy import PageImporter
 from svc_common.kv_transfer_nixl import NixlAgent, NixlTransferError, NixlView, read_descs
 
 
+@dataclass(frozen=True)
+class PageRead:
+    """One KVPageRefs message's pages: source pages ``src_ids`` of ``layer`` (checked against the view by the
+    caller) into pages ``dst_ids``, of which the first ``num_tokens`` token slots hold the prompt."""
+
+    layer: int
+    src_ids: Sequence[int]
+    dst_ids: Sequence[int]
+    num_tokens: int
+
+
+MAX_BATCH = 64  # messages one READ carries at most (a batch's descriptors: parts x runs x messages)
+
+
 class NixlReads:
-    def __init__(self, agent: NixlAgent, view: NixlView, importer: PageImporter, timeout_s: float):
+    def __init__(self, agent: NixlAgent, view: NixlView, importer: PageImporter, timeout_s: float,
+                 on_read: Callable[[], None] = lambda: None):
         self.agent = agent
+        self.on_read = on_read  # called once per READ issued (the decode's nixl_reads counter)
         self.view = view
         self.importer = importer
         self.timeout_s = timeout_s  # a READ not DONE by then fails the transfer (the between-pages timeout)
         self._stop = threading.Event()
 
-    def read(self, layer: int, src_ids: Sequence[int], dst_ids: Sequence[int], num_tokens: int) -> None:
-        """MUTATES the pool: source pages ``src_ids`` of ``layer`` (checked against the view by the caller) into
-        pages ``dst_ids``, of which the first ``num_tokens`` token slots hold the prompt. Blocks (call on a writer
-        thread); ValueError when the read fails (the caller fails the transfer)."""
-        local, remote = read_descs(self.importer.pool, self.view, layer, src_ids, dst_ids, self.agent.device_id)
+    def read(self, batch: Sequence[PageRead]) -> None:
+        """MUTATES the pool: every read of ``batch`` (at most ``MAX_BATCH``) in one NIXL READ, then each one's
+        rows checked. Blocks (call on a writer thread); ValueError when the read fails (the caller fails the
+        transfer)."""
+        if not 0 < len(batch) <= MAX_BATCH:
+            raise ValueError(f"a NIXL read batch holds 1..{MAX_BATCH} page reads, got {len(batch)}")
+        descs = [read_descs(self.importer.pool, self.view, r.layer, r.src_ids, r.dst_ids, self.agent.device_id)
+                 for r in batch]
+        local, remote = (np.concatenate([d[i] for d in descs]) for i in (0, 1))
+        self.on_read()
         try:
             self.agent.read(self.view.remote, local, remote, self.view.mem_type, self.timeout_s, self._stop)
         except NixlTransferError as e:
             raise ValueError(str(e)) from None
-        self.importer.check_written(layer, dst_ids, num_tokens)
+        for r in batch:
+            self.importer.check_written(r.layer, r.dst_ids, r.num_tokens)
 
     def stop(self) -> None:
         """Reads still waiting give up: their handles are released (NIXL cancels them) before they return."""

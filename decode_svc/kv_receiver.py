@@ -10,8 +10,8 @@ message is received while this one is checked:
     grpc      KVPageRun bytes (zero-copy views, ``svc_common/kv_wire.py``) -> PageImporter.write
     cuda-ipc  KVPageRefs -> PageImporter.copy_from the prefill's pool (opened once, decode_svc/kv_ipc.py);
               after PrefillDone: writes complete -> ReleaseTransfer -> the stream ends
-    nixl      KVPageRefs -> one NIXL READ per message (decode_svc/kv_nixl_reads.py), then the rows checked;
-              after PrefillDone: as cuda-ipc
+    nixl      KVPageRefs -> one NIXL READ per run of pages, every layer's refs of it together
+              (decode_svc/kv_nixl_reads.py), then the rows checked; after PrefillDone: as cuda-ipc
 
 Every value the peer sends is checked before it touches the pool or the engine: request id, layer, page
 ranges against the header (in sequence order per layer, nothing twice, no more than announced), part
@@ -38,7 +38,7 @@ from google.protobuf.message import DecodeError
 
 from decode_svc.config import Timeouts
 from decode_svc.kv_ipc import PeerShare, PrefillShares
-from decode_svc.kv_nixl_reads import NixlReads
+from decode_svc.kv_nixl_reads import MAX_BATCH, NixlReads, PageRead
 from decode_svc.peer_channels import PeerChannels, PeerStubs
 from decode_svc.read_ahead import ReadAhead
 from engine.kv_pool import KVPool
@@ -256,7 +256,8 @@ class KVReceiver:
             self.transfer_metrics.wait_seconds.inc(t_header - t0)
             path = self._path_of(address, h, offer, peer)
             if path == PATH_NIXL:
-                reads = NixlReads(self.shares.nixl, peer.view, importer, self.timeouts.between_pages_s)
+                reads = NixlReads(self.shares.nixl, peer.view, importer, self.timeouts.between_pages_s,
+                                  self.transfer_metrics.nixl_reads.inc)
             ahead = ReadAhead(stream, _READ_AHEAD)
             num_lanes = self._lanes_of(h, path, address)
             receive = self._receive(ahead, start, path, peer.view, reads, progress, importer, writes, address,
@@ -325,6 +326,17 @@ class KVReceiver:
         """Read page messages up to PrefillDone, posting each one's pool write; returns (bytes, done, when the
         last page message arrived). With lanes, this stream is lane 0."""
         received, t_last = 0, time.perf_counter()
+        # nixl: page refs not yet read. A prefill sends a run of pages for every layer back to back, so one READ
+        # covers them all once the last layer's refs are in (or MAX_BATCH are).
+        batch: list[PageRead] = []
+
+        async def post_batch() -> None:
+            if batch:
+                todo = tuple(batch)
+                batch.clear()
+                await writes.post(lambda: reads.read(todo), "page refs", address)
+
+        last_layer = self.layout.num_layers - 1
         while True:
             raw = await self._next(ahead.next, self.timeouts.between_pages_s, "next KV page message", address)
             run = self._page_run(raw, address)
@@ -349,8 +361,9 @@ class KVReceiver:
                 dst = start.page_ids[refs.first_page:refs.first_page + len(src)]
                 valid = self._tokens_in(start, refs.first_page, len(src))
                 if path == PATH_NIXL:
-                    await writes.post(lambda layer=refs.layer, s=src, d=dst, v=valid: reads.read(layer, s, d, v),
-                                      "page refs", address)
+                    batch.append(PageRead(refs.layer, src, dst, valid))
+                    if refs.layer == last_layer or len(batch) == MAX_BATCH:
+                        await post_batch()
                 else:
                     parts = [view.layers[refs.layer].get(name) for name in PARTS]
                     await writes.post(lambda p=parts, layer=refs.layer, s=src, d=dst, v=valid:
@@ -358,6 +371,7 @@ class KVReceiver:
                 received += len(src) * self.pool.page_bytes_per_layer
                 t_last = time.perf_counter()
             elif kind == "done":
+                await post_batch()
                 return received, msg.done, t_last
             else:
                 raise PrefillUnavailable(f"unexpected {kind} message on the {path} transfer from prefill {address}")

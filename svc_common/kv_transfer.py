@@ -152,6 +152,8 @@ class TransferMetrics:
     ``nvfp4_<role>_kv_transfer_copy_seconds_total`` decode: time the pool writes of transfers ran (pages
                                                           stream while the prefill computes, so the
                                                           transfer's own duration says little of its rate)
+    ``nvfp4_<role>_kv_nixl_reads_total``                 decode: NIXL READs issued (one per run of pages, every
+                                                          layer's together)
     ``nvfp4_<role>_kv_holds_total{outcome}``              prefill, cuda-ipc and nixl: how the hold on source pages ended
                                                           (released | stream_ended | expired)
     """
@@ -166,6 +168,8 @@ class TransferMetrics:
         self.copy_seconds = Counter(f"{p}_kv_transfer_copy_seconds",
                                     "time spent writing received pages into the pool (copy rate = bytes / this)",
                                     registry=r)
+        self.nixl_reads = Counter(f"{p}_kv_nixl_reads", "NIXL READs issued (one per run of pages, every layer's)",
+                                  registry=r)
         self.holds = Counter(f"{p}_kv_holds", "by-reference holds on prefill source pages by outcome", ["outcome"],
                              registry=r)
         self._warned: set[tuple[str, str]] = set()
