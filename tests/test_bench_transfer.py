@@ -13,7 +13,7 @@ def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_
     out_json, out_md = tmp_path / "transfer.json", tmp_path / "transfer.md"
     rc = main(["--model", tiny_model_dir, "--device", "cpu", "--dtype", "float32", "--lengths", "40", "72",
                "--paths", "grpc", "grpc-lanes", "--grpc-lanes", "2", "--decode-tokens", "3", "--warmup-len", "8", "--page-size", "4",
-               "--anchor-bytes", str(8 << 20),
+               "--anchor-bytes", str(8 << 20), "--ready-repeats", "2",
                "--log-dir", str(tmp_path / "logs"), "--out-json", str(out_json), "--out-md", str(out_md)])
     assert rc == 0
     doc = json.loads(out_json.read_text())
@@ -28,13 +28,16 @@ def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_
         # the same prompt again: every page comes from the prefill's cache, the same bytes travel
         assert r["ready_transfer_bytes"] == r["transfer_bytes"] and r["ready_path_used"] == "grpc"
         assert r["ready_transfer_gbps"] > 0 and r["anchor_gbps"] > 0 and r["of_anchor"] > 0
+        # the best of the 2 ready transfers is the row's; the colocated engine ran the same prompt
+        assert len(r["ready_gbps_each"]) == 2 and r["ready_transfer_gbps"] == max(r["ready_gbps_each"])
+        assert r["colocated_ttft_s"] > 0 and r["prefill_of_colocated"] == r["colocated_ttft_s"] / r["prefill_compute_s"]
     assert [(s["path"], s["prompt_len"]) for s in doc["summary"]] == \
         [("grpc", 40), ("grpc", 72), ("grpc-lanes", 40), ("grpc-lanes", 72)]
     assert doc["setup"]["grpc_lanes"] == 2
     assert all(s["bytes_ratio"] == 0.5625 for s in doc["summary"])
     assert doc["summary"] == summarize(doc["rows"]) and doc["goal_ratio"] == 0.6
     md = out_md.read_text()
-    assert "| kv dtype | prompt | path | TTFT s |" in md and "| grpc | 40 |" in md and "Command: `python -m" in md
+    assert "| kv dtype | prompt | path | TTFT s |" in md and "prefill vs colocated" in md and "best of 2" in md and "| grpc | 40 |" in md and "Command: `python -m" in md
     assert (tmp_path / "logs" / "decode-nvfp4-grpc.log").exists()
     assert [(r["channels"], r["keep_freed_blocks"], r["http2_max_frame_bytes"]) for r in doc["anchors"]["raw_grpc"]] \
         == [(1, False, 0), (4, False, 0), (1, True, 0), (1, True, (1 << 24) - 1), (4, True, (1 << 24) - 1)]

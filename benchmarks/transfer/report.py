@@ -15,7 +15,8 @@ _COLUMNS = [("kv_dtype", "kv dtype", "{}"), ("prompt_len", "prompt", "{:,}"), ("
             ("transfer_mb", "MB", "{:,.1f}"), ("ready_transfer_s", "ready: transfer s", "{:.4f}"),
             ("ready_transfer_gbps", "ready GB/s", "{:.2f}"), ("anchor_gbps", "anchor GB/s", "{:.2f}"),
             ("of_anchor", "of anchor", "{:.0%}"), ("ready_copy_gbps", "ready copy GB/s", "{:.1f}"),
-            ("decode_tok_s", "decode tok/s", "{:.1f}")]
+            ("colocated_ttft_s", "colocated TTFT s", "{:.3f}"),
+            ("prefill_of_colocated", "prefill vs colocated", "{:.0%}"), ("decode_tok_s", "decode tok/s", "{:.1f}")]
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -83,7 +84,9 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{s['model']} ({s['num_layers']} layers, {s['num_kv_heads']} KV heads x head_dim {s['head_dim']}), "
         f"page {s['page_size']}, chunked prefill {s['chunk_size']}, {s['decode_tokens']} generated tokens per "
         f"request, one request at a time on idle services, unique random prompts (no cache hits), each then "
-        f"sent once more (\"ready\": the prefill's cache holds its pages)."), "",
+        f"sent again (\"ready\": the prefill's cache holds its pages; the best of {s.get('ready_repeats', 1)} "
+        f"transfers, as each anchor is the best of its repeats), then once through the decode's own engine "
+        f"(\"colocated TTFT\": no prefill service, the colocated prompt path)."), "",
         ("TTFT is the client's (Generate sent -> first token). Prefill compute is the prefill service's own "
         "time from submit to the prompt's last layer (`nvfp4_prefill_ttft_seconds`); transfer is the decode's "
         "time from the transfer header to the last page in its pool, copies complete "
@@ -93,7 +96,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "the ready columns are the same prompt again with every page ready at once: the path's own speed "
         "(header to last page, every write complete), against its anchor from this run (raw grpcio on one "
         "channel for grpc and nixl, one device gather for cuda-ipc); ready copy GB/s counts only the decode's pool "
-        "writes."), "",
+        "writes. Prefill vs colocated = colocated TTFT / prefill compute: the prefill service's prompt tokens per "
+        "second while it streams, against the colocated engine's on the same prompt."), "",
         table(doc["rows"]), "", "## Anchors (same run)", "", anchor_table(doc.get("anchors", {})), "",
         f"## nvfp4 / fp8 transfer share (goal: <= {GOAL_RATIO}x on either path)", "",
         ratio_table(doc["summary"]), "", f"Goal: {verdict}.", ""])
