@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                 for n in a.lengths:
                     run_one(group["prefill"], group[path], f"warm-{kv}-{n}-{path}", unique_prompt(n),
                             a.decode_tokens)
+                    # the decode's own prompt path too: its first local extend compiles its kernels
+                    colocated_ttft(group[path], f"warm-{kv}-{n}-{path}-colocated", unique_prompt(n))
             for n in a.lengths:
                 for path in a.paths:
                     ids = unique_prompt(n)
