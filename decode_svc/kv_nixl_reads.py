@@ -12,7 +12,7 @@ still waiting give up (their handles are cancelled and released) when the transf
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,10 +36,10 @@ MAX_BATCH = 64  # messages one READ carries at most (a batch's descriptors: part
 
 
 class NixlReads:
-    def __init__(self, agent: NixlAgent, view: NixlView, importer: PageImporter, timeout_s: float,
-                 on_read: Callable[[], None] = lambda: None):
+    def __init__(self, agent: NixlAgent, view: NixlView, importer: PageImporter, timeout_s: float):
         self.agent = agent
-        self.on_read = on_read  # called once per READ issued (the decode's nixl_reads counter)
+        self.num_reads = 0  # READs issued, and their descriptors (one per part and run of consecutive pages)
+        self.num_descriptors = 0
         self.view = view
         self.importer = importer
         self.timeout_s = timeout_s  # a READ not DONE by then fails the transfer (the between-pages timeout)
@@ -54,7 +54,8 @@ class NixlReads:
         descs = [read_descs(self.importer.pool, self.view, r.layer, r.src_ids, r.dst_ids, self.agent.device_id)
                  for r in batch]
         local, remote = (np.concatenate([d[i] for d in descs]) for i in (0, 1))
-        self.on_read()
+        self.num_reads += 1  # on writer threads, one batch at a time per transfer (its posts are ordered)
+        self.num_descriptors += len(local)
         try:
             self.agent.read(self.view.remote, local, remote, self.view.mem_type, self.timeout_s, self._stop)
         except NixlTransferError as e:

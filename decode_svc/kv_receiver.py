@@ -256,8 +256,7 @@ class KVReceiver:
             self.transfer_metrics.wait_seconds.inc(t_header - t0)
             path = self._path_of(address, h, offer, peer)
             if path == PATH_NIXL:
-                reads = NixlReads(self.shares.nixl, peer.view, importer, self.timeouts.between_pages_s,
-                                  self.transfer_metrics.nixl_reads.inc)
+                reads = NixlReads(self.shares.nixl, peer.view, importer, self.timeouts.between_pages_s)
             ahead = ReadAhead(stream, _READ_AHEAD)
             num_lanes = self._lanes_of(h, path, address)
             receive = self._receive(ahead, start, path, peer.view, reads, progress, importer, writes, address,
@@ -283,10 +282,13 @@ class KVReceiver:
             self.metrics.observe_transfer(received, seconds, start.num_tokens - start.prefix_len)
             busy_s = writes.busy_s + lanes.busy_s()
             self.transfer_metrics.copy_seconds.inc(busy_s)
+            how = f" over {len(lanes.lanes) + 1} lanes" if lanes.lanes else ""
+            if reads is not None:
+                how = f" in {reads.num_reads} READs of {reads.num_descriptors} descriptors"
             log.info("request %s: %d pages x %d layers from prefill %s via %s%s, %.1f MB in %.1f ms after the header "
                      "(%.1f ms of it copying: %.2f GB/s)", start.rid, progress.end_page - progress.first_page,
-                     self.layout.num_layers, address, path, f" over {len(lanes.lanes) + 1} lanes" if lanes.lanes else "",
-                     received / 1e6, seconds * 1e3, busy_s * 1e3, received / max(busy_s, 1e-9) / 1e9)
+                     self.layout.num_layers, address, path, how, received / 1e6, seconds * 1e3, busy_s * 1e3,
+                     received / max(busy_s, 1e-9) / 1e9)
             return done.first_token_id
         except grpc.aio.AioRpcError as e:
             self.metrics.failed_transfers.labels(e.code().name.lower()).inc()
@@ -306,6 +308,9 @@ class KVReceiver:
             if reads is not None:
                 reads.stop()  # reads still in flight cancel and release their handles; settle waits for them
             await writes.settle()
+            if reads is not None:
+                self.transfer_metrics.nixl_reads.inc(reads.num_reads)
+                self.transfer_metrics.nixl_descriptors.inc(reads.num_descriptors)
             await lanes.settle()
             await _uncancellable(asyncio.to_thread(importer.settle))
 

@@ -153,7 +153,9 @@ class TransferMetrics:
                                                           stream while the prefill computes, so the
                                                           transfer's own duration says little of its rate)
     ``nvfp4_<role>_kv_nixl_reads_total``                 decode: NIXL READs issued (one per run of pages, every
-                                                          layer's together)
+                                                          layer's together), and ``..._nixl_descriptors_total``
+                                                          their descriptors (one per part and run of consecutive
+                                                          pages: the fewer, the faster a READ)
     ``nvfp4_<role>_kv_holds_total{outcome}``              prefill, cuda-ipc and nixl: how the hold on source pages ended
                                                           (released | stream_ended | expired)
     """
@@ -170,6 +172,8 @@ class TransferMetrics:
                                     registry=r)
         self.nixl_reads = Counter(f"{p}_kv_nixl_reads", "NIXL READs issued (one per run of pages, every layer's)",
                                   registry=r)
+        self.nixl_descriptors = Counter(f"{p}_kv_nixl_descriptors", "descriptors of the NIXL READs issued (one per "
+                                        "part and run of consecutive pages)", registry=r)
         self.holds = Counter(f"{p}_kv_holds", "by-reference holds on prefill source pages by outcome", ["outcome"],
                              registry=r)
         self._warned: set[tuple[str, str]] = set()

@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -165,14 +167,18 @@ def check_greedy_over_nixl(model_dir: str, kv_dtype: str, p, d) -> None:
         load, rep, ptext, dtext = await state(p.address, d.address)
         counts = deltas(ptext0, ptext, *names[:2]) + deltas(dtext0, dtext, *names[2:])
         holds = deltas(ptext0, ptext, 'nvfp4_prefill_kv_holds_total{outcome="released"}')
-        reads = deltas(dtext0, dtext, "nvfp4_decode_kv_nixl_reads_total")
+        reads = deltas(dtext0, dtext, "nvfp4_decode_kv_nixl_reads_total", "nvfp4_decode_kv_nixl_descriptors_total")
         return outs, seconds, load, rep, counts, holds, reads
 
     outs, seconds, load, rep, counts, holds, reads = asyncio.run(scenario())
     for ids, out in zip(prompts, outs, strict=True):
         assert out == reference(model_dir, kv_dtype, ids)
     assert counts == [2, 0, 2, 0] and holds == [2]  # nixl both times, on both ends; released after the reads
-    assert reads == [2]  # one prefill chunk each: one READ of every layer's pages, not one per layer
+    # one prefill chunk each: one READ of every layer's pages, not one per layer; each with a descriptor per part
+    # (nvfp4: values and scales of K and V) and run of consecutive pages, in every layer
+    layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+    assert reads[0] == 2 and reads[1] >= 2 * layers * (4 if kv_dtype == "nvfp4" else 2)
+    assert "via nixl in 1 READs of " in d.output
     assert "via nixl" in d.output and "for nixl transfers" in d.output and "NIXL agent decode-" in d.output
     assert load.pool_pages_in_use == 0
     assert rep.ok and rep.num_in_use == 0
