@@ -325,7 +325,7 @@ def write_report(docs: Sequence[dict[str, Any]], out: str | Path, sources: Seque
     out = Path(out)
     fig_dir = Path(figures_dir) if figures_dir is not None else out.parent
     try:
-        pngs = plot(docs, fig_dir)
+        pngs = plot(docs, fig_dir, prefix=f"{out.stem}_")  # agentic.md: agentic_*.png
     except RuntimeError as exc:  # no matplotlib
         print(f"agentic-report: {exc}; writing the tables only", file=sys.stderr)
         pngs = []

@@ -71,11 +71,11 @@ if want issue7; then
     --report docs/benchmarks/agentic.md --launch-log $R/agentic.launch.log \
     --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --page-size 16
 fi
-# the agentic trace with and without a 32 GB host tier (about 5x the GPU pool; the trace's 48 sessions need ~34 GB
+# the agentic trace with and without a host tier (HOSTTIER_SIZES; 32 GB is about 5x the GPU pool, and the trace's 48 sessions need ~34 GB
 # of FP8 pages), at two concurrencies of the sweep
 stage hosttier 600 python3 -m nvfp4_serve.cli bench --trace docs/benchmarks/agentic_trace_h200.jsonl \
   --concurrency ${HOSTTIER_CONCURRENCY:-24 40} --sessions-per-concurrency 1 --max-point-duration-s 40 \
-  --kv-dtypes fp8_e4m3 nvfp4 --equal-pool-bytes 393216 --host-cache-sizes 0 ${HOSTTIER_SIZE:-32GB} --no-progress \
+  --kv-dtypes fp8_e4m3 nvfp4 --equal-pool-bytes 393216 --host-cache-sizes ${HOSTTIER_SIZES:-0 32GB} --no-progress \
   --out docs/benchmarks/agentic_host_tier.json --report docs/benchmarks/agentic_host_tier.md \
   --launch-log $R/agentic_host.launch.log --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --page-size 16
 # 1M input (+1,024 output = the model's 1,048,576 context) at concurrency 1: the workspace must hold the whole
