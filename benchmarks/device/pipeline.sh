@@ -76,7 +76,7 @@ fi
 stage hosttier 600 python3 -m nvfp4_serve.cli bench --trace docs/benchmarks/agentic_trace_h200.jsonl \
   --concurrency ${HOSTTIER_CONCURRENCY:-24 40} --sessions-per-concurrency 1 --max-point-duration-s 40 \
   --kv-dtypes fp8_e4m3 nvfp4 --equal-pool-bytes 393216 --host-cache-sizes ${HOSTTIER_SIZES:-0 32GB} --no-progress \
-  --out docs/benchmarks/agentic_host_tier.json --report docs/benchmarks/agentic_host_tier.md \
+  --out docs/benchmarks/${HOSTTIER_OUT:-agentic_host_tier}.json --report docs/benchmarks/${HOSTTIER_OUT:-agentic_host_tier}.md \
   --launch-log $R/agentic_host.launch.log --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --page-size 16
 # 1M input (+1,024 output = the model's 1,048,576 context) at concurrency 1: the workspace must hold the whole
 # prompt, so it grows to 1M tokens (2 GiB FP8, +1.5 GiB) and --mem-fraction-static grows by 1.5/140 to keep the
