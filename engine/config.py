@@ -184,7 +184,7 @@ class EngineConfig:
     # Serve only the first N decoder layers (quick benchmark runs of a large checkpoint); None -> all.
     num_layers: int | None = field(default=None, metadata=flag(
         "serve only the first N decoder layers of the checkpoint (quick benchmark runs; the KV layout and model "
-        "fingerprint say N, so every service must get the same N)", metavar="N"))
+        "fingerprint say N, so every service must get the same N; default: every layer)", metavar="N"))
     # Decode under CUDA graphs (CUDA only): batches up to cuda_graph_max_bs rows replay captured graphs.
     disable_cuda_graph: bool = field(default=False, metadata=flag(
         "decode eagerly on CUDA (default: decode batches up to --cuda-graph-max-bs replay CUDA graphs)"))

@@ -111,12 +111,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "prompts themselves: colocated)")
     p.add_argument("--prefill-gpus", default=None,
                    help="GPU ids for the prefill services, e.g. 0 or 0,1 (prefill i gets id i mod count; sets "
-                        "their CUDA_VISIBLE_DEVICES)")
+                        "their CUDA_VISIBLE_DEVICES; default: the visibility this command inherited)")
     p.add_argument("--prefill-max-total-tokens", type=int, default=None,
                    help="KV pool of each prefill service in tokens (default: twice --workspace-tokens, else twice "
                         "the model context): prompts in flight there; the decode services get the rest")
     p.add_argument("--decode-gpus", default=None,
-                   help="GPU ids for the decode services, e.g. 1 or 1,2 (decode i gets id i mod count)")
+                   help="GPU ids for the decode services, e.g. 1 or 1,2 (decode i gets id i mod count; default: the "
+                        "visibility this command inherited)")
     p.add_argument("--shared-gpu-decode-interval-ms", type=float, default=SHARED_GPU_DECODE_INTERVAL_MS,
                    help="where a decode service shares its GPU with a prefill service, its decode steps start at "
                         "least this far apart while prompts are pulled, so the prefill computes at nearly full "
@@ -126,7 +127,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "cuda-ipc, or nixl: NIXL over UCX, needs the nixl extra)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on the API (or ${API_KEY_ENV}); also the service "
-                        f"token of every gRPC link unless --service-token is given")
+                        f"token of every gRPC link unless --service-token is given; default: no key)")
     p.add_argument("--metrics-open", action="store_true",
                    help="serve the router's /metrics without the API key (it names the services' addresses)")
     p.add_argument("--served-model-name", default=None,

@@ -197,7 +197,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def build_arg_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m router``."""
     parser = argparse.ArgumentParser(
-        prog="python -m router", description="nvfp4-serve router: the OpenAI-compatible HTTP gateway")
+        prog="nvfp4-serve router", description="nvfp4-serve router: the OpenAI-compatible HTTP gateway")
     return add_router_args(parser)
 
 

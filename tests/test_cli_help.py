@@ -24,6 +24,7 @@ COMMANDS = {
     "calibrate": ("offline.calibration", "main"),
     "eval": ("offline.evaluation", "main"),
     "make-model": ("offline.tiny_model", "main"),
+    "warm-cache": ("offline.warm_cache", "main"),
     "bench": ("benchmarks.serving.__main__", "main"),
     "bench gen-trace": ("benchmarks.agentic.generate", "main"),
     "bench --trace": ("benchmarks.agentic.sweep", "main"),
