@@ -40,6 +40,7 @@ class NixlReads:
         self.agent = agent
         self.num_reads = 0  # READs issued, and their descriptors (one per part and run of consecutive pages)
         self.num_descriptors = 0
+        self._count = threading.Lock()  # batches of one transfer may read on two writer threads at once
         self.view = view
         self.importer = importer
         self.timeout_s = timeout_s  # a READ not DONE by then fails the transfer (the between-pages timeout)
@@ -54,8 +55,9 @@ class NixlReads:
         descs = [read_descs(self.importer.pool, self.view, r.layer, r.src_ids, r.dst_ids, self.agent.device_id)
                  for r in batch]
         local, remote = (np.concatenate([d[i] for d in descs]) for i in (0, 1))
-        self.num_reads += 1  # on writer threads, one batch at a time per transfer (its posts are ordered)
-        self.num_descriptors += len(local)
+        with self._count:
+            self.num_reads += 1
+            self.num_descriptors += len(local)
         try:
             self.agent.read(self.view.remote, local, remote, self.view.mem_type, self.timeout_s, self._stop)
         except NixlTransferError as e:
