@@ -279,16 +279,9 @@ class KVReceiver:
             seconds = time.perf_counter() - t_header
             if by_reference(path):
                 await self._release(peer_stubs.stub, ahead, h, time.perf_counter() - t_last, address)
-            self.metrics.observe_transfer(received, seconds, start.num_tokens - start.prefix_len)
-            busy_s = writes.busy_s + lanes.busy_s()
-            self.transfer_metrics.copy_seconds.inc(busy_s)
-            how = f" over {len(lanes.lanes) + 1} lanes" if lanes.lanes else ""
-            if reads is not None:
-                how = f" in {reads.num_reads} READs of {reads.num_descriptors} descriptors"
-            log.info("request %s: %d pages x %d layers from prefill %s via %s%s, %.1f MB in %.1f ms after the header "
-                     "(%.1f ms of it copying: %.2f GB/s)", start.rid, progress.end_page - progress.first_page,
-                     self.layout.num_layers, address, path, how, received / 1e6, seconds * 1e3, busy_s * 1e3,
-                     received / max(busy_s, 1e-9) / 1e9)
+            self._report(start, address, path, progress, received, seconds, writes.busy_s + lanes.busy_s(),
+                         f" over {len(lanes.lanes) + 1} lanes" if lanes.lanes else "" if reads is None else
+                         f" in {reads.num_reads} READs of {reads.num_descriptors} descriptors")
             return done.first_token_id
         except grpc.aio.AioRpcError as e:
             self.metrics.failed_transfers.labels(e.code().name.lower()).inc()
@@ -313,6 +306,16 @@ class KVReceiver:
                 self.transfer_metrics.nixl_descriptors.inc(reads.num_descriptors)
             await lanes.settle()
             await _uncancellable(asyncio.to_thread(importer.settle))
+
+    def _report(self, start: PullStart, address: str, path: str, progress: _Progress, received: int, seconds: float,
+                busy_s: float, how: str) -> None:
+        """A completed transfer's metrics and log line (``busy_s``: the time its pool writes ran)."""
+        self.metrics.observe_transfer(received, seconds, start.num_tokens - start.prefix_len)
+        self.transfer_metrics.copy_seconds.inc(busy_s)
+        log.info("request %s: %d pages x %d layers from prefill %s via %s%s, %.1f MB in %.1f ms after the header "
+                 "(%.1f ms of it copying: %.2f GB/s)", start.rid, progress.end_page - progress.first_page,
+                 self.layout.num_layers, address, path, how, received / 1e6, seconds * 1e3, busy_s * 1e3,
+                 received / max(busy_s, 1e-9) / 1e9)
 
     def _check_header(self, h: prefill_pb2.TransferHeader, start: PullStart, address: str) -> _Progress:
         check_layout(self.layout, h.layout, "decode", "prefill")
