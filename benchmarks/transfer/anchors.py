@@ -113,15 +113,18 @@ def measure_anchors(a: argparse.Namespace, model: Path, log_dir: Path) -> dict[s
 
 
 def attach_anchors(rows: list[dict[str, Any]], anchors: dict[str, Any]) -> None:
-    """Each row's anchor: raw grpcio on one channel for grpc and nixl (the fastest of its settings), on any
-    channel count for grpc-lanes (several streams: the best raw figure at all), the device gather for cuda-ipc;
+    """Each row's anchor: raw grpcio on one channel for grpc (the fastest of its settings), on any channel count
+    for grpc-lanes (several streams: the best raw figure at all), the device gather for cuda-ipc, and for nixl
+    the device gather on a GPU (UCX moves VRAM with cuda_ipc there) or raw grpcio on the CPU (UCX over tcp);
     and the share of it the ready transfer reached."""
     raws = anchors.get("raw_grpc", [])
     raw = max((r["best_gb_s"] for r in raws if r["channels"] == 1), default=None)
     raw_any = max((r["best_gb_s"] for r in raws), default=None)
     gather = anchors.get("device_gather", {}).get("gb_s")
-    for row in rows:  # nixl over UCX is a host transport here, as grpc is: judged against raw grpcio too
-        anchor = gather if row["path"] == "cuda-ipc" else raw_any if row["path"] == "grpc-lanes" else raw
+    on_gpu = str(anchors.get("device_gather", {}).get("device", "")).startswith("cuda")
+    by_path = {"cuda-ipc": gather, "grpc-lanes": raw_any, "nixl": gather if on_gpu else raw}
+    for row in rows:
+        anchor = by_path.get(row["path"], raw)
         got = row.get("ready_transfer_gbps")
         row["anchor_gbps"] = anchor
         row["of_anchor"] = got / anchor if got and anchor else None

@@ -95,7 +95,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "stream while the prefill computes, so the first transfer's time includes compute after the first chunk; "
         "the ready columns are the same prompt again with every page ready at once: the path's own speed "
         "(header to last page, every write complete), against its anchor from this run (raw grpcio on one "
-        "channel for grpc and nixl, one device gather for cuda-ipc); ready copy GB/s counts only the decode's pool "
+        "channel for grpc, on any channel count for grpc-lanes, one device gather for cuda-ipc and, on a GPU, for nixl); "
+        "ready copy GB/s counts only the decode's pool "
         "writes. Prefill vs colocated = colocated TTFT / prefill compute: the prefill service's prompt tokens per "
         "second while it streams, against the colocated engine's on the same prompt."), "",
         table(doc["rows"]), "", "## Anchors (same run)", "", anchor_table(doc.get("anchors", {})), "",
