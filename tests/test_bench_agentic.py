@@ -403,6 +403,12 @@ def test_replay_sweep_reuses_each_sessions_prefix_on_one_worker_then_evicts_unde
     calm = points[1]
     assert calm["reprefill_tokens"] == 0
     assert all(t["cached_tokens"] >= t["cacheable_tokens"] > 0 for t in calm["turns"] if t["turn"] > 0)
+    # the later-turn hit rate's ceiling: what earlier turns computed, over the later prompts; nothing re-prefilled,
+    # so the hit rate reaches it (new tokens of a turn are never cached)
+    later = [t for t in calm["turns"] if t["turn"] > 0]
+    assert calm["later_prompt_tokens"] == sum(t["prompt_tokens"] for t in later)
+    assert calm["later_hit_ceiling"] == sum(t["cacheable_tokens"] for t in later) / calm["later_prompt_tokens"] < 1
+    assert calm["cache_hit_rate_later_turns"] >= calm["later_hit_ceiling"]
     assert all(m["requests_total"] > 0 for a, m in calm["server"]["decode_metrics"].items() if a != "sum")
     # Eight at once on 2 x 64 pages: the radix caches evict session prefixes and turns re-prefill them.
     busy = points[8]

@@ -391,7 +391,8 @@ def test_the_agentic_report_tables_hit_rate_and_throughput_with_and_without_the_
     def point(c: int, tok_s: float, hit: float, host_hits: int = 0) -> dict:
         return {"concurrency": c, "num_sessions": 2 * c, "completed": 4, "failed": 0, "turns_not_sent": 0,
                 "output_tok_s": tok_s, "tok_s_per_user": 10.0, "ttft_ms": {"median": 5.0, "p99": 9.0},
-                "cache_hit_rate": hit, "cache_hit_rate_later_turns": hit, "reprefill_tokens": 0,
+                "cache_hit_rate": hit, "cache_hit_rate_later_turns": hit, "later_hit_ceiling": 0.99,
+                "reprefill_tokens": 0 if host_hits else 70,
                 "evicted_pages": 1, "evicted_tokens": 4, "retractions": 0, "integrity_ok": True,
                 "host_hit_tokens": host_hits, "host_load_gbps": 45.0 if host_hits else None,
                 "host_store_gbps": 50.0 if host_hits else None,
@@ -410,8 +411,8 @@ def test_the_agentic_report_tables_hit_rate_and_throughput_with_and_without_the_
             run("fp8_e4m3", "32tokens", [point(40, 400.0, 0.97, 9000)])]
     text = markdown([{"trace": {"path": "t.jsonl", "stats": stats}, "command": "c", "runs": runs}], ["r.json"], None)
     host = text[text.index("## Host tier"):]
-    assert "| fp8_e4m3 | none | 40 | 66.0% | 200.0 | - | - | - |" in host
-    assert "| fp8_e4m3 | 32tokens (32 tokens) | 40 | 97.0% | 400.0 | 2.00 | 9,000 | 45.0 / 50.0 |" in host
-    assert "| nvfp4 | 32tokens (32 tokens) | 40 | 98.0% | 690.0 | 1.50 | 5,000 | 45.0 / 50.0 |" in host
+    assert "| fp8_e4m3 | none | 40 | 66.0% | 99.0% | 70 | 200.0 | - | - | - |" in host
+    assert "| fp8_e4m3 | 32tokens (32 tokens) | 40 | 97.0% | 99.0% | 0 | 400.0 | 2.00 | 9,000 | 45.0 / 50.0 |" in host
+    assert "| nvfp4 | 32tokens (32 tokens) | 40 | 98.0% | 99.0% | 0 | 690.0 | 1.50 | 5,000 | 45.0 / 50.0 |" in host
     assert "With the tier at C=40: NVFP4 690.0 vs FP8 400.0 output tok/s (1.73x)." in host
     assert "## nvfp4 + host 32tokens" in text and "## fp8_e4m3\n" in text  # the no-tier series keep their names

@@ -234,6 +234,9 @@ def point_json(cfg: PointConfig, replay: Replay, page_size: int, flushed: dict[s
         "cache_hit_rate": sum(r.result.cached_tokens for r in ok) / prompt_tokens if prompt_tokens else None,
         "cache_hit_rate_later_turns": sum(r.result.cached_tokens for r in later) / later_prompt
         if later_prompt else None,
+        # the later-turn hit rate's ceiling: the share of later prompts that an earlier turn computed (whole pages);
+        # the rest is new in its turn (tool results, user text) and no cache can hold it
+        "later_prompt_tokens": later_prompt, "later_hit_ceiling": cacheable / later_prompt if later_prompt else None,
         "cacheable_tokens": cacheable, "reprefill_tokens": sum(r.reprefill_tokens for r in later),
         "reprefill_fraction": sum(r.reprefill_tokens for r in later) / cacheable if cacheable else None,
         "max_context_len": max((r.result.prompt_tokens + r.result.completion_tokens for r in ok), default=0),

@@ -57,8 +57,8 @@ def _has_host_tier(run: dict[str, Any]) -> bool:
     return bool(size) and parse_host_cache_size(size).enabled
 
 
-_HOST_HEAD = ("KV dtype", "host tier", "C", "cache hit t>0", "output tok/s", "x same dtype without tier",
-              "host hits (tokens)", "host load / store GB/s")
+_HOST_HEAD = ("KV dtype", "host tier", "C", "cache hit t>0", "its ceiling", "re-prefilled tokens", "output tok/s",
+              "x same dtype without tier", "host hits (tokens)", "host load / store GB/s")
 
 
 def _host_tier_section(lines: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]) -> list[str]:
@@ -79,13 +79,16 @@ def _host_tier_section(lines: dict[str, tuple[dict[str, Any], list[dict[str, Any
             ratio = (p["output_tok_s"] / base["output_tok_s"] if on and base and base["output_tok_s"] else None)
             gbps = f"{_f(p.get('host_load_gbps'))} / {_f(p.get('host_store_gbps'))}" if on else "-"
             rows.append([run["kv_dtype"], host, str(p["concurrency"]),
-                         _f(p["cache_hit_rate_later_turns"], pct=True), _f(p["output_tok_s"]), _f(ratio, 2) if on else "-",
+                         _f(p["cache_hit_rate_later_turns"], pct=True), _f(p.get("later_hit_ceiling"), pct=True),
+                         _f(p.get("reprefill_tokens")), _f(p["output_tok_s"]), _f(ratio, 2) if on else "-",
                          _f(p.get("host_hit_tokens", 0)) if on else "-", gbps])
     out = ["", "## Host tier", "",
            ("Each KV dtype with and without the host tier (`--host-cache-size`: evicted pages wait in pinned host "
            "memory, block scales included, and come back instead of being prefilled again); *host hits* = "
            "prompt tokens loaded back from it during the point; GB/s = bytes / copy time of the point's host "
-           "<-> device copies."), "", *_table(_HOST_HEAD, rows)]
+           "<-> device copies; *its ceiling* = the share of later-turn prompt tokens an earlier turn computed (whole "
+           "pages): the rest is new in its turn, so no cache reaches more; *re-prefilled* = those an earlier turn "
+           "computed that had to be computed again."), "", *_table(_HOST_HEAD, rows)]
     fp8, nv = tiered.get("fp8_e4m3"), tiered.get("nvfp4")
     if fp8 and nv and (shared := sorted(set(fp8) & set(nv))):
         c = shared[-1]
