@@ -13,26 +13,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from decode_svc.page_refs import MAX_BATCH, PageRead
 from svc_common.kv_copy import PageImporter
 from svc_common.kv_transfer_nixl import NixlAgent, NixlTransferError, NixlView, read_descs
-
-
-@dataclass(frozen=True)
-class PageRead:
-    """One KVPageRefs message's pages: source pages ``src_ids`` of ``layer`` (checked against the view by the
-    caller) into pages ``dst_ids``, of which the first ``num_tokens`` token slots hold the prompt."""
-
-    layer: int
-    src_ids: Sequence[int]
-    dst_ids: Sequence[int]
-    num_tokens: int
-
-
-MAX_BATCH = 64  # messages one READ carries at most (a batch's descriptors: parts x runs x messages)
 
 
 class NixlReads:

@@ -8,8 +8,9 @@ nor delays them; the stream is read ahead of the handling (``decode_svc/read_ahe
 message is received while this one is checked:
 
     grpc      KVPageRun bytes (zero-copy views, ``svc_common/kv_wire.py``) -> PageImporter.write
-    cuda-ipc  KVPageRefs -> PageImporter.copy_from the prefill's pool (opened once, decode_svc/kv_ipc.py);
-              after PrefillDone: writes complete -> ReleaseTransfer -> the stream ends
+    cuda-ipc  KVPageRefs -> PageImporter.copy_from the prefill's pool (opened once, decode_svc/kv_ipc.py), a run of
+              pages of every layer in one writer task (decode_svc/page_refs.py); after PrefillDone: writes
+              complete -> ReleaseTransfer -> the stream ends
     nixl      KVPageRefs -> one NIXL READ per run of pages, every layer's refs of it together
               (decode_svc/kv_nixl_reads.py), then the rows checked; after PrefillDone: as cuda-ipc
 
@@ -38,7 +39,8 @@ from google.protobuf.message import DecodeError
 
 from decode_svc.config import Timeouts
 from decode_svc.kv_ipc import PeerShare, PrefillShares
-from decode_svc.kv_nixl_reads import MAX_BATCH, NixlReads, PageRead
+from decode_svc.kv_nixl_reads import NixlReads
+from decode_svc.page_refs import MAX_BATCH, PageRead, copy_batch
 from decode_svc.peer_channels import PeerChannels, PeerStubs
 from decode_svc.read_ahead import ReadAhead
 from engine.kv_pool import KVPool
@@ -47,7 +49,7 @@ from engine.sampling import SamplingParams
 from nvfp4_serve_proto import common_pb2, prefill_pb2
 from svc_common.convert import sampling_to_proto
 from svc_common.errors import InvalidRequest, LayoutMismatch, PrefillUnavailable, TransferTimeout
-from svc_common.kv_copy import PARTS, PageImporter
+from svc_common.kv_copy import PageImporter
 from svc_common.kv_transfer import (
     PATH_GRPC,
     PATH_NIXL,
@@ -334,15 +336,16 @@ class KVReceiver:
         """Read page messages up to PrefillDone, posting each one's pool write; returns (bytes, done, when the
         last page message arrived). With lanes, this stream is lane 0."""
         received, t_last = 0, time.perf_counter()
-        # nixl: page refs not yet read. A prefill sends a run of pages for every layer back to back, so one READ
-        # covers them all once the last layer's refs are in (or MAX_BATCH are).
+        # cuda-ipc, nixl: page refs not yet copied. A prefill sends a run of pages for every layer back to back, so
+        # one writer task copies them all once the last layer's refs are in (or MAX_BATCH are): decode_svc/page_refs.py
         batch: list[PageRead] = []
 
         async def post_batch() -> None:
             if batch:
                 todo = tuple(batch)
                 batch.clear()
-                await writes.post(lambda: reads.read(todo), "page refs", address)
+                await writes.post(lambda: reads.read(todo) if path == PATH_NIXL else copy_batch(importer, view, todo),
+                                  "page refs", address)
 
         last_layer = self.layout.num_layers - 1
         while True:
@@ -368,14 +371,9 @@ class KVReceiver:
                                              f"(0..{view.num_pages - 1})")
                 dst = start.page_ids[refs.first_page:refs.first_page + len(src)]
                 valid = self._tokens_in(start, refs.first_page, len(src))
-                if path == PATH_NIXL:
-                    batch.append(PageRead(refs.layer, src, dst, valid))
-                    if refs.layer == last_layer or len(batch) == MAX_BATCH:
-                        await post_batch()
-                else:
-                    parts = [view.layers[refs.layer].get(name) for name in PARTS]
-                    await writes.post(lambda p=parts, layer=refs.layer, s=src, d=dst, v=valid:
-                                      importer.copy_from(p, layer, s, d, v), "page refs", address)
+                batch.append(PageRead(refs.layer, src, dst, valid))
+                if refs.layer == last_layer or len(batch) == MAX_BATCH:
+                    await post_batch()
                 received += len(src) * self.pool.page_bytes_per_layer
                 t_last = time.perf_counter()
             elif kind == "done":

@@ -1,0 +1,38 @@
+"""A by-reference transfer's page refs (cuda-ipc, nixl), batched: a prefill sends one KVPageRefs message per
+layer for each run of pages it completed, back to back, so the decode copies a run of pages of every layer in
+one writer-thread task (cuda-ipc: one page-copy launch per layer, one after the other; nixl: one READ of all
+of them) instead of one task, one thread hand-off and one lock hand-off per layer.
+
+Invariant: a ``PageRead``'s ids were checked by the receiver (sources against the prefill's pool, destinations
+the request's own pages) before it is batched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from svc_common.kv_copy import PARTS, PageImporter
+from svc_common.kv_transfer_ipc import PoolView
+
+MAX_BATCH = 64  # page refs messages one task carries at most (nixl: a READ's descriptors, parts x runs x messages)
+
+
+@dataclass(frozen=True)
+class PageRead:
+    """One KVPageRefs message's pages: source pages ``src_ids`` of ``layer`` into pages ``dst_ids``, of which
+    the first ``num_tokens`` token slots hold the prompt."""
+
+    layer: int
+    src_ids: Sequence[int]
+    dst_ids: Sequence[int]
+    num_tokens: int
+
+
+def copy_batch(importer: PageImporter, view: PoolView, batch: Sequence[PageRead]) -> None:
+    """MUTATES the pool: cuda-ipc's copies of ``batch`` out of the prefill's pool ``view``, in order (one
+    page-copy launch per message, values checked as they are copied; see ``PageImporter.copy_from``). Blocks
+    (call on a writer thread)."""
+    for r in batch:
+        parts = [view.layers[r.layer].get(name) for name in PARTS]
+        importer.copy_from(parts, r.layer, r.src_ids, r.dst_ids, r.num_tokens)

@@ -1,0 +1,40 @@
+"""A by-reference transfer's batched page refs (decode_svc/page_refs.py): one writer task copies a run of pages
+of every layer out of the prefill's pool, as the per-layer copies did, on the CPU and, where there is one, on a
+GPU (its page-copy launches)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from decode_svc.page_refs import PageRead, copy_batch
+from svc_common.kv_copy import PageImporter
+from svc_common.kv_transfer_ipc import pool_view
+from tests.test_kv_copy import DEVICES, _pool, _rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8_e4m3", "bf16"])
+def test_a_batch_copies_every_layers_pages_and_checks_their_values(device, kv_dtype):
+    src, dst = _pool(kv_dtype, device), _pool(kv_dtype, device)
+    rnd = random.Random(2)
+    src_pages, dst_pages = rnd.sample(range(64), 9), rnd.sample(range(64), 9)
+    before = [_rows(dst, layer, [p for p in range(64) if p not in dst_pages]) for layer in range(2)]
+    importer = PageImporter(dst)
+    copy_batch(importer, pool_view(src), [PageRead(layer, src_pages, dst_pages, 9 * 4) for layer in range(2)])
+    importer.finish()
+    for layer in range(2):
+        for a, b in zip(_rows(src, layer, src_pages), _rows(dst, layer, dst_pages), strict=True):
+            assert torch.equal(a, b)
+        others = _rows(dst, layer, [p for p in range(64) if p not in dst_pages])  # nothing else was written
+        assert all(torch.equal(a, b) for a, b in zip(before[layer], others, strict=True))
+    if kv_dtype == "bf16":
+        return
+    e4m3 = src.layers[1].k_sf if kv_dtype == "nvfp4" else src.layers[1].k  # nvfp4: its scales are E4M3
+    e4m3.view(torch.uint8)[src_pages[4]].fill_(0x7F)  # an E4M3 NaN in the prompt's slots of layer 1
+    importer = PageImporter(dst)
+    copy_batch(importer, pool_view(src), [PageRead(layer, src_pages, dst_pages, 9 * 4) for layer in range(2)])
+    with pytest.raises(ValueError, match="NaN or inf"):
+        importer.finish()
