@@ -106,7 +106,11 @@ class PrefillWorker:
         aio_loop = asyncio.get_running_loop()
         events: asyncio.Queue[StepOutput | PrefillProgress] = asyncio.Queue()
 
+        computed_at: list[float] = []  # when the engine produced the first token: the prompt's compute is done
+
         def on_output(ev) -> None:  # on the engine loop thread
+            if isinstance(ev, StepOutput) and not computed_at:
+                computed_at.append(time.perf_counter())
             if isinstance(ev, (StepOutput, PrefillProgress)):
                 aio_loop.call_soon_threadsafe(events.put_nowait, ev)
 
@@ -126,7 +130,8 @@ class PrefillWorker:
                     if ev.finish_reason is not FinishReason.PREFILLED:
                         why = f"prefill ended with {ev.finish_reason.value if ev.finish_reason else 'no finish reason'}"
                         raise service_error(Failure(FailureKind.INTERNAL, why))
-                    self.metrics.ttft.observe(time.perf_counter() - t0)
+                    # the compute's own time, not when this stream got to it (behind earlier chunks' pages)
+                    self.metrics.ttft.observe(computed_at[0] - t0)
                     out, ready, fence = ev, end_page, None  # the first token's sampling synchronised the device
                 else:
                     ready, fence = min(ev.kv_len // self.page_size, end_page), ev.fence

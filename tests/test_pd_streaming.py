@@ -110,3 +110,24 @@ def test_a_transfer_cancelled_at_every_stage_frees_every_page_on_both_sides(tiny
     assert load.pool_pages_in_use == 0
     assert rep.ok and rep.num_in_use == 0 and rep.num_cached == 0  # nothing of the cancelled prompt cached
     assert later == reference(tiny_model_dir, prompt(24, offset=9), 4)  # the services keep serving
+
+
+def test_the_prefills_compute_time_excludes_the_wait_behind_earlier_pages(tiny_model_dir):
+    """``nvfp4_prefill_ttft_seconds`` is when the engine finished the prompt, not when the stream, still sending
+    earlier chunks' pages (each held 1.5 s here), got to its end: that is 2 x 1.5 s at least (chunk 0's two
+    page messages go out before the last chunk's output is handled)."""
+    import re
+    import time
+
+    async def scenario():
+        async with services(tiny_model_dir, page_size=PAGE, chunk_size=CHUNK) as s:
+            s.prefill.debug_delay = 1.5  # before each page message (tests only)
+            t0 = time.perf_counter()
+            await s.generate("t", prompt(40), max_tokens=2)
+            elapsed = time.perf_counter() - t0
+            text = s.prefill.metrics.text()
+        return elapsed, float(re.search(r"^nvfp4_prefill_ttft_seconds_sum (\S+)$", text, re.MULTILINE).group(1))
+
+    elapsed, computed = asyncio.run(scenario())
+    assert elapsed >= 5.5  # chunk 0's two page messages, then the rest of both layers: 4 x 1.5 s at least
+    assert computed < 2.5  # five chunks of a 2-layer tiny model (0.2-0.9 s on 2 busy cores), not 3 s or more
