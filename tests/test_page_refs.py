@@ -19,6 +19,10 @@ from tests.test_kv_copy import DEVICES, _pool, _rows
 @pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8_e4m3", "bf16"])
 def test_a_batch_copies_every_layers_pages_and_checks_their_values(device, kv_dtype):
     src, dst = _pool(kv_dtype, device), _pool(kv_dtype, device)
+    for layer in dst.layers:  # the same seed as src: make every destination byte differ from its source first
+        for t in (layer.k, layer.k_sf, layer.v, layer.v_sf):
+            if t is not None:
+                t.view(torch.uint8).fill_(0x01)
     rnd = random.Random(2)
     src_pages, dst_pages = rnd.sample(range(64), 9), rnd.sample(range(64), 9)
     before = [_rows(dst, layer, [p for p in range(64) if p not in dst_pages]) for layer in range(2)]

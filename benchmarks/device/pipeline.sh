@@ -71,8 +71,8 @@ if want issue7; then
     --report docs/benchmarks/agentic.md --launch-log $R/agentic.launch.log \
     --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --page-size 16
 fi
-# the agentic trace with and without a host tier (HOSTTIER_SIZES; 32 GB is about 5x the GPU pool, and the trace's 48 sessions need ~34 GB
-# of FP8 pages), at two concurrencies of the sweep
+# the agentic trace with and without a host tier (HOSTTIER_SIZES; 32 GB is about 5x the GPU pool, and the
+# trace's 48 sessions need ~34 GB of FP8 pages), at two concurrencies of the sweep (HOSTTIER_CONCURRENCY)
 stage hosttier 600 python3 -m nvfp4_serve.cli bench --trace docs/benchmarks/agentic_trace_h200.jsonl \
   --concurrency ${HOSTTIER_CONCURRENCY:-24 40} --sessions-per-concurrency 1 --max-point-duration-s 40 \
   --kv-dtypes fp8_e4m3 nvfp4 --equal-pool-bytes 393216 --host-cache-sizes ${HOSTTIER_SIZES:-0 32GB} --no-progress \

@@ -172,6 +172,7 @@ def colocated_ttft(decode: Service, rid: str, ids: list[int]) -> float:
     prompt path, the same engine code and chunk size), on idle services; its cache flushed after."""
     sp = common_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     req = decode_pb2.GenerateRequest(request_id=rid, token_ids=ids, sampling=sp)
+    ttft = None
     with grpc.insecure_channel(decode.address, options=_GRPC_OPTIONS) as ch:
         t0 = time.perf_counter()
         for m in decode_pb2_grpc.DecodeStub(ch).Generate(req, timeout=1800):
@@ -179,6 +180,8 @@ def colocated_ttft(decode: Service, rid: str, ids: list[int]) -> float:
                 ttft = time.perf_counter() - t0
                 break
     flush_decode_cache(decode.address)
+    if ttft is None:
+        raise RuntimeError(f"decode {decode.address} ended request {rid} without a token (see its log)")
     return ttft
 
 
