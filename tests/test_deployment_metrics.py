@@ -52,6 +52,13 @@ def test_router_metrics_serve_every_workers_families_labelled_by_worker(dep):
     r = httpx.post(f"{dep.url}/v1/completions", headers=auth, timeout=60,
                    json={"model": model, "prompt": "def main():", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200, r.text
+    # the prefill counts a transfer once its stream has ended, which may come just after the answer: wait for
+    # that before comparing the router's view with the workers' own
+    for _ in range(100):
+        fam = _families(asyncio.run(_get_metrics(dep.address("prefill"), "prefill"))).get("nvfp4_prefill_kv_transfer_bytes", {})
+        if fam.get(("nvfp4_prefill_kv_transfer_bytes_total", ()), 0) > 0:
+            break
+        time.sleep(0.1)
     text = httpx.get(f"{dep.url}/metrics", headers=auth, timeout=30).text
     got = _families(text)
     type_lines = [line for line in text.splitlines() if line.startswith("# TYPE ")]
