@@ -55,7 +55,13 @@ def copy_bandwidth(dev: torch.device) -> float:
 def run_checks(dev: torch.device) -> dict:
     """Every kernel vs the reference: bit-exact bytes for quantize / workspace, rel. error for decode."""
     from kernels import fp8, nvfp4
-    from kernels.backends.triton_backend import TritonBackend, dequant_rows_to_fp8, quantize_rows
+    from kernels.backends.triton_backend import (
+        DecodeConfig,
+        DecodeKernel,
+        TritonBackend,
+        dequant_rows_to_fp8,
+        quantize_rows,
+    )
     from kernels.kv_layout import LayerKV
 
     out: dict = {}
@@ -99,7 +105,10 @@ def run_checks(dev: torch.device) -> dict:
         err = float((ours - ref).norm() / ref.norm())
         key = f"decode_G{g}_D{d}_lens{'-'.join(map(str, lens))}"
         out[key] = {"rel_err": err, "splits": tb.plan_decode(pt, seq, hq, HK, d, PAGE).backend_state.num_splits}
-        _log(f"check {key}: rel err {err:.2e}")
+        gb = TritonBackend(DecodeConfig(1, 32, 3, 64, DecodeKernel.GLUON))
+        gl_out = gb.decode(gb.plan_decode(pt, seq, hq, HK, d, PAGE), q, layer, 1 / math.sqrt(d)).float()
+        out[key]["gluon_rel_err"] = float((gl_out - ref).norm() / ref.norm())
+        _log(f"check {key}: rel err {err:.2e}, gluon {out[key]['gluon_rel_err']:.2e}")
 
     try:
         from kernels.backends.flashinfer_backend import flashinfer_available, nvfp4_dequantize_rows
@@ -188,8 +197,8 @@ def time_ours(dev, batch, seq_len, configs) -> dict:
         plans = [tb.plan_decode(pt, seq, HQ, HK, D, PAGE) for pt in pts]
         us = _bench(_rotating([functools.partial(tb.decode, pl, q, layer, SM_SCALE) for pl in plans]))
         st = plans[0].backend_state
-        res[f"nw{cfg.num_warps}_bw{cfg.block_w}_st{cfg.num_stages}_p{cfg.programs_per_sm}"] = {
-            "us": us, "splits": st.num_splits, "chunk_tokens": st.chunk_tokens, "config": asdict(cfg)}
+        res[cfg.label] = {"us": us, "splits": st.num_splits, "chunk_tokens": st.chunk_tokens,
+                          "kernel": cfg.kernel.value, "config": {**asdict(cfg), "kernel": cfg.kernel.value}}
     return res
 
 
@@ -261,7 +270,7 @@ def _prewarm_flashinfer(cuda_cores: bool) -> object:
 
 def main(argv: list[str] | None = None) -> int:
     from kernels.backends.flashinfer_backend import flashinfer_available
-    from kernels.backends.triton_backend import DecodeConfig, default_decode_config
+    from kernels.backends.triton_backend import DecodeConfig, DecodeKernel, default_decode_config
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="docs/benchmarks/kernels.json")
@@ -290,9 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     report["quantize"] = time_quantize(dev)
     _log(f"quantize kernel: {report['quantize']['tokens']} tokens in {report['quantize']['us']:.0f} us = "
          f"{report['quantize']['tb_per_s']:.2f} TB/s")
-    configs = [default_decode_config(D)]
+    triton_cfg = DecodeConfig(4, 16 if D > 128 else 32, 2, 8)  # the Triton kernel's measured best tiling
+    gluon = DecodeKernel.GLUON
+    configs = list(dict.fromkeys([default_decode_config(D), triton_cfg, DecodeConfig(1, 32, 3, 16, gluon),
+                                  DecodeConfig(1, 64, 3, 16, gluon)]))
     if args.sweep:
-        configs += [DecodeConfig(4, 32, 2, 16), DecodeConfig(1, 32, 2, 16), DecodeConfig(1, 32, 2, 32)]
+        configs += [DecodeConfig(4, 32, 2, 16), DecodeConfig(1, 32, 2, 32), DecodeConfig(1, 32, 4, 24, gluon),
+                    DecodeConfig(1, 16, 4, 32, gluon), DecodeConfig(1, 32, 3, 32, gluon), DecodeConfig(1, 64, 2, 12, gluon),
+                    DecodeConfig(1, 64, 4, 24, gluon), DecodeConfig(1, 32, 2, 16, gluon)]
     if warm is not None:
         warm.wait()
     rows = []
@@ -342,18 +356,19 @@ def _print_table(report: dict) -> None:
     copy = report["copy_tb_per_s"]
     _log(f"\nNVFP4 decode, GQA {HQ}/{HK}, D={D}, page {PAGE}; copy bandwidth {copy:.2f} TB/s; "
          f"TB/s = each format's own K+V bytes / time")
-    hdr = (f"{'shape':>12} | {'ours us':>8} {'TB/s':>5} {'%copy':>5} | {'FI bf16':>8} {'FI fp8':>8} {'FI nvfp4':>8} |"
+    hdr = (f"{'shape':>12} | {'triton':>7} {'gluon':>7} | {'ours us':>8} {'TB/s':>5} {'%copy':>5} | {'FI bf16':>8} {'FI fp8':>8} {'FI nvfp4':>8} |"
            f" {'x bf16':>6} {'x fp8':>6} {'x nvfp4':>7} | {'85% goal us':>10}")
     _log(hdr)
     _log("-" * len(hdr))
     for e in report["decode"]:
         name, ours, _ = _best(e["ours"])
+        per = {kn: _best({k: v for k, v in e["ours"].items() if v.get("kernel") == kn})[1] for kn in ("triton", "gluon")}
         tbs = e["nvfp4_bytes"] / ours / 1e6
         fi = {k: _best(e.get(f"flashinfer_{k}", {}))[1] for k in ("bf16", "fp8_e4m3", "nvfp4")}
         goal = e["nvfp4_bytes"] / (0.85 * copy * 1e6)
-        e["summary"] = {"best_config": name, "ours_us": ours, "ours_tb_per_s": tbs, "pct_of_copy": 100 * tbs / copy,
+        e["summary"] = {"best_config": name, "ours_us": ours, "best_us_per_kernel": per, "ours_tb_per_s": tbs, "pct_of_copy": 100 * tbs / copy,
                             "flashinfer_us": fi, "speedup": {k: fi[k] / ours for k in fi}, "goal_85pct_us": goal}
-        _log(f"{e['batch']:>4}x{e['seq_len']:<7} | {ours:8.0f} {tbs:5.2f} {100 * tbs / copy:5.0f} | {fi['bf16']:8.0f} "
+        _log(f"{e['batch']:>4}x{e['seq_len']:<7} | {per['triton']:7.0f} {per['gluon']:7.0f} | {ours:8.0f} {tbs:5.2f} {100 * tbs / copy:5.0f} | {fi['bf16']:8.0f} "
              f"{fi['fp8_e4m3']:8.0f} {fi['nvfp4']:8.0f} | {fi['bf16'] / ours:6.2f} {fi['fp8_e4m3'] / ours:6.2f} "
              f"{fi['nvfp4'] / ours:7.2f} | {goal:10.0f}")
     q = report["quantize"]

@@ -27,6 +27,7 @@ from kernels.backends.flashinfer_parts import FlashInferPagedDecode, FlashInferR
 from kernels.backends.reference import ReferenceBackend
 from kernels.backends.triton_decode import (  # noqa: F401 - the backend's public names
     DecodeConfig,
+    DecodeKernel,
     DecodeState,
     DeviceTarget,
     TritonNvfp4Decode,

@@ -13,6 +13,7 @@ lengths <= max_pages * page_size; there is no host-side refresh.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -29,14 +30,26 @@ _LOG2E = math.log2(math.e)
 _MIN_SPLIT_TOKENS = 256
 
 
+class DecodeKernel(enum.Enum):
+    """Which NVFP4 decode kernel a config launches."""
+
+    TRITON = "triton"  # kernels/triton/nvfp4_decode.py: any target, also the CPU interpreter
+    GLUON = "gluon"  # kernels/triton/nvfp4_decode_gluon.py: explicit layouts, one warp, CUDA sm_89+ only
+
+
+_GLUON_HEAD_DIMS = (64, 128, 256)
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tiling of the NVFP4 decode kernel: NW warp slices of BW tokens per loop step."""
+    """Tiling of the NVFP4 decode kernel: NW warp slices of BW tokens per loop step (Triton), or one warp
+    stepping BW tokens through a ``num_stages``-deep cp.async ring (Gluon: ``num_warps`` must be 1)."""
 
     num_warps: int = 4
     block_w: int = 32
     num_stages: int = 2
     programs_per_sm: int = 8  # split-KV target: about this many programs per SM when sequences are long
+    kernel: DecodeKernel = DecodeKernel.TRITON
 
     def __post_init__(self) -> None:
         if self.block_w < 16 or self.block_w & (self.block_w - 1):
@@ -45,6 +58,14 @@ class DecodeConfig:
             raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
         if self.programs_per_sm < 1:
             raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
+        if self.kernel is DecodeKernel.GLUON and (self.num_warps != 1 or self.block_w > 64 or self.num_stages < 2):
+            raise ValueError("the Gluon decode runs one warp per program with block_w <= 64 and num_stages >= 2, got "
+                             f"num_warps={self.num_warps} block_w={self.block_w} num_stages={self.num_stages}")
+
+    @property
+    def label(self) -> str:
+        return (f"{self.kernel.value}_nw{self.num_warps}_bw{self.block_w}_st{self.num_stages}"
+                f"_p{self.programs_per_sm}")
 
     @property
     def block_n(self) -> int:
@@ -189,22 +210,51 @@ class TritonNvfp4Decode:
         if q.dtype not in (torch.bfloat16, torch.float16) or q.stride(2) != 1 or batch != plan.page_table.shape[0]:
             raise ValueError(f"q must be bf16/fp16 [B={plan.page_table.shape[0]}, Hq, D] with a contiguous last dim,"
                              f" got {q.dtype} {tuple(q.shape)} strides {q.stride()}")
-        group = hq // hk
-        mode = self.target.e2m1_mode if self.target is not None else e2m1_mode(q.device)
-        fold = e2m1_fold(mode)
-        cfg = st.config
-        qk_scale = float(sm_scale) * float(layer.k_scale) * fold * _LOG2E
-        out_scale = float(layer.v_scale) * fold
-        pt, op, lse = plan.page_table, st.o_part, st.lse_part
-        nvfp4_decode_kernel[(hk, st.num_splits, batch)](
-            q, layer.k.view(torch.int16), u8(layer.k_sf), layer.v.view(torch.int16), u8(layer.v_sf),
-            pt, plan.seq_lens, op, lse,
-            qk_scale, out_scale, q.stride(0), q.stride(1), pt.stride(0),
-            op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), st.chunk_tokens,
-            HK=hk, G=group, GP=max(16, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
-            NW=cfg.num_warps, BW=cfg.block_w, MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if st.config.kernel is DecodeKernel.GLUON:
+            self._launch_gluon(plan, q, layer, sm_scale)
+        else:
+            self._launch_triton(plan, q, layer, sm_scale)
+        op, lse = st.o_part, st.lse_part
         out = torch.empty_like(q)
         merge_kernel[(batch, hq)](
             op, lse, out, st.num_splits, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1), D=d, SPLITS_P2=triton.next_power_of_2(st.num_splits))
         return out
+
+    def _launch_triton(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> None:
+        st, (batch, hq, d), hk = plan.backend_state, q.shape, layer.num_kv_heads
+        mode = self.target.e2m1_mode if self.target is not None else e2m1_mode(q.device)
+        fold = e2m1_fold(mode)
+        cfg = st.config
+        group = hq // hk
+        pt, op, lse = plan.page_table, st.o_part, st.lse_part
+        nvfp4_decode_kernel[(hk, st.num_splits, batch)](
+            q, layer.k.view(torch.int16), u8(layer.k_sf), layer.v.view(torch.int16), u8(layer.v_sf),
+            pt, plan.seq_lens, op, lse,
+            float(sm_scale) * float(layer.k_scale) * fold * _LOG2E, float(layer.v_scale) * fold,
+            q.stride(0), q.stride(1), pt.stride(0),
+            op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), st.chunk_tokens,
+            HK=hk, G=group, GP=max(16, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
+            NW=cfg.num_warps, BW=cfg.block_w, MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def _launch_gluon(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> None:
+        """The Gluon kernel's software E2M1 decode runs on sm_89+ (its scales use cvt.rn.f16x2.e4m3x2)."""
+        from kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
+
+        st, (batch, hq, d), hk = plan.backend_state, q.shape, layer.num_kv_heads
+        cap = self.target.capability if self.target is not None else (
+            torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None)
+        if cap is None or cap < (8, 9) or d not in _GLUON_HEAD_DIMS:
+            raise ValueError(f"the Gluon NVFP4 decode needs a CUDA GPU of compute capability >= 8.9 and head_dim in "
+                             f"{_GLUON_HEAD_DIMS}, got capability {cap} and head_dim {d} (use DecodeKernel.TRITON)")
+        fold = e2m1_fold(1)
+        group = hq // hk
+        pt, op, lse = plan.page_table, st.o_part, st.lse_part
+        nvfp4_decode_gluon_kernel[(hk, st.num_splits, batch)](
+            q, layer.k.view(torch.int16), u8(layer.k_sf), layer.v.view(torch.int16), u8(layer.v_sf),
+            pt, plan.seq_lens, op, lse,
+            float(sm_scale) * float(layer.k_scale) * fold * _LOG2E, float(layer.v_scale) * fold,
+            q.stride(0), q.stride(1), pt.stride(0),
+            op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), st.chunk_tokens,
+            HK=hk, G=group, GN=max(8, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
+            BT=st.config.block_w, STAGES=st.config.num_stages, num_warps=1)

@@ -1,0 +1,127 @@
+"""The Gluon NVFP4 decode (kernels/triton/nvfp4_decode_gluon.py): CPU cross-compile checks and GPU correctness.
+
+* Without a GPU: the kernel compiles for sm_90a at every supported head_dim and step size, with tensor-core
+  HMMA fed by ldmatrix (LDSM, and its transposed form for V), cp.async copies, no local-memory spills, and a
+  register count that lets several one-warp programs share an SM; the scale broadcast is a layout identity
+  (the kernel asserts it at compile time, so compiling is the test). Its config is validated, and a launch
+  on CPU tensors fails with an error that names the Triton kernel instead.
+* On a GPU (marked ``gpu``): outputs match the reference backend for short, page-straddling and split
+  sequences, G in {1, 4, 8} and D in {64, 128, 256}, and match the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from kernels.backends.reference import ReferenceBackend
+from kernels.backends.triton_backend import DecodeConfig, DecodeKernel, TritonBackend
+from kernels.kv_layout import LayerKV
+
+_TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_SIG = {"Q": "*bf16", "K16": "*i16", "KSF": "*u8", "V16": "*i16", "VSF": "*u8", "PAGE_TABLE": "*i32",
+        "SEQ_LENS": "*i32", "O_PART": "*fp32", "LSE_PART": "*fp32", "qk_scale": "fp32", "out_scale": "fp32",
+        **{n: "i32" for n in ("stride_qb", "stride_qh", "stride_ptb", "stride_pb", "stride_ph", "stride_ps",
+                              "stride_lb", "stride_lh", "chunk_tokens")}}
+_ALIGNED = ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh")
+
+
+def _compile(d: int, bt: int, stages: int, group: int):
+    from kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
+
+    cx = {"HK": 8, "G": group, "GN": max(8, triton.next_power_of_2(group)), "D": d, "PAGE": 16, "BT": bt,
+          "STAGES": stages}
+    names = list(_SIG)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if _SIG[n].startswith("*") or n in _ALIGNED}
+    src = GluonASTSource(fn=nvfp4_decode_gluon_kernel, signature=dict(_SIG, **{k: "constexpr" for k in cx}),
+                         constexprs=cx, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+
+
+@pytest.mark.parametrize("d,bt,stages,group", [(128, 32, 3, 4), (128, 64, 3, 4), (128, 16, 4, 1), (64, 32, 3, 8),
+                                               (256, 16, 2, 4)])
+def test_gluon_decode_compiles_for_sm90a_with_ldmatrix_cp_async_and_no_spills(tmp_path, d, bt, stages, group):
+    k = _compile(d, bt, stages, group)
+    path = tmp_path / "k.cubin"
+    path.write_bytes(k.asm["cubin"])
+    res = subprocess.run([os.path.join(_TOOLS, "cuobjdump"), "-res-usage", str(path)], capture_output=True,
+                         text=True, check=True).stdout
+    sass = subprocess.run([os.path.join(_TOOLS, "cuobjdump"), "-sass", str(path)], capture_output=True,
+                          text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    assert "LOCAL:0" in res, res
+    # <= 168 registers: 12 one-warp programs per SM (the 4-warp Triton kernel holds 226: 8 warps per SM)
+    assert regs <= (168 if d <= 128 else 232), f"{regs} registers: too few one-warp programs would share an SM"
+    assert "HMMA.16816.F32" in sass
+    assert "LDSM.16.M88" in sass and "LDSM.16.MT88" in sass  # K as is, V transposed, straight from smem
+    assert "LDGSTS" in sass  # cp.async ring
+    assert "STL" not in sass
+
+
+def test_gluon_config_is_validated():
+    DecodeConfig(1, 32, 3, 16, DecodeKernel.GLUON)
+    with pytest.raises(ValueError, match="one warp"):
+        DecodeConfig(4, 32, 3, 16, DecodeKernel.GLUON)
+    with pytest.raises(ValueError, match="num_stages"):
+        DecodeConfig(1, 32, 1, 16, DecodeKernel.GLUON)
+    assert DecodeConfig(1, 32, 3, 16, DecodeKernel.GLUON).label == "gluon_nw1_bw32_st3_p16"
+
+
+def _layer(dev, pages: int, hk: int, d: int, seed: int) -> LayerKV:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    layer = LayerKV("nvfp4", 16, hk, d,
+                    torch.zeros(pages, 16, hk, d // 2, dtype=torch.uint8, device=dev),
+                    torch.zeros(pages, 16, hk, d // 2, dtype=torch.uint8, device=dev),
+                    torch.zeros(pages, 16, hk, d // 16, dtype=torch.float8_e4m3fn, device=dev),
+                    torch.zeros(pages, 16, hk, d // 16, dtype=torch.float8_e4m3fn, device=dev), 0.05, 0.03)
+    k = torch.randn(pages * 16, hk, d, generator=g)
+    k[:, :, 7] *= 40.0  # an outlier channel, as real K has
+    v = torch.randn(pages * 16, hk, d, generator=g)
+    ReferenceBackend().write_kv(layer, torch.arange(pages * 16, device=dev), k.to(dev), v.to(dev))
+    return layer
+
+
+def test_gluon_decode_on_cpu_tensors_is_refused_with_a_clear_error():
+    layer = _layer(torch.device("cpu"), 3, 2, 128, 0)
+    tb = TritonBackend(DecodeConfig(1, 32, 3, 16, DecodeKernel.GLUON))
+    pt = torch.arange(3, dtype=torch.int32)[None]
+    plan = tb.plan_decode(pt, torch.tensor([40], dtype=torch.int32), 8, 2, 128, 16)
+    with pytest.raises(ValueError, match="compute capability >= 8.9.*DecodeKernel.TRITON"):
+        tb.decode(plan, torch.zeros(1, 8, 128, dtype=torch.bfloat16), layer, 0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("group,d,lens", [(4, 128, (5000, 17, 1, 33)), (1, 128, (3001, 640)), (8, 64, (2049, 100)),
+                                          (4, 256, (1500, 16))])
+@pytest.mark.parametrize("bt,stages", [(32, 3), (64, 2), (16, 4)])
+def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages):
+    dev = torch.device("cuda")
+    hk = 4
+    maxp = max(-(-n // 16) for n in lens) + 1
+    pages = len(lens) * maxp + 5
+    layer = _layer(dev, pages, hk, d, seed=group * d)
+    pt = torch.randperm(pages, device=dev)[: len(lens) * maxp].reshape(len(lens), maxp).to(torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32, device=dev)
+    q = torch.randn(len(lens), hk * group, d, device=dev).to(torch.bfloat16)
+    sm = 1 / math.sqrt(d)
+    # programs_per_sm 64: long rows get many splits, so split edges and empty splits are exercised too
+    tb = TritonBackend(DecodeConfig(1, bt, stages, 64, DecodeKernel.GLUON))
+    plan = tb.plan_decode(pt, seq, hk * group, hk, d, 16)
+    ours = tb.decode(plan, q, layer, sm).float()
+    ref = ReferenceBackend().decode(ReferenceBackend().plan_decode(pt, seq, hk * group, hk, d, 16), q, layer, sm).float()
+    triton_out = TritonBackend().decode(TritonBackend().plan_decode(pt, seq, hk * group, hk, d, 16), q, layer, sm)
+    assert torch.isfinite(ours).all()
+    assert float((ours - ref).norm() / ref.norm()) < 5e-3
+    assert float((ours - triton_out.float()).norm() / ref.norm()) < 5e-3
