@@ -6,9 +6,9 @@ Triton (into TRITON_CACHE_DIR): the engine's own launches run on CPU tensors sha
 driver replaced by one that compiles for the target and launches nothing (``offline/triton_target_driver.py``)
 and the NVFP4 decode planned for the target's SM count and compute capability (``DeviceTarget``):
 
-    nvfp4_decode_kernel, merge_kernel   ``DecodeGraphRunner.warm_kernels``'s call: every (batch bucket, width
-                                        bucket) of --cuda-graph-max-bs (capped by --max-running-requests) and
-                                        the page tables of --context-length
+    nvfp4_decode_gluon_kernel           ``DecodeGraphRunner.warm_kernels``'s call: every (batch bucket, width
+      (Hopper; else                     bucket) of --cuda-graph-max-bs (capped by --max-running-requests) and
+      nvfp4_decode_kernel), merge_kernel  the page tables of --context-length
     nvfp4_quantize_kernel               write_kv of 1..16 tokens: every class Triton specializes the row count
                                         into (1, a multiple of 16, other), hence every batch and chunk size
     nvfp4_to_fp8_kernel                 gather_workspace of 1..16 cached tokens, the same classes
@@ -168,7 +168,7 @@ def warm_triton(plan: WarmPlan) -> tuple[dict[str, tuple[int, int]], list[str] |
     """Compile the Triton kernels of ``plan`` into TRITON_CACHE_DIR; ({kernel: (launches, variants compiled)},
     the kernel of each host launcher stub built, or None where ``plan`` builds none)."""
     from kernels.triton.kv_write import kv_write_kernel
-    from kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
+    from kernels.triton.nvfp4_decode import merge_kernel
     from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_kernel
     from offline.triton_target_driver import TritonTarget, compile_for
 
@@ -177,11 +177,24 @@ def warm_triton(plan: WarmPlan) -> tuple[dict[str, tuple[int, int]], list[str] |
     with compile_for(TritonTarget(plan.capability), plan.host_launchers) as drv:
         if "nvfp4" in plan.kv_dtypes:
             _warm_nvfp4(plan)
-            kernels += [nvfp4_decode_kernel, merge_kernel, nvfp4_quantize_kernel, nvfp4_to_fp8_kernel]
+            kernels += [_decode_kernel(plan), merge_kernel, nvfp4_quantize_kernel, nvfp4_to_fp8_kernel]
         for kv in dense:  # their decode and prefill are FlashInfer's (warm_flashinfer); the pool write is ours
             _warm_dense_write(plan, kv)
         _warm_model_ops(plan)
     return _report(drv.launches, kernels), drv.stubs
+
+
+def _decode_kernel(plan: WarmPlan):
+    """The NVFP4 decode kernel the engine picks on the target (``default_decode_config``)."""
+    from kernels.backends.triton_backend import DecodeKernel, default_decode_config
+
+    if default_decode_config(plan.head_dim, plan.capability).kernel is DecodeKernel.GLUON:
+        from kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
+
+        return nvfp4_decode_gluon_kernel
+    from kernels.triton.nvfp4_decode import nvfp4_decode_kernel
+
+    return nvfp4_decode_kernel
 
 
 def _warm_nvfp4(plan: WarmPlan) -> None:

@@ -116,9 +116,10 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
                               cache=CacheConfig(max_total_tokens=256)))
     runner = DecodeGraphRunner(eng.model, eng.paths, torch.device("cpu"), 16, max_width_pages(1024, 16), capture=False)
     shapes = runner.shapes()
-    assert launches["nvfp4_decode_kernel"][0] == len(shapes) == launches["merge_kernel"][0]
+    # on sm_90a the engine decodes with the Gluon kernel (kernels.backends.triton_decode.default_decode_config)
+    assert launches["nvfp4_decode_gluon_kernel"][0] == len(shapes) == launches["merge_kernel"][0]
     cubins = _cubins(cache)
-    for name in ("nvfp4_decode_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel",
+    for name in ("nvfp4_decode_gluon_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel",
                  "rmsnorm_kernel", "silu_mul_kernel", "qk_norm_rope_kernel", "kv_write_kernel"):
         assert len(cubins[name]) == launches[name][1] >= 1, (name, launches, res.stdout)
         assert all(m["target"]["arch"] == 90 and m["target"]["backend"] == "cuda" for m in cubins[name])

@@ -72,8 +72,13 @@ class DecodeConfig:
         return self.num_warps * self.block_w
 
 
-def default_decode_config(head_dim: int) -> DecodeConfig:
-    """Measured on H200 (docs/benchmarks/kernel-notes.md); D=256 halves the slice to stay in registers."""
+def default_decode_config(head_dim: int, capability: tuple[int, int] | None = None) -> DecodeConfig:
+    """The decode kernel and tiling for a GPU of ``capability`` (None: no GPU, the Triton kernel for the
+    interpreter). Hopper (9.x) gets the Gluon kernel, 1.1-1.4x faster than the Triton kernel on the H200
+    (docs/benchmarks/kernels.md); other GPUs the Triton kernel, whose D=256 tiling halves the warp slice to
+    stay in registers (docs/benchmarks/kernel-notes.md)."""
+    if capability is not None and capability[0] == 9 and head_dim in _GLUON_HEAD_DIMS:
+        return DecodeConfig(1, 32, 3, 16, DecodeKernel.GLUON)
     return DecodeConfig(4, 16 if head_dim > 128 else 32, 2, 8)
 
 
@@ -153,8 +158,8 @@ class TritonNvfp4Decode:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         plan = DecodePlan(page_table, seq_lens, num_qo_heads, num_kv_heads, head_dim, page_size)
         batch, max_pages = page_table.shape
-        cfg = self.decode_config or default_decode_config(head_dim)
         dev = page_table.device
+        cfg = self.decode_config or default_decode_config(head_dim, self._capability(dev))
         if self.target is not None:
             num_sms = self.target.num_sms
         else:
@@ -237,13 +242,18 @@ class TritonNvfp4Decode:
             HK=hk, G=group, GP=max(16, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
             NW=cfg.num_warps, BW=cfg.block_w, MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
+    def _capability(self, dev: torch.device) -> tuple[int, int] | None:
+        """The target's compute capability, else that of ``dev``'s GPU; None for CPU tensors without a target."""
+        if self.target is not None:
+            return self.target.capability
+        return torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+
     def _launch_gluon(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> None:
         """The Gluon kernel's software E2M1 decode runs on sm_89+ (its scales use cvt.rn.f16x2.e4m3x2)."""
         from kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
 
         st, (batch, hq, d), hk = plan.backend_state, q.shape, layer.num_kv_heads
-        cap = self.target.capability if self.target is not None else (
-            torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None)
+        cap = self._capability(q.device)
         if cap is None or cap < (8, 9) or d not in _GLUON_HEAD_DIMS:
             raise ValueError(f"the Gluon NVFP4 decode needs a CUDA GPU of compute capability >= 8.9 and head_dim in "
                              f"{_GLUON_HEAD_DIMS}, got capability {cap} and head_dim {d} (use DecodeKernel.TRITON)")
