@@ -34,9 +34,13 @@ _DECODE_SIG = {"Q": "*bf16", "K16": "*i16", "KSF": "*u8", "V16": "*i16", "VSF": 
                                      "stride_lb", "stride_lh", "chunk_tokens")}}
 
 
-def _compile(fn, signature: dict, constexprs: dict, arch: int, num_warps: int = 4, **options):
+def _compile(fn, signature: dict, constexprs: dict, arch: int, num_warps: int = 4, divisible: tuple = (),
+             **options):
+    """``fn`` compiled for sm_``arch``, its pointers and the ints named in ``divisible`` taken as multiples of 16
+    (as Triton specializes a launch's arguments that are)."""
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
-    aligned = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(signature) if signature[k].startswith("*")}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(signature)
+               if signature[k].startswith("*") or k in divisible}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": 2, **options})
@@ -81,13 +85,29 @@ def test_hardware_e2m1_conversion_is_rejected_on_hopper():
         _compile(nvfp4_decode_kernel, _DECODE_SIG, _decode_constexprs(mode=2), arch=90)
 
 
-def test_quantize_and_workspace_kernels_compile_for_sm90a():
-    from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_kernel
+_QUANT_SIG = {"K": "*bf16", "V": "*bf16", "SLOTS": "*i64", "K_DATA": "*u8", "K_SCALES": "*u8", "V_DATA": "*u8",
+              "V_SCALES": "*u8", "num_rows": "i32", "k_scale": "fp32", "v_scale": "fp32",
+              **{n: "i32" for n in ("stride_kt", "stride_kh", "stride_vt", "stride_vh")}}
 
-    q = _compile(nvfp4_quantize_kernel, {"X": "*bf16", "SLOTS": "*i64", "DATA": "*u8", "SCALES": "*u8",
-                                         "num_rows": "i32", "global_scale": "fp32", "stride_xt": "i32",
-                                         "stride_xh": "i32"}, {"HK": 8, "D": 128, "BLOCK_R": 32}, arch=90)
-    assert "div.rn.f32" in q.asm["ptx"]  # correctly rounded divisions, as the spec requires
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_quantize_kernel_compiles_for_sm90a_as_launched_without_spills(tmp_path, d):
+    from kernels.backends.triton_nvfp4 import quant_block_rows
+    from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel
+
+    strides = ("stride_kt", "stride_kh", "stride_vt", "stride_vh")  # multiples of head_dim
+    q = _compile(nvfp4_quantize_kernel, _QUANT_SIG, {"HK": 8, "D": d, "BLOCK_R": quant_block_rows(d, False)},
+                 arch=90, divisible=strides)
+    ptx = q.asm["ptx"]
+    assert "div.rn.f32" in ptx  # correctly rounded divisions, as the spec requires
+    assert "ld.global.v4.b32" in ptx  # K or V picked per program: the rows still load 16 bytes at a time
+    sass = _sass(q, tmp_path)
+    assert "STL" not in sass and "LDL" not in sass, d
+
+
+def test_workspace_kernel_compiles_for_sm90a():
+    from kernels.triton.nvfp4_quantize import nvfp4_to_fp8_kernel
+
     w = _compile(nvfp4_to_fp8_kernel, {"DATA": "*u8", "SCALES": "*u8", "SLOTS": "*i64", "OUT": "*u8",
                                        "num_rows": "i32", "global_scale": "fp32", "ws_scale": "fp32"},
                  {"HK": 8, "D": 128, "BLOCK_R": 32}, arch=90)
@@ -95,25 +115,20 @@ def test_quantize_and_workspace_kernels_compile_for_sm90a():
 
 
 def test_block_select_quantize_kernel_compiles_for_sm90a_without_fused_multiply_adds(tmp_path):
+    from kernels.backends.triton_nvfp4 import quant_block_rows
     from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel
 
-    q = _compile(nvfp4_quantize_kernel, {"X": "*bf16", "SLOTS": "*i64", "DATA": "*u8", "SCALES": "*u8",
-                                         "num_rows": "i32", "global_scale": "fp32", "stride_xt": "i32",
-                                         "stride_xh": "i32"}, {"HK": 8, "D": 128, "BLOCK_R": 32, "BLOCK_SELECT": True},
+    q = _compile(nvfp4_quantize_kernel, _QUANT_SIG, {"HK": 8, "D": 128, "BLOCK_R": 32, "BLOCK_SELECT": True},
                  arch=90, enable_fp_fusion=False)
     ptx = q.asm["ptx"]
     assert "div.rn.f32" in ptx and "fma.rn.f32" not in ptx  # the error sums keep the reference's fp32 order
     # the shape the backend launches (kernels/backends/triton_nvfp4.py): its scale search spills nothing
-    from kernels.backends.triton_nvfp4 import _SELECT_BLOCK_VALUES
     for d in (64, 128, 256):
-        k = _compile(nvfp4_quantize_kernel, {"X": "*bf16", "SLOTS": "*i64", "DATA": "*u8", "SCALES": "*u8",
-                                             "num_rows": "i32", "global_scale": "fp32", "stride_xt": "i32",
-                                             "stride_xh": "i32"},
-                     {"HK": 8, "D": d, "BLOCK_R": _SELECT_BLOCK_VALUES // d, "BLOCK_SELECT": True}, arch=90,
+        k = _compile(nvfp4_quantize_kernel, _QUANT_SIG,
+                     {"HK": 8, "D": d, "BLOCK_R": quant_block_rows(d, True), "BLOCK_SELECT": True}, arch=90,
                      enable_fp_fusion=False)
         sass = _sass(k, tmp_path)
         assert "STL" not in sass and "LDL" not in sass, d
-
 
 
 @pytest.mark.parametrize("fp8, rows", [(True, "*bf16"), (False, "*bf16"), (False, "*fp16")],

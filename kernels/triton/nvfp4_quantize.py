@@ -1,6 +1,7 @@
 """NVFP4 quantize-on-write and the workspace dequant: @triton.jit kernels, bit-identical to kernels.nvfp4.
 
-``nvfp4_quantize_kernel``  rows x [T, HK, D] (bf16/fp16/fp32, any strides) -> pool slots: packed codes
+``nvfp4_quantize_kernel``  rows of K and V [T, HK, D] (bf16/fp16/fp32, one dtype, any token/head strides)
+                           -> pool slots of both tensors in one launch (or of K alone): packed codes
                            [P*S, HK, D/2] uint8 and E4M3 scales [P*S, HK, D/16] (both contiguous);
                            with ``BLOCK_SELECT`` each block takes the scale code near amax/6 that
                            reconstructs it best, bit-identical to kernels.nvfp4_block_select (launch it with
@@ -99,12 +100,9 @@ def _block_error(xb, sbyte, global_scale, R: tl.constexpr, NS: tl.constexpr):
 
 
 @triton.jit
-def nvfp4_quantize_kernel(
-    X, SLOTS, DATA, SCALES, num_rows, global_scale,
-    stride_xt, stride_xh,
-    HK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SELECT: tl.constexpr = False,
-):
-    """Row r = (token r // HK, head r % HK) -> pool slot SLOTS[token], head h."""
+def _quantize_block(X, SLOTS, DATA, SCALES, num_rows, global_scale, stride_xt, stride_xh,
+                    HK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SELECT: tl.constexpr):
+    """This program's rows r = (token r // HK, head r % HK) of X -> pool slot SLOTS[token], head h."""
     NS: tl.constexpr = D // 16
     r_ok, t, h, row = slot_rows(SLOTS, num_rows, HK, BLOCK_R)
     col = tl.arange(0, D)
@@ -135,6 +133,22 @@ def nvfp4_quantize_kernel(
     packed = (lo | (hi << 4)).to(tl.uint8)
     tl.store(DATA + (row * (D // 2))[:, None] + tl.arange(0, D // 2)[None, :], packed, mask=r_ok[:, None])
     tl.store(SCALES + (row * NS)[:, None] + tl.arange(0, NS)[None, :], sbyte.to(tl.uint8), mask=r_ok[:, None])
+
+
+@triton.jit
+def nvfp4_quantize_kernel(
+    K, V, SLOTS, K_DATA, K_SCALES, V_DATA, V_SCALES, num_rows, k_scale, v_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    HK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SELECT: tl.constexpr = False,
+):
+    """Program (i, j): row block i of K (j = 0) or V (j = 1) -> that tensor's pool slots SLOTS[token], head h.
+
+    A grid of (blocks, 2) writes K and V in one launch, their programs side by side; (blocks, 1) writes K only.
+    K and V share a dtype (the pointer select needs one element type) and their pools share a layout."""
+    is_v = tl.program_id(1) == 1
+    _quantize_block(tl.where(is_v, V, K), SLOTS, tl.where(is_v, V_DATA, K_DATA), tl.where(is_v, V_SCALES, K_SCALES),
+                    num_rows, tl.where(is_v, v_scale, k_scale), tl.where(is_v, stride_vt, stride_kt),
+                    tl.where(is_v, stride_vh, stride_kh), HK, D, BLOCK_R, BLOCK_SELECT)
 
 
 @triton.jit
