@@ -12,6 +12,7 @@ Skipped only when triton is not importable.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -51,6 +52,19 @@ def _sass(kernel, tmp_path) -> str:
     path.write_bytes(kernel.asm["cubin"])
     return subprocess.run([os.path.join(_TOOLS, "cuobjdump"), "-sass", str(path)], capture_output=True,
                           text=True, check=True).stdout
+
+
+def _instructions(sass: str) -> int:
+    """SASS instructions in a kernel's listing (each line of code carries its address as /*xxxx*/)."""
+    return len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass))
+
+
+# A decode step's write launch has a few programs on ~132 SMs, so its time is one program's instruction stream,
+# run once per thread (straight-line code). At head_dim 128 the launched blocks (1024 values a program) give ~450
+# instructions (fp8 write) and ~600 (nvfp4 quantize), where 16-row K+V programs and 32-row blocks gave ~1400 and
+# ~1800: these caps keep a block change from lengthening it again.
+_FP8_WRITE_MAX_INSTRUCTIONS = 700
+_QUANTIZE_MAX_INSTRUCTIONS = 900
 
 
 def _decode_constexprs(mode: int, d: int = 128, group: int = 4) -> dict:
@@ -103,6 +117,9 @@ def test_quantize_kernel_compiles_for_sm90a_as_launched_without_spills(tmp_path,
     assert "ld.global.v4.b32" in ptx  # K or V picked per program: the rows still load 16 bytes at a time
     sass = _sass(q, tmp_path)
     assert "STL" not in sass and "LDL" not in sass, d
+    print(f"nvfp4_quantize_kernel D={d}: {_instructions(sass)} SASS instructions")
+    if d == 128:
+        assert _instructions(sass) <= _QUANTIZE_MAX_INSTRUCTIONS
 
 
 def test_workspace_kernel_compiles_for_sm90a():
@@ -134,17 +151,19 @@ def test_block_select_quantize_kernel_compiles_for_sm90a_without_fused_multiply_
 @pytest.mark.parametrize("fp8, rows", [(True, "*bf16"), (False, "*bf16"), (False, "*fp16")],
                          ids=["fp8", "bf16", "fp16-to-bf16"])
 def test_dense_pool_write_kernel_compiles_for_sm90a(tmp_path, fp8, rows):
+    from kernels.backends.triton_kv_write import block_rows
     from kernels.triton.kv_write import kv_write_kernel
 
     pool = "*u8" if fp8 else "*bf16"
     k = _compile(kv_write_kernel, {"K": rows, "V": rows, "SLOTS": "*i64", "POOL_K": pool, "POOL_V": pool,
                                    "num_rows": "i32", "k_scale": "fp32", "v_scale": "fp32",
                                    **{n: "i32" for n in ("stride_kt", "stride_kh", "stride_vt", "stride_vh")}},
-                 {"HK": 8, "D": 128, "BLOCK_R": 16, "FP8": fp8, "X_IS_BF16": rows == "*bf16"}, arch=90)
+                 {"HK": 8, "D": 128, "BLOCK_R": block_rows(128), "FP8": fp8, "X_IS_BF16": rows == "*bf16"}, arch=90)
     ptx = k.asm["ptx"]
     assert ("div.rn.f32" in ptx) == fp8  # the scale's correctly rounded division (fp8 only)
     sass = _sass(k, tmp_path)
     assert "STL" not in sass and "LDL" not in sass
+    assert _instructions(sass) <= _FP8_WRITE_MAX_INSTRUCTIONS, _instructions(sass)
 
 
 _PAGE_COPY_PARTS = ("K_SRC", "K_DST", "V_SRC", "V_DST", "KSF_SRC", "KSF_DST", "VSF_SRC", "VSF_DST")

@@ -14,16 +14,19 @@ import torch
 import triton
 
 from kernels.backends.reference import ReferenceBackend
+from kernels.backends.triton_nvfp4 import fp32_scale
 from kernels.kv_layout import LayerKV
 from kernels.triton.kv_write import kv_write_kernel
 
-_BLOCK_ROWS = 16
+# a program's rows hold this many values, 8 a thread at 4 warps: a decode step's launch has a few programs on a
+# GPU of ~132 SMs, so its time is one program's serial chain, which grows with the values a thread holds
+_BLOCK_VALUES = 1024
 _ROWS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _fp32(x: float) -> float:
-    """``x`` rounded to fp32, as the reference's scale tensor holds it."""
-    return float(torch.tensor(x, dtype=torch.float32))
+def block_rows(head_dim: int) -> int:
+    """Rows per program of ``kv_write_kernel`` at ``head_dim`` (the launched BLOCK_R)."""
+    return max(1, _BLOCK_VALUES // head_dim)
 
 
 class TritonDenseWrite:
@@ -64,8 +67,8 @@ def write_rows(layer: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Te
         return
     fp8 = layer.kv_dtype == "fp8_e4m3"
     pool_k, pool_v = (p.view(torch.uint8) if fp8 else p for p in (layer.k, layer.v))
-    rows = t * hk
-    kv_write_kernel[(triton.cdiv(rows, _BLOCK_ROWS),)](
-        k, v, slots, pool_k, pool_v, rows, _fp32(layer.k_scale), _fp32(layer.v_scale),
+    rows, block_r = t * hk, block_rows(d)
+    kv_write_kernel[(triton.cdiv(rows, block_r), 2)](
+        k, v, slots, pool_k, pool_v, rows, fp32_scale(layer.k_scale), fp32_scale(layer.v_scale),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        HK=hk, D=d, BLOCK_R=_BLOCK_ROWS, FP8=fp8, X_IS_BF16=k.dtype == torch.bfloat16)
+        HK=hk, D=d, BLOCK_R=block_r, FP8=fp8, X_IS_BF16=k.dtype == torch.bfloat16)

@@ -20,9 +20,12 @@ import triton
 from kernels.kv_layout import LayerKV
 from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_kernel
 
-_QUANT_BLOCK_ROWS = 32
-# block select: a program's rows hold this many values (8 a thread at 4 warps), so its scale search stays in
-# registers (sm_90a: 127 registers at head_dim 128, where 32 rows spill)
+_QUANT_BLOCK_ROWS = 32  # the workspace dequant's rows per program
+# quantize: a program's rows hold this many values, 8 a thread at 4 warps (at head_dim 128: one token's 8 KV
+# heads). A decode step's launch has a few programs on a GPU of ~132 SMs, so its time is one program's serial
+# chain, which grows with the values a thread holds. Block select: its scale search stays in registers at this
+# size (sm_90a: 127 registers at head_dim 128, where 32 rows spill).
+_QUANT_BLOCK_VALUES = 1024
 _SELECT_BLOCK_VALUES = 1024
 _ROWS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -46,7 +49,7 @@ def u8(t: torch.Tensor) -> torch.Tensor:
 
 def quant_block_rows(head_dim: int, block_select: bool) -> int:
     """Rows per program of the quantize kernel at ``head_dim`` (the launched BLOCK_R)."""
-    return max(1, _SELECT_BLOCK_VALUES // head_dim) if block_select else _QUANT_BLOCK_ROWS
+    return max(1, (_SELECT_BLOCK_VALUES if block_select else _QUANT_BLOCK_VALUES) // head_dim)
 
 
 def fp32_scale(x: float) -> float:

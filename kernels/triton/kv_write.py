@@ -1,7 +1,7 @@
 """Quantize-on-write for FP8 E4M3 and BF16 pools: @triton.jit, bit-identical to kernels.backends.reference.
 
 ``kv_write_kernel``  rows of K and V [T, HK, D] (bf16/fp16/fp32, any token/head strides, contiguous last dim)
-                     -> pool slots [P*S, HK, D] of both tensors in one launch:
+                     -> pool slots [P*S, HK, D] of both tensors in one launch (K and V of one dtype):
                      fp8_e4m3  the E4M3 byte of clamp(x / scale, -448, 448), round to nearest even
                                (kernels.fp8.quantize: a correctly rounded fp32 division); NaN stays NaN (0x7F
                                with the sign of x, as torch's cast writes it on the CPU)
@@ -60,8 +60,12 @@ def kv_write_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     HK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, FP8: tl.constexpr, X_IS_BF16: tl.constexpr,
 ):
-    """POOL_K[SLOTS[t], h] = enc(K[t, h]) and POOL_V likewise; POOL_* are uint8 (FP8) or bf16, contiguous."""
+    """POOL_K[SLOTS[t], h] = enc(K[t, h]) and POOL_V likewise; POOL_* are uint8 (FP8) or bf16, contiguous.
+
+    Program (i, j) writes row block i of K (j = 0) or of V (j = 1): K's and V's programs run side by side."""
+    is_v = tl.program_id(1) == 1
     r_ok, t, h, row = slot_rows(SLOTS, num_rows, HK, BLOCK_R)
     col = tl.arange(0, D)
-    _write_rows(K, POOL_K, t, h, row, col, r_ok, stride_kt, stride_kh, k_scale, D, FP8, X_IS_BF16)
-    _write_rows(V, POOL_V, t, h, row, col, r_ok, stride_vt, stride_vh, v_scale, D, FP8, X_IS_BF16)
+    _write_rows(tl.where(is_v, V, K), tl.where(is_v, POOL_V, POOL_K), t, h, row, col, r_ok,
+                tl.where(is_v, stride_vt, stride_kt), tl.where(is_v, stride_vh, stride_kh),
+                tl.where(is_v, v_scale, k_scale), D, FP8, X_IS_BF16)
