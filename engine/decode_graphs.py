@@ -30,6 +30,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ from engine.model import CausalLM
 from kernels.backends.base import DecodePlan
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -176,7 +178,7 @@ class DecodeGraphRunner:
             self._stage(entry, pad, pad, [np.zeros(0, dtype=np.int32)] * bb, [1] * bb,
                         [self.scratch_page * self.page_size] * bb)
             try:
-                entry.run = self._capture(forward)
+                entry.run = capture_graph(forward, self.device, self._graph_pool)
                 self.num_captured += 1
             except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
                 self.capture = False
@@ -187,27 +189,33 @@ class DecodeGraphRunner:
         self._entries[(bb, wb)] = entry
         return entry
 
-    def _capture(self, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        with torch.inference_mode():
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                forward()  # JIT-compiles kernels and caches device constants outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            outer = torch.cuda.current_stream(self.device)
-            try:
-                with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-                    logits = forward()
-            except RuntimeError:
-                torch.cuda.set_stream(outer)  # torch.cuda.graph leaves its capture stream current when it fails
-                raise
 
-        def replay() -> torch.Tensor:
-            graph.replay()
-            return logits
+def capture_graph(forward: Callable[[], T], device: torch.device, pool: object = None) -> Callable[[], T]:
+    """``forward`` captured as a CUDA graph on ``device``; returns its replay, which returns what the capture's
+    ``forward`` returned (tensors in the graph's memory, rewritten by each replay). One run on a side stream comes
+    first, so kernels JIT-compile and device constants are cached outside the capture. ``pool``: a graph memory
+    pool handle shared with other graphs (None: the graph's own). The capture is thread-local (see the module
+    docstring); a failed one raises RuntimeError with the caller's stream current again."""
+    with torch.inference_mode():
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        outer = torch.cuda.current_stream(device)
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                out = forward()
+        except RuntimeError:
+            torch.cuda.set_stream(outer)  # torch.cuda.graph leaves its capture stream current when it fails
+            raise
 
-        return replay
+    def replay() -> T:
+        graph.replay()
+        return out
+
+    return replay
 
 
 def max_width_pages(max_context_len: int, page_size: int) -> int:

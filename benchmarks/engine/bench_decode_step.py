@@ -6,12 +6,15 @@ What it measures: ``ModelRunner.decode_logits`` of a Qwen3-8B-shaped model (hidd
 head_dim 128, intermediate 12288, vocab 151936; random bf16 weights built in memory) over B sequences of
 L cached tokens, with the pool filled with random valid K/V bytes instead of a prefill (which would cost
 minutes per shape). Per dtype (bf16, fp8_e4m3 via FlashInfer, nvfp4 via our Triton kernel) and shape:
-the step under CUDA graphs and eagerly, the attention share (the decode kernels alone over all layers,
-CUDA graph off) and the decode throughput B / step. "does not fit" when the weights + pool exceed the GPU.
-The rest of the step (graph step - attention: matmuls, norms, activations, RoPE, K/V write, logits) is shown
-beside its floor, the weight bytes one step reads (every parameter once, B rows of the embedding) at the
-measured copy bandwidth. ``--no-fused`` runs the model's PyTorch norm/activation/RoPE ops instead of the fused
-Triton kernels (kernels/model_ops.py), for the before/after of the same shapes.
+the step under CUDA graphs and eagerly, the attention share (the decode kernels alone over all layers, their
+loop captured as one CUDA graph as the step's is; also that loop launched eagerly from Python, which at small
+batches times the host) and the decode throughput B / step. "does not fit" when the weights + pool exceed the
+GPU. The rest of the step (graph step - graph attention: matmuls, norms, activations, RoPE, K/V write, logits)
+is shown beside its floor, the weight bytes one step reads (every parameter once, B rows of the embedding) at
+the measured copy bandwidth. ``--profile`` adds the kernels of one graph replay (torch profiler): the top ones,
+their sum per category (GEMM, attention incl. merge, K/V write, norms + RoPE + activation, other) and the
+launch gaps, graph step - kernel sum. ``--no-fused`` runs the model's PyTorch norm/activation/RoPE ops instead
+of the fused Triton kernels (kernels/model_ops.py), for the before/after of the same shapes.
 
 The ratio nvfp4 / fp8 of tokens/s at the same shape is the engine-level iso-concurrency figure; the
 end-to-end figures (router, gRPC, streaming) come from ``nvfp4-serve bench experiments``.
@@ -26,6 +29,7 @@ import sys
 import time
 import traceback
 
+import numpy as np
 import torch
 
 from benchmarks.kernels.bench_decode import copy_bandwidth
@@ -98,10 +102,27 @@ def _time_ms(fn, iters: int) -> float:
     return times[len(times) // 2]
 
 
-def kernel_breakdown(step, steps: int = 3, top: int = 12) -> list[dict]:
-    """The GPU kernels of one eager step (torch profiler, ``steps`` steps averaged): the ``top`` by device time,
-    each with its microseconds and launches per step, and the rest summed as one row. Kernel durations are
-    those of the graph replay; only the launch gaps between them differ."""
+# Kernel categories of the profile, by name (lowercased), first match wins. Attention comes before the norms
+# (FlashInfer's attention kernel names carry template arguments such as its RoPE mode); K/V write first.
+KERNEL_CATEGORIES = (
+    ("kv_write", ("kv_write", "nvfp4_quantize")),
+    ("attention", ("decode", "merge", "batchprefill", "attention")),
+    ("gemm", ("nvjet", "gemm", "splitkreduce", "cublas", "cutlass", "xmma")),
+    ("norm_rope_act", ("rmsnorm", "norm", "rope", "rotary", "silu", "gelu")),
+)
+CATEGORY_NAMES = {"gemm": "GEMM", "attention": "attention incl. merge", "kv_write": "K/V write",
+                  "norm_rope_act": "norms + rope + activation", "other": "other"}
+
+
+def kernel_category(name: str) -> str:
+    """The category of a profiled kernel (or copy) name: one of ``CATEGORY_NAMES``."""
+    low = name.lower()
+    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def profile_kernels(step, steps: int = 3) -> list[dict]:
+    """Every GPU activity (kernels, copies) of ``step`` under the torch profiler, ``steps`` steps averaged: name,
+    microseconds and launches per step, by device time descending."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -116,20 +137,84 @@ def kernel_breakdown(step, steps: int = 3, top: int = 12) -> list[dict]:
             acc = per_kernel.setdefault(ev.name, [0.0, 0])
             acc[0] += ev.device_time_total
             acc[1] += 1
-    rows = sorted(({"kernel": k[:120], "us": v[0] / steps, "launches": v[1] / steps} for k, v in per_kernel.items()),
+    return sorted(({"kernel": k, "us": v[0] / steps, "launches": v[1] / steps} for k, v in per_kernel.items()),
                   key=lambda r: -r["us"])
+
+
+def top_kernels(rows: list[dict], top: int = 12) -> list[dict]:
+    """The ``top`` rows (names cut to 120 characters) and the rest summed as one row."""
+    out = [dict(r, kernel=r["kernel"][:120]) for r in rows[:top]]
     rest = rows[top:]
-    out = rows[:top]
     if rest:
         out.append({"kernel": f"{len(rest)} other kernels", "us": sum(r["us"] for r in rest),
                     "launches": sum(r["launches"] for r in rest)})
     return out
 
 
+def category_ms(rows: list[dict]) -> dict[str, float]:
+    """Milliseconds per step of each category (every one of ``CATEGORY_NAMES``) and their ``total``."""
+    out = dict.fromkeys(CATEGORY_NAMES, 0.0)
+    for r in rows:
+        out[kernel_category(r["kernel"])] += r["us"] / 1e3
+    out["total"] = sum(out.values())
+    return out
+
+
+def step_profile(graph_step, eager_step, graph_ms: float, eager_ms: float) -> dict:
+    """Where one step's GPU time goes: the kernels of a CUDA graph replay (the step ``graph_ms`` measures) by
+    category, and ``launch_gaps_ms`` = graph_ms - their sum (the time the GPU runs none of the step's kernels:
+    the host's staging before the replay and the gaps between kernels; negative where kernels overlapped).
+    Where the profiler sees no kernel inside the replay, the eager step's kernels are used and the gaps are
+    eager_ms - sum (``kernels_from`` says which)."""
+    rows, source, step_ms = profile_kernels(graph_step), "graph", graph_ms
+    if not any(kernel_category(r["kernel"]) != "other" for r in rows):
+        rows, source, step_ms = profile_kernels(eager_step), "eager", eager_ms
+    cats = category_ms(rows)
+    return {"kernels": top_kernels(rows), "kernels_from": source, "kernel_ms": cats,
+            "launch_gaps_ms": step_ms - cats["total"]}
+
+
+def _decode_table(batch: int, seq_len: int, pages_per_seq: int, width: int,
+                  fill_page: int) -> tuple[np.ndarray, np.ndarray]:
+    """The benchmark's page table [batch, width] int32 (row i: pages i * pages_per_seq ..., then ``fill_page``,
+    which no kernel reads) and lengths [batch] int32, ``seq_len`` each."""
+    table = np.full((batch, width), fill_page, dtype=np.int32)
+    for i in range(batch):
+        table[i, :pages_per_seq] = np.arange(i * pages_per_seq, (i + 1) * pages_per_seq, dtype=np.int32)
+    return table, np.full(batch, seq_len, dtype=np.int32)
+
+
+def attention_times(paths, batch: int, seq_len: int, pages_per_seq: int, width: int, iters: int,
+                    device: torch.device) -> dict:
+    """The decode of every layer alone (no model, no K/V write) over the step's pages, B rows of ``seq_len``
+    tokens: ``attention_graph_ms``, the loop over layers captured as a CUDA graph on a static plan of the step's
+    table width (as ``DecodeGraphRunner`` captures the whole step), and ``attention_eager_ms``, the same loop
+    run from Python on a plan of the exact width (host-bound at small batches)."""
+    from engine.decode_graphs import capture_graph
+
+    pool, backend = paths.pool, paths.backend
+    q = torch.randn(batch, paths.num_qo_heads, pool.layers[0].head_dim, dtype=torch.bfloat16, device=device)
+
+    def loop(plan):
+        def run() -> torch.Tensor:
+            return [backend.decode(plan, q, layer, paths.sm_scale) for layer in pool.layers][-1]
+        return run
+
+    table, lens = _decode_table(batch, seq_len, pages_per_seq, width, pool.scratch_page)
+    static = paths.plan_decode(torch.from_numpy(table).to(device), torch.from_numpy(lens).to(device),
+                               torch.bfloat16, static=True)
+    backend.refresh_decode_plan(static, table, lens)
+    replay = capture_graph(loop(static), device)
+    exact = paths.plan_decode(torch.from_numpy(np.ascontiguousarray(table[:, :pages_per_seq])).to(device),
+                              torch.from_numpy(lens).to(device), torch.bfloat16)
+    n = max(3, iters // 2)
+    return {"attention_graph_ms": _time_ms(replay, n), "attention_eager_ms": _time_ms(loop(exact), n)}
+
+
 def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, device: torch.device,
               profile: bool = False, block_select: bool = False) -> dict:
     from engine.attention_paths import AttentionPaths
-    from engine.decode_graphs import DecodeGraphRunner, max_width_pages
+    from engine.decode_graphs import DecodeGraphRunner, max_width_pages, width_bucket
     from engine.kv_pool import KVPool
     from engine.model_runner import ModelRunner
     from engine.request import Request
@@ -165,28 +250,17 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     out["capture_s"] = time.perf_counter() - t0
     out["graph_ms"] = _time_ms(lambda: runner.decode_logits(reqs), iters)
     out["eager_ms"] = _time_ms(lambda: runner.decode_logits(reqs, use_graphs=False), max(3, iters // 3))
-    # attention alone: the decode kernel of every layer over the same pages (no model, no K/V write)
-    import numpy as np
-
-    table = torch.from_numpy(np.stack([np.arange(i * pages_per_seq, (i + 1) * pages_per_seq, dtype=np.int32)
-                                       for i in range(batch)])).to(device)
-    lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
-    plan = paths.plan_decode(table, lens, torch.bfloat16)
-    q = torch.randn(batch, cfg.num_attention_heads, cfg.head_dim, dtype=torch.bfloat16, device=device)
-
-    def attention_only() -> None:
-        for layer in pool.layers:
-            backend.decode(plan, q, layer, paths.sm_scale)
-
-    out["attention_ms"] = _time_ms(attention_only, max(3, iters // 2))
+    out.update(attention_times(paths, batch, seq_len, pages_per_seq, width_bucket(pages_per_seq, graphs.max_width),
+                               iters, device))
     kv_bytes = batch * seq_len * per_token
     out["kv_read_gb"] = kv_bytes / 1e9
-    out["attention_tb_s"] = kv_bytes / (out["attention_ms"] * 1e-3) / 1e12
+    out["attention_tb_s"] = kv_bytes / (out["attention_graph_ms"] * 1e-3) / 1e12
     out["tok_s"] = batch / (out["graph_ms"] * 1e-3)
-    out["non_attention_ms"] = out["graph_ms"] - out["attention_ms"]
+    out["non_attention_ms"] = out["graph_ms"] - out["attention_graph_ms"]
     out["weight_gb"] = weight_bytes_per_step(model, batch) / 1e9
     if profile:
-        out["kernels"] = kernel_breakdown(lambda: runner.decode_logits(reqs, use_graphs=False))
+        out.update(step_profile(lambda: runner.decode_logits(reqs),
+                                lambda: runner.decode_logits(reqs, use_graphs=False), out["graph_ms"], out["eager_ms"]))
     return out  # the pool and graphs are freed with this frame; main() empties the cache
 
 
@@ -207,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-select", action="store_true",
                    help="nvfp4 pool writes with the per-block scale search (--attention-backend triton-block-select)")
     p.add_argument("--profile", action="store_true",
-                   help="also record each shape's top GPU kernels of one eager step (torch profiler)")
+                   help="also profile each shape's graph replay (torch profiler): top kernels, kernel time per "
+                        "category and the launch gaps (graph step - kernel sum)")
     p.add_argument("--out", default="docs/benchmarks/engine_decode.json")
     p.add_argument("--md", default=None, help="also write the table as markdown here")
     p.add_argument("--render", default=None, metavar="JSON", help="only render --md from an earlier JSON")
@@ -251,6 +326,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+_COLUMNS_DOC = (
+    "One whole decode step (`ModelRunner.decode_logits`: every layer, K/V write, attention, logits) over B "
+    "sequences of L cached tokens; the pool holds random valid K/V bytes (no prefill). `graph` = the step replayed "
+    "as a CUDA graph, `eager` = the same step without graphs. `attention (graph)` = the decode of all layers alone "
+    "(no model, no K/V write) over the same pages, the loop over layers captured as one CUDA graph on a static plan "
+    "of the step's table width, as the step's graph runs it (TB/s = K/V bytes of the dtype / that time); "
+    "`attention (eager loop)` = the same loop launched from Python layer after layer: at small batches it times "
+    "the host, not the kernels. fp8/bf16 attention is FlashInfer's decode, nvfp4 ours. `rest` = graph - attention "
+    "(graph): everything else in the step (matmuls, norms, activations, RoPE, K/V write, logits, the staging of "
+    "the step's inputs before the replay); `floor` = the weight bytes of one step at the copy bandwidth. `-`: not "
+    "measured in this JSON (earlier runs timed the attention as the eager loop only).")
+_PROFILE_DOC = (
+    "Kernel times of the step (`--profile`: torch profiler, 3 steps averaged) summed by kernel name, in ms per "
+    "step: GEMM = the cuBLAS matmuls incl. their split-K reduces (projections, MLP, logits); attention = the "
+    "decode kernels and their split-KV merge; K/V write = the pool write of the step's token; norms + rope + "
+    "activation = the fused Triton kernels (with --no-fused their PyTorch kernels count as other); other = the "
+    "rest (embedding, the copies of the step's inputs, elementwise ops). `launch gaps` = step ms - kernel sum: "
+    "the time the GPU runs none of the step's kernels (the host's staging before the replay, the gaps between "
+    "kernels). Kernels of a CUDA graph replay, measured against `graph ms`; rows marked eager: the profiler saw no "
+    "kernel inside the replay, so these are the eager step's kernels against `eager ms`.")
+
+
 def _write_md(doc: dict, path: str) -> None:
     rows = doc["rows"]
     fp8 = {(r["batch"], r["seq_len"]): r for r in rows if r["kv_dtype"] == "fp8_e4m3" and "tok_s" in r}
@@ -259,73 +356,88 @@ def _write_md(doc: dict, path: str) -> None:
         (f"Command: `{doc['command']}`. Copy bandwidth measured: {doc['copy_tb_s']:.2f} TB/s. Decoder norms, "
         f"activation and RoPE: {'fused Triton kernels' if doc.get('fused_ops', True) else 'PyTorch ops'}."
         + (" NVFP4 pool writes: the per-block scale search (triton-block-select)." if doc.get("block_select") else "")),
-        "",
-        ("One whole decode step (`ModelRunner.decode_logits`: every layer, K/V write, attention, logits) over B "
-         "sequences of L cached tokens; the pool holds random valid K/V bytes (no prefill). `graph` = CUDA graph "
-         "replay, `eager` = the same step without graphs, `attention` = the decode kernels of all layers alone "
-         "(TB/s = K/V bytes of the dtype / attention time). fp8/bf16 attention is FlashInfer's decode, nvfp4 ours. "
-         "`rest` = graph - attention (matmuls, norms, activations, RoPE, K/V write, logits); `floor` = the weight "
-         "bytes of one step at the copy bandwidth."),
-        "",
-        ("| B x L | kv | graph ms | eager ms | attention ms | attention TB/s | rest ms | floor ms | rest / floor "
-        "| tok/s | vs fp8 |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "", _COLUMNS_DOC, "",
+        ("| B x L | kv | graph ms | eager ms | attention ms (graph) | attention ms (eager loop) | attention TB/s "
+         "| rest ms | floor ms | rest / floor | tok/s | vs fp8 |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         shape = f"{r['batch']} x {r['seq_len']}"
         if "error" in r:
-            lines.append(f"| {shape} | {r['kv_dtype']} | {r['error']} | | | | | | | | |")
+            lines.append(f"| {shape} | {r['kv_dtype']} | {r['error']} | | | | | | | | | |")
             continue
-        base = fp8.get((r["batch"], r["seq_len"]))
-        ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
-        rest, floor = _rest_and_floor(r)
-        lines.append(f"| {shape} | {r['kv_dtype']} | {r['graph_ms']:.2f} | {r['eager_ms']:.2f} | "
-                     f"{r['attention_ms']:.2f} | {r['attention_tb_s']:.2f} | {rest} | {floor} | "
-                     f"{_over_floor(r)} | {r['tok_s']:.0f} | {ratio} |")
+        c = _cells(r, fp8.get((r["batch"], r["seq_len"])))
+        lines.append(f"| {shape} | {r['kv_dtype']} | {c['graph']} | {c['eager']} | {c['attn']} | {c['attn_eager']} | "
+                     f"{c['tb_s']} | {c['rest']} | {c['floor']} | {c['over']} | {c['tok_s']} | {c['vs_fp8']} |")
+    lines += _category_lines(rows)
     lines += _kernel_lines(rows)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _cells(r: dict, fp8_row: dict | None) -> dict[str, str]:
+    """One measured row's table cells. Rows of older JSONs have ``attention_ms`` (the eager loop) only."""
+    attn = r.get("attention_graph_ms")
+    rest = None if attn is None else r["graph_ms"] - attn
+    floor = r.get("non_attention_floor_ms")
+    return {"graph": _ms(r["graph_ms"]), "eager": _ms(r["eager_ms"]), "attn": _ms(attn),
+            "attn_eager": _ms(r.get("attention_eager_ms", r.get("attention_ms"))),
+            "tb_s": "-" if attn is None else f"{r['kv_read_gb'] / attn:.2f}", "rest": _ms(rest), "floor": _ms(floor),
+            "over": "-" if rest is None or not floor else f"{rest / floor:.2f}x", "tok_s": f"{r['tok_s']:.0f}",
+            "vs_fp8": f"{r['tok_s'] / fp8_row['tok_s']:.2f}x" if fp8_row else "-"}
+
+
+def _category_lines(rows: list[dict]) -> list[str]:
+    """The profiled rows' kernel time per category and launch gaps (``--profile``)."""
+    prof = [r for r in rows if r.get("kernel_ms")]
+    if not prof:
+        return []
+    names = [CATEGORY_NAMES[c] for c in CATEGORY_NAMES]
+    out = ["", "### Where a step's time goes (kernel ms per step)", "", _PROFILE_DOC, "",
+           "| B x L | kv | step ms | " + " | ".join(names) + " | kernel sum | launch gaps |",
+           "|---|---|---|" + "---|" * (len(names) + 2)]
+    for r in prof:
+        cats, eager = r["kernel_ms"], r.get("kernels_from") == "eager"
+        step = f"{r['eager_ms']:.2f} (eager)" if eager else f"{r['graph_ms']:.2f}"
+        out.append(f"| {r['batch']} x {r['seq_len']} | {r['kv_dtype']} | {step} | "
+                   + " | ".join(f"{cats[c]:.2f}" for c in CATEGORY_NAMES)
+                   + f" | {cats['total']:.2f} | {r['launch_gaps_ms']:.2f} |")
+    return out
+
+
 def _kernel_lines(rows: list[dict]) -> list[str]:
-    """Per profiled shape: its top kernels of one eager step (``--profile``)."""
+    """Per profiled shape: its top kernels (``--profile``), of a graph replay or, in older JSONs, an eager step."""
     out = []
     for r in rows:
         if not r.get("kernels"):
             continue
-        out += ["", f"### Kernels of one step: {r['batch']} x {r['seq_len']}, {r['kv_dtype']} (torch profiler, eager)",
-                "", "| kernel | us per step | launches per step |", "|---|---|---|"]
+        source = "CUDA graph replay" if r.get("kernels_from") == "graph" else "eager step"
+        title = f"### Kernels of one step: {r['batch']} x {r['seq_len']}, {r['kv_dtype']} (torch profiler, {source})"
+        out += ["", title, "", "| kernel | us per step | launches per step |", "|---|---|---|"]
         out += [f"| `{k['kernel']}` | {k['us']:.1f} | {k['launches']:.0f} |" for k in r["kernels"]]
     return out
 
 
-def _rest_and_floor(r: dict) -> tuple[str, str]:
-    rest = r["graph_ms"] - r["attention_ms"]
-    floor = r.get("non_attention_floor_ms")
-    return f"{rest:.2f}", "-" if floor is None else f"{floor:.2f}"
-
-
-def _over_floor(r: dict) -> str:
-    floor = r.get("non_attention_floor_ms")
-    return "-" if not floor else f"{(r['graph_ms'] - r['attention_ms']) / floor:.2f}x"
-
-
 def _print_table(rows: list[dict], layers: int) -> None:
-    print(f"\nengine decode step, Qwen3-8B-shaped, {layers} layers")
-    print(f"{'shape':>12} {'kv':>9} {'graph ms':>9} {'eager ms':>9} {'attn ms':>8} {'attn TB/s':>9} "
-          f"{'rest ms':>8} {'floor ms':>8} {'x floor':>7} {'tok/s':>8} {'vs fp8':>7}")
+    print(f"\nengine decode step, Qwen3-8B-shaped, {layers} layers (attention: the decode of all layers in one "
+          "CUDA graph; rest = graph - attention)")
+    heads = ("graph ms", "eager ms", "attn ms", "attn eager", "attn TB/s", "rest ms", "floor ms", "x floor", "tok/s",
+             "vs fp8")
+    print(f"{'shape':>12} {'kv':>9} " + " ".join(f"{h:>10}" for h in heads))
     fp8 = {(r["batch"], r["seq_len"]): r for r in rows if r["kv_dtype"] == "fp8_e4m3" and "tok_s" in r}
     for r in rows:
         shape = f"{r['batch']}x{r['seq_len']}"
         if "error" in r:
             print(f"{shape:>12} {r['kv_dtype']:>9}  {r['error']}")
             continue
-        base = fp8.get((r["batch"], r["seq_len"]))
-        ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
-        rest, floor = _rest_and_floor(r)
-        print(f"{shape:>12} {r['kv_dtype']:>9} {r['graph_ms']:9.2f} {r['eager_ms']:9.2f} {r['attention_ms']:8.2f} "
-              f"{r['attention_tb_s']:9.2f} {rest:>8} {floor:>8} {_over_floor(r):>7} {r['tok_s']:8.0f} {ratio:>7}")
+        c = _cells(r, fp8.get((r["batch"], r["seq_len"])))
+        keys = ("graph", "eager", "attn", "attn_eager", "tb_s", "rest", "floor", "over", "tok_s", "vs_fp8")
+        print(f"{shape:>12} {r['kv_dtype']:>9} " + " ".join(f"{c[k]:>10}" for k in keys))
 
 
 if __name__ == "__main__":

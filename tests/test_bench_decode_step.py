@@ -1,0 +1,70 @@
+"""bench_decode_step's reading of its measurements (CPU; the measuring itself needs a GPU): kernel names
+sorted into the profile's categories, the per-category sums and launch gaps, and the markdown's columns:
+``rest`` is the graph step minus the graph-captured attention, never minus the eager loop."""
+
+from __future__ import annotations
+
+from benchmarks.engine.bench_decode_step import CATEGORY_NAMES, _write_md, category_ms, kernel_category
+
+# names as the torch profiler reports them on an H200 (docs/benchmarks/engine_decode.md), by category
+PROFILED = {
+    "gemm": ["nvjet_sm90_tst_192x8_64x8_2x1_v_bz_TNT", "nvjet_sm90_tst_64x24_64x16_1x2_h_bz_TNT",
+             "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, false>"],
+    "attention": ["nvfp4_decode_kernel", "nvfp4_decode_gluon_kernel", "merge_kernel",
+                  ("void flashinfer::BatchPrefillWithPagedKVCacheKernel<true, flashinfer::KernelTraits<(flashinfer::"
+                   "MaskMode)0, 16u, 1u, 4u, 8u, 8u, 1u, 1u, (flashinfer::PosEncodingMode)0, __nv_fp8_e4m3>>"),
+                  "void flashinfer::PersistentVariableLengthMergeStatesKernel<8u, 16u, 8u, 4u, __nv_bfloat16, int>"],
+    "kv_write": ["kv_write_kernel", "nvfp4_quantize_kernel"],
+    "norm_rope_act": ["rmsnorm_kernel", "qk_norm_rope_kernel", "silu_mul_kernel"],
+    "other": ["void at::native::vectorized_elementwise_kernel<8, at::native::AUnaryFunctor<c10::BFloat16>>",
+              "Memcpy HtoD (Pinned -> Device)", "void at::native::index_select_large_index<c10::BFloat16>"],
+}
+
+
+def test_profiled_kernel_names_fall_into_their_categories():
+    assert set(PROFILED) == set(CATEGORY_NAMES)
+    for category, names in PROFILED.items():
+        for name in names:
+            assert kernel_category(name) == category, name
+
+
+def test_category_sums_add_up_to_the_kernel_total():
+    rows = [{"kernel": n, "us": 100.0 * (i + 1), "launches": 36}
+            for i, n in enumerate(n for names in PROFILED.values() for n in names)]
+    cats = category_ms(rows)
+    assert set(cats) == {*CATEGORY_NAMES, "total"}
+    assert abs(cats["total"] - sum(r["us"] for r in rows) / 1e3) < 1e-9
+    for category, names in PROFILED.items():
+        want = sum(r["us"] for r in rows if r["kernel"] in names) / 1e3
+        assert abs(cats[category] - want) < 1e-9, category
+
+
+def _row(**extra) -> dict:
+    row = {"kv_dtype": "nvfp4", "batch": 1, "seq_len": 32768, "graph_ms": 7.84, "eager_ms": 35.68,
+           "kv_read_gb": 0.6, "tok_s": 127.6, "non_attention_floor_ms": 3.55}
+    return {**row, **extra}
+
+
+def _render(rows: list[dict], tmp_path) -> str:
+    doc = {"gpu": "GPU", "copy_tb_s": 4.27, "layers": 36, "model": "m", "command": "c", "rows": rows}
+    path = tmp_path / "out.md"
+    _write_md(doc, str(path))
+    return path.read_text()
+
+
+def test_rest_is_the_graph_step_minus_the_graph_attention(tmp_path):
+    cats = {"gemm": 4.1, "attention": 2.0, "kv_write": 0.12, "norm_rope_act": 0.29, "other": 0.05}
+    cats["total"] = sum(cats.values())
+    row = _row(attention_graph_ms=2.25, attention_eager_ms=4.90, kernel_ms=cats, kernels_from="graph",
+               launch_gaps_ms=7.84 - cats["total"], kernels=[{"kernel": "nvfp4_decode_kernel", "us": 2000.0,
+                                                              "launches": 36}])
+    md = _render([row], tmp_path)
+    assert "| 1 x 32768 | nvfp4 | 7.84 | 35.68 | 2.25 | 4.90 | 0.27 | 5.59 | 3.55 | 1.57x | 128 | - |" in md
+    assert "| 1 x 32768 | nvfp4 | 7.84 | 4.10 | 2.00 | 0.12 | 0.29 | 0.05 | 6.56 | 1.28 |" in md
+    assert "(torch profiler, CUDA graph replay)" in md
+
+
+def test_an_older_json_with_only_the_eager_attention_shows_no_rest(tmp_path):
+    md = _render([_row(attention_ms=4.90, attention_tb_s=0.12)], tmp_path)
+    assert "| 1 x 32768 | nvfp4 | 7.84 | 35.68 | - | 4.90 | - | - | 3.55 | - | 128 | - |" in md
+    assert "kernel ms per step" not in md
