@@ -301,12 +301,12 @@ def main(argv: list[str] | None = None) -> int:
          f"{report['quantize']['tb_per_s']:.2f} TB/s")
     triton_cfg = DecodeConfig(4, 16 if D > 128 else 32, 2, 8)  # the Triton kernel's measured best tiling
     gluon = DecodeKernel.GLUON
-    configs = list(dict.fromkeys([default_decode_config(D, torch.cuda.get_device_capability(dev)), triton_cfg, DecodeConfig(1, 32, 3, 16, gluon),
-                                  DecodeConfig(1, 64, 3, 16, gluon)]))
+    configs = list(dict.fromkeys([default_decode_config(D, torch.cuda.get_device_capability(dev)), triton_cfg, DecodeConfig(1, 32, 3, 24, gluon),
+                                  DecodeConfig(1, 16, 3, 48, gluon)]))
     if args.sweep:
         configs += [DecodeConfig(4, 32, 2, 16), DecodeConfig(1, 32, 2, 32), DecodeConfig(1, 32, 4, 24, gluon),
-                    DecodeConfig(1, 16, 4, 32, gluon), DecodeConfig(1, 32, 3, 32, gluon), DecodeConfig(1, 64, 2, 12, gluon),
-                    DecodeConfig(1, 64, 4, 24, gluon), DecodeConfig(1, 32, 2, 16, gluon)]
+                    DecodeConfig(1, 16, 4, 32, gluon), DecodeConfig(1, 32, 2, 32, gluon), DecodeConfig(1, 64, 2, 12, gluon),
+                    DecodeConfig(1, 64, 3, 16, gluon), DecodeConfig(1, 32, 2, 16, gluon)]
     if warm is not None:
         warm.wait()
     rows = []

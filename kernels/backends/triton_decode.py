@@ -74,11 +74,11 @@ class DecodeConfig:
 
 def default_decode_config(head_dim: int, capability: tuple[int, int] | None = None) -> DecodeConfig:
     """The decode kernel and tiling for a GPU of ``capability`` (None: no GPU, the Triton kernel for the
-    interpreter). Hopper (9.x) gets the Gluon kernel, 1.1-1.4x faster than the Triton kernel on the H200
-    (docs/benchmarks/kernels.md); other GPUs the Triton kernel, whose D=256 tiling halves the warp slice to
+    interpreter). Hopper (9.x) gets the Gluon kernel, 1.3-1.4x faster than the Triton kernel on the H200 with
+    this tiling (docs/benchmarks/kernels.md: 2-stage ring, 24 programs per SM); other GPUs the Triton kernel, whose D=256 tiling halves the warp slice to
     stay in registers (docs/benchmarks/kernel-notes.md)."""
     if capability is not None and capability[0] == 9 and head_dim in _GLUON_HEAD_DIMS:
-        return DecodeConfig(1, 32, 3, 16, DecodeKernel.GLUON)
+        return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)
     return DecodeConfig(4, 16 if head_dim > 128 else 32, 2, 8)
 
 

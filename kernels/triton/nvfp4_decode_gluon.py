@@ -69,22 +69,27 @@ def _decode_scaled(w, s):
 
 
 @gluon.jit
-def _issue(ring, K16, V16, KSF, VSF, pt_row, t0, end, stage, h, tr, tc,
+def _rows(pt_row, tok, end, h, HK: gl.constexpr, PAGE: gl.constexpr):
+    """Pool rows ([P*PAGE*HK, ...] views) of tokens ``tok`` of head h, and which of them are below ``end``."""
+    ok = tok < end
+    page = gl.load(pt_row + tok // PAGE, mask=ok, other=0).to(gl.int64)
+    return (page * PAGE + tok % PAGE) * HK + h, ok
+
+
+@gluon.jit
+def _issue(ring, K16, V16, KSF, VSF, pt_row, t0, end, stage, h, tr, tc, trs, tcs,
            HK: gl.constexpr, DW: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr):
     """cp.async of tokens [t0, t0 + BT) (rows past ``end`` are zero-filled) into ring slot ``stage``."""
     k_smem, v_smem, ks_smem, vs_smem = ring
-    tok = t0 + tr
-    ok = tok < end
-    page = gl.load(pt_row + tok // PAGE, mask=ok, other=0).to(gl.int64)
-    row = (page * PAGE + tok % PAGE) * HK + h  # row of the [P*PAGE*HK, ...] views
+    row, ok = _rows(pt_row, t0 + tr, end, h, HK, PAGE)
     off = (row * DW)[:, None] + tc[None, :]
     async_copy.async_copy_global_to_shared(k_smem.index(stage), K16 + off, mask=ok[:, None])
     async_copy.async_copy_global_to_shared(v_smem.index(stage), V16 + off, mask=ok[:, None])
-    # the scale rows reuse the code rows' layout: columns >= NS copy nothing (one 8-byte copy per row)
-    soff = (row * NS)[:, None] + (tc % NS)[None, :]
-    smask = ok[:, None] & (tc < NS)[None, :]
-    async_copy.async_copy_global_to_shared(ks_smem.index(stage), KSF + soff, mask=smask)
-    async_copy.async_copy_global_to_shared(vs_smem.index(stage), VSF + soff, mask=smask)
+    # the scale rows (NS bytes each, one copy per row) in their own layout: a lane per row
+    srow, sok = _rows(pt_row, t0 + trs, end, h, HK, PAGE)
+    soff = (srow * NS)[:, None] + tcs[None, :]
+    async_copy.async_copy_global_to_shared(ks_smem.index(stage), KSF + soff, mask=sok[:, None])
+    async_copy.async_copy_global_to_shared(vs_smem.index(stage), VSF + soff, mask=sok[:, None])
     async_copy.commit_group()
 
 
@@ -93,7 +98,7 @@ def _scales(smem, layout: gl.constexpr, operand: gl.constexpr, BT: gl.constexpr,
             TRANS: gl.constexpr):
     """Scale bytes [BT, NS] of one ring slot -> uint8 [BT, 4*NS] (or its transpose) in ``operand`` layout:
     element (t, j) = scale(t, j // 4). ``layout`` is chosen so the broadcast is already that layout."""
-    x = gl.expand_dims(smem.slice(0, NS, 1).load(gl.SliceLayout(2, layout)), 2)
+    x = gl.expand_dims(smem.load(gl.SliceLayout(2, layout)), 2)
     x = gl.broadcast(x, gl.full([BT, NS, 4], 0, gl.uint8, layout=layout))[0]
     x = gl.reshape(x, [BT, NS * 4])
     if TRANS:
@@ -135,6 +140,7 @@ def nvfp4_decode_gluon_kernel(
     op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     # copies: 8 int16 (16 bytes) per thread, DW // 8 threads per row
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DW // 8), DW // 8], [1, 1], [1, 0])
+    cps: gl.constexpr = gl.BlockedLayout([1, NS], [32, 1], [1, 1], [1, 0])  # scales: NS bytes per lane
     # scale layouts whose [BT, NS, 4] broadcast, reshaped to [BT, DW], equals op_a's layout of K [BT, DW] (j bit 0
     # in a register, j bits 1-2 on lanes 0-1, t bits 0-2 on lanes 2-4) or, transposed, of V^T [DW, BT]
     k_sl: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 2, 2], [1, 1, 1], [2, 1, 0])
@@ -167,13 +173,15 @@ def nvfp4_decode_gluon_kernel(
 
     ring = (gl.allocate_shared_memory(gl.int16, [STAGES, BT, DW], codes_sh),
             gl.allocate_shared_memory(gl.int16, [STAGES, BT, DW], codes_sh),
-            gl.allocate_shared_memory(gl.uint8, [STAGES, BT, DW], bytes_sh),
-            gl.allocate_shared_memory(gl.uint8, [STAGES, BT, DW], bytes_sh))
+            gl.allocate_shared_memory(gl.uint8, [STAGES, BT, NS], bytes_sh),
+            gl.allocate_shared_memory(gl.uint8, [STAGES, BT, NS], bytes_sh))
     tr = gl.arange(0, BT, layout=gl.SliceLayout(1, cp))
     tc = gl.arange(0, DW, layout=gl.SliceLayout(0, cp))
+    trs = gl.arange(0, BT, layout=gl.SliceLayout(1, cps))
+    tcs = gl.arange(0, NS, layout=gl.SliceLayout(0, cps))
     pt_row = PAGE_TABLE + b * stride_ptb
     for i in gl.static_range(STAGES - 1):
-        _issue(ring, K16, V16, KSF, VSF, pt_row, start + i * BT, end, i, h, tr, tc, HK, DW, NS, PAGE)
+        _issue(ring, K16, V16, KSF, VSF, pt_row, start + i * BT, end, i, h, tr, tc, trs, tcs, HK, DW, NS, PAGE)
 
     ts = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))
     m_i = gl.full([GN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
@@ -187,7 +195,7 @@ def nvfp4_decode_gluon_kernel(
         stage = i % STAGES
         gl.thread_barrier()  # every lane has read slot (i - 1) % STAGES before it is refilled
         _issue(ring, K16, V16, KSF, VSF, pt_row, t0 + (STAGES - 1) * BT, end, (i + STAGES - 1) % STAGES, h, tr, tc,
-               HK, DW, NS, PAGE)
+               trs, tcs, HK, DW, NS, PAGE)
         async_copy.wait_group(STAGES - 1)  # slot `stage` has landed
         k_smem, v_smem, ks_smem, vs_smem = ring
         ks = _scales(ks_smem.index(stage), k_sl, op_a, BT, NS, False)
