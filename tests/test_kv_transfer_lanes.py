@@ -159,7 +159,9 @@ def test_a_lane_that_fails_ends_the_whole_transfer_and_frees_the_pages(four_laye
     elif how == "cancelled midway":
         assert main_code[0] is grpc.StatusCode.UNAVAILABLE and "lane 1" in main_code[1]
     for code, details in lane_codes:  # the other lane learns of the failure too, with an error
-        assert code is grpc.StatusCode.UNAVAILABLE, details
+        # (a lane whose call reaches the prefill only after the transfer ended finds no transfer to join)
+        assert code is grpc.StatusCode.UNAVAILABLE or (
+            code is grpc.StatusCode.NOT_FOUND and "no open transfer" in details), (code, details)
     assert open_transfers == 0
     assert load.pool_pages_in_use == 0
 
