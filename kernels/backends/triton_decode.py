@@ -50,6 +50,7 @@ class DecodeConfig:
     num_stages: int = 2
     programs_per_sm: int = 8  # split-KV target: about this many programs per SM when sequences are long
     kernel: DecodeKernel = DecodeKernel.TRITON
+    max_registers: int | None = None  # ptxas register cap per thread (maxnreg); None: the compiler's choice
 
     def __post_init__(self) -> None:
         if self.block_w < 16 or self.block_w & (self.block_w - 1):
@@ -58,14 +59,21 @@ class DecodeConfig:
             raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
         if self.programs_per_sm < 1:
             raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
+        if self.max_registers is not None and not 32 <= self.max_registers <= 255:
+            raise ValueError(f"max_registers must be in [32, 255] or None, got {self.max_registers}")
         if self.kernel is DecodeKernel.GLUON and (self.num_warps != 1 or self.block_w > 64 or self.num_stages < 2):
             raise ValueError("the Gluon decode runs one warp per program with block_w <= 64 and num_stages >= 2, got "
                              f"num_warps={self.num_warps} block_w={self.block_w} num_stages={self.num_stages}")
 
     @property
     def label(self) -> str:
+        cap = "" if self.max_registers is None else f"_r{self.max_registers}"
         return (f"{self.kernel.value}_nw{self.num_warps}_bw{self.block_w}_st{self.num_stages}"
-                f"_p{self.programs_per_sm}")
+                f"_p{self.programs_per_sm}{cap}")
+
+    @property
+    def launch_options(self) -> dict:
+        return {} if self.max_registers is None else {"maxnreg": self.max_registers}
 
     @property
     def block_n(self) -> int:
@@ -240,7 +248,8 @@ class TritonNvfp4Decode:
             q.stride(0), q.stride(1), pt.stride(0),
             op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), st.chunk_tokens,
             HK=hk, G=group, GP=max(16, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
-            NW=cfg.num_warps, BW=cfg.block_w, MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            NW=cfg.num_warps, BW=cfg.block_w, MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.launch_options)
 
     def _capability(self, dev: torch.device) -> tuple[int, int] | None:
         """The target's compute capability, else that of ``dev``'s GPU; None for CPU tensors without a target."""
@@ -267,4 +276,4 @@ class TritonNvfp4Decode:
             q.stride(0), q.stride(1), pt.stride(0),
             op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), st.chunk_tokens,
             HK=hk, G=group, GN=max(8, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
-            BT=st.config.block_w, STAGES=st.config.num_stages, num_warps=1)
+            BT=st.config.block_w, STAGES=st.config.num_stages, num_warps=1, **st.config.launch_options)

@@ -34,38 +34,44 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-# $4: two int16 words (8 codes) e0 | e1 << 16; $5: their two E4M3 scale bytes s0 | s1 << 8.
-# Output k: fp16x2 (E2M1[nibble k of e0] * s0, E2M1[nibble k of e1] * s1) * 2**-14 (decode: kernels/triton/e2m1.py).
-_DECODE_SCALED = gl.constexpr("""
+# $2: two int16 words (8 codes) e0 | e1 << 16; $3: their two block scales as fp16x2 (s0, s1).
+# _LO_ASM: outputs for nibbles 0 and 2, _HI_ASM: nibbles 1 and 3, each an fp16x2
+# (E2M1[nibble k of e0] * s0, E2M1[nibble k of e1] * s1) * 2**-14 (the decode of kernels/triton/e2m1.py, split
+# in two halves that share no work, so a step's decoded operands are live two nibbles at a time).
+_LO_ASM = gl.constexpr("""
 {
-.reg .b32 t, hi, lo, w4, s2;
-cvt.rn.f16x2.e4m3x2 s2, $5;
-shr.b32 t, $4, 3;
-and.b32 t, t, 0x0E0E0E0E;
-and.b32 hi, $4, 0x80808080;
-or.b32 hi, hi, t;
-shl.b32 w4, $4, 4;
-shl.b32 t, $4, 1;
+.reg .b32 t, lo, w4;
+shl.b32 w4, $2, 4;
+shl.b32 t, $2, 1;
 and.b32 t, t, 0x0E0E0E0E;
 and.b32 lo, w4, 0x80808080;
 or.b32 lo, lo, t;
 prmt.b32 $0, lo, 0, 0x2404;
-prmt.b32 $1, hi, 0, 0x2404;
-and.b32 $2, lo, 0xFF00FF00;
-and.b32 $3, hi, 0xFF00FF00;
-mul.rn.f16x2 $0, $0, s2;
-mul.rn.f16x2 $1, $1, s2;
-mul.rn.f16x2 $2, $2, s2;
-mul.rn.f16x2 $3, $3, s2;
+and.b32 $1, lo, 0xFF00FF00;
+mul.rn.f16x2 $0, $0, $3;
+mul.rn.f16x2 $1, $1, $3;
+}
+""")
+_HI_ASM = gl.constexpr("""
+{
+.reg .b32 t, hi;
+shr.b32 t, $2, 3;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 hi, $2, 0x80808080;
+or.b32 hi, hi, t;
+prmt.b32 $0, hi, 0, 0x2404;
+and.b32 $1, hi, 0xFF00FF00;
+mul.rn.f16x2 $0, $0, $3;
+mul.rn.f16x2 $1, $1, $3;
 }
 """)
 
 
 @gluon.jit
-def _decode_scaled(w, s):
-    """int16 words w and uint8 scale bytes s of one layout -> (v0, v1, v2, v3) fp16, v_k = E2M1[nib k] * s * 2**-14."""
-    return gl.inline_asm_elementwise(_DECODE_SCALED, "=r,=r,=r,=r,r,h", [w, s],
-                                     dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=2)
+def _decode_half(w, s, ASM: gl.constexpr):
+    """int16 words w and fp16 scales s of one layout -> two fp16 tensors (nibbles 0, 2 or 1, 3) * s * 2**-14."""
+    return gl.inline_asm_elementwise(ASM, "=r,=r,r,r", [w, s], dtype=(gl.float16, gl.float16), is_pure=True,
+                                     pack=2)
 
 
 @gluon.jit
@@ -103,7 +109,8 @@ def _scales(smem, layout: gl.constexpr, operand: gl.constexpr, BT: gl.constexpr,
     x = gl.reshape(x, [BT, NS * 4])
     if TRANS:
         x = gl.permute(x, (1, 0))
-    return gl.convert_layout(x, operand, assert_trivial=True)
+    x = gl.convert_layout(x, operand, assert_trivial=True)
+    return x.to(gl.float8e4nv, bitcast=True).to(gl.float16)  # exact
 
 
 @gluon.jit
@@ -199,11 +206,12 @@ def nvfp4_decode_gluon_kernel(
         async_copy.wait_group(STAGES - 1)  # slot `stage` has landed
         k_smem, v_smem, ks_smem, vs_smem = ring
         ks = _scales(ks_smem.index(stage), k_sl, op_a, BT, NS, False)
-        k0, k1, k2, k3 = _decode_scaled(k_smem.index(stage).load(op_a), ks)
-        s = gl.zeros([BT, GN], gl.float32, layout=mma)
-        s = mma_v2(k0, q0, s)
-        s = mma_v2(k1, q1, s)
+        kw = k_smem.index(stage).load(op_a)
+        k0, k2 = _decode_half(kw, ks, _LO_ASM)
+        s = mma_v2(k0, q0, gl.zeros([BT, GN], gl.float32, layout=mma))
         s = mma_v2(k2, q2, s)
+        k1, k3 = _decode_half(kw, ks, _HI_ASM)
+        s = mma_v2(k1, q1, s)
         s = mma_v2(k3, q3, s)
         s = gl.where(((t0 + ts) < end)[:, None], s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 0))  # finite: every step has >= 1 token below `end`
@@ -213,11 +221,13 @@ def nvfp4_decode_gluon_kernel(
         m_i = m_new
         pb = gl.convert_layout(p.to(gl.float16), op_b)
         vs = _scales(vs_smem.index(stage), v_sl, op_a, BT, NS, True)
-        v0, v1, v2, v3 = _decode_scaled(v_smem.index(stage).permute((1, 0)).load(op_a), vs)
+        vw = v_smem.index(stage).permute((1, 0)).load(op_a)
         a2 = alpha[None, :]
+        v0, v2 = _decode_half(vw, vs, _LO_ASM)
         acc0 = mma_v2(v0, pb, acc0 * a2)
-        acc1 = mma_v2(v1, pb, acc1 * a2)
         acc2 = mma_v2(v2, pb, acc2 * a2)
+        v1, v3 = _decode_half(vw, vs, _HI_ASM)
+        acc1 = mma_v2(v1, pb, acc1 * a2)
         acc3 = mma_v2(v3, pb, acc3 * a2)
     async_copy.wait_group(0)
 
