@@ -234,19 +234,24 @@ class TritonNvfp4Decode:
             out.stride(0), out.stride(1), D=d, SPLITS_P2=triton.next_power_of_2(st.num_splits))
         return out
 
+    @staticmethod
+    def _kernel_args(plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float, fold: float) -> tuple:
+        """The runtime arguments both decode kernels take, in their order (same contract, different tilings)."""
+        st, pt = plan.backend_state, plan.page_table
+        op, lse = st.o_part, st.lse_part
+        return (q, layer.k.view(torch.int16), u8(layer.k_sf), layer.v.view(torch.int16), u8(layer.v_sf),
+                pt, plan.seq_lens, op, lse,
+                float(sm_scale) * float(layer.k_scale) * fold * _LOG2E, float(layer.v_scale) * fold,
+                q.stride(0), q.stride(1), pt.stride(0),
+                op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), st.chunk_tokens)
+
     def _launch_triton(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> None:
         st, (batch, hq, d), hk = plan.backend_state, q.shape, layer.num_kv_heads
         mode = self.target.e2m1_mode if self.target is not None else e2m1_mode(q.device)
-        fold = e2m1_fold(mode)
         cfg = st.config
         group = hq // hk
-        pt, op, lse = plan.page_table, st.o_part, st.lse_part
         nvfp4_decode_kernel[(hk, st.num_splits, batch)](
-            q, layer.k.view(torch.int16), u8(layer.k_sf), layer.v.view(torch.int16), u8(layer.v_sf),
-            pt, plan.seq_lens, op, lse,
-            float(sm_scale) * float(layer.k_scale) * fold * _LOG2E, float(layer.v_scale) * fold,
-            q.stride(0), q.stride(1), pt.stride(0),
-            op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), st.chunk_tokens,
+            *self._kernel_args(plan, q, layer, sm_scale, e2m1_fold(mode)),
             HK=hk, G=group, GP=max(16, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
             NW=cfg.num_warps, BW=cfg.block_w, MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **cfg.launch_options)
@@ -266,14 +271,8 @@ class TritonNvfp4Decode:
         if cap is None or cap < (8, 9) or d not in _GLUON_HEAD_DIMS:
             raise ValueError(f"the Gluon NVFP4 decode needs a CUDA GPU of compute capability >= 8.9 and head_dim in "
                              f"{_GLUON_HEAD_DIMS}, got capability {cap} and head_dim {d} (use DecodeKernel.TRITON)")
-        fold = e2m1_fold(1)
         group = hq // hk
-        pt, op, lse = plan.page_table, st.o_part, st.lse_part
         nvfp4_decode_gluon_kernel[(hk, st.num_splits, batch)](
-            q, layer.k.view(torch.int16), u8(layer.k_sf), layer.v.view(torch.int16), u8(layer.v_sf),
-            pt, plan.seq_lens, op, lse,
-            float(sm_scale) * float(layer.k_scale) * fold * _LOG2E, float(layer.v_scale) * fold,
-            q.stride(0), q.stride(1), pt.stride(0),
-            op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), st.chunk_tokens,
+            *self._kernel_args(plan, q, layer, sm_scale, e2m1_fold(1)),
             HK=hk, G=group, GN=max(8, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
             BT=st.config.block_w, STAGES=st.config.num_stages, num_warps=1, **st.config.launch_options)
