@@ -104,7 +104,7 @@ class TransferEndpoint(_message.Message):
     def __init__(self, hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., device: _Optional[str] = ..., kv_transfer: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "outstanding_tokens", "pool_pages_total", "pool_pages_free", "pool_pages_cached", "pool_pages_in_use", "page_size", "max_total_tokens", "layout", "model_path", "host_cache", "attention_backend")
+    __slots__ = ("role", "num_running", "num_waiting", "outstanding_tokens", "pool_pages_total", "pool_pages_free", "pool_pages_cached", "pool_pages_in_use", "page_size", "max_total_tokens", "layout", "model_path", "host_cache", "attention_backend", "decode_kernel")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class WorkerLoad(_message.Message):
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     HOST_CACHE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DECODE_KERNEL_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -133,7 +134,8 @@ class WorkerLoad(_message.Message):
     model_path: str
     host_cache: HostCacheStats
     attention_backend: str
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., pool_pages_total: _Optional[int] = ..., pool_pages_free: _Optional[int] = ..., pool_pages_cached: _Optional[int] = ..., pool_pages_in_use: _Optional[int] = ..., page_size: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_path: _Optional[str] = ..., host_cache: _Optional[_Union[HostCacheStats, _Mapping]] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    decode_kernel: str
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., pool_pages_total: _Optional[int] = ..., pool_pages_free: _Optional[int] = ..., pool_pages_cached: _Optional[int] = ..., pool_pages_in_use: _Optional[int] = ..., page_size: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_path: _Optional[str] = ..., host_cache: _Optional[_Union[HostCacheStats, _Mapping]] = ..., attention_backend: _Optional[str] = ..., decode_kernel: _Optional[str] = ...) -> None: ...
 
 class HostCacheStats(_message.Message):
     __slots__ = ("num_pages", "num_used_pages", "max_tokens", "total_bytes", "hit_tokens", "num_loads", "num_stores", "load_bytes", "store_bytes", "load_gbps", "store_gbps")

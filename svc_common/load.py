@@ -36,7 +36,9 @@ class LoadReporter:
         self._last: common_pb2.WorkerLoad | None = None
         self._pending: Future | None = None
         # fixed for the process: read once here
-        self._model_path, self._attention_backend = loop.engine.config.model_dir, loop.engine.backend.name
+        eng = loop.engine
+        self._model_path, self._attention_backend = eng.config.model_dir, eng.backend.name
+        self._decode_kernel = eng.backend.decode_kernel(eng.pool.kv_dtype, eng.pool.layers[0].head_dim, eng.device)
 
     def _snapshot(self) -> Future:
         """A future WorkerLoad: the stats record is taken between steps and published (``_publish``) by the loop
@@ -60,7 +62,8 @@ class LoadReporter:
             outstanding_tokens=st.outstanding_tokens, pool_pages_total=st.pages_total, pool_pages_free=st.pages_free,
             pool_pages_cached=st.pages_cached, pool_pages_in_use=st.pages_in_use, page_size=st.page_size,
             max_total_tokens=st.max_total_tokens, layout=self.layout, model_path=self._model_path,
-            host_cache=_host_cache(st.host_tier), attention_backend=self._attention_backend)
+            host_cache=_host_cache(st.host_tier), attention_backend=self._attention_backend,
+            decode_kernel=self._decode_kernel)
         return self._last
 
     async def load(self) -> common_pb2.WorkerLoad:

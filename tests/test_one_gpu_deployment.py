@@ -39,9 +39,10 @@ def test_server_info_reports_the_layer_override_and_no_prefill_worker(deployment
     assert info["config"]["prefill_addresses"] == [] and info["config"]["max_concurrent_requests"] == 8
 
 
-def test_server_info_names_each_workers_attention_backend(deployment):
+def test_server_info_names_each_workers_attention_backend_and_decode_kernel(deployment):
     info = httpx.get(f"{deployment.url}/server_info", timeout=30).json()
     assert info["decode"][0]["load"]["attention_backend"] == "reference"  # auto on the CPU
+    assert info["decode"][0]["load"]["decode_kernel"] == "reference"
 
 
 def test_greedy_completion_equals_the_in_process_engine_with_the_same_layers(deployment, tiny_model_dir):

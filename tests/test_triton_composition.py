@@ -108,3 +108,18 @@ def test_warm_decode_runs_nothing_for_a_cpu_nvfp4_pool_and_plans_check_their_inp
     st = tb.plan_decode(torch.zeros(2, 40, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 4, 2, 64, 16
                         ).backend_state
     assert (st.num_splits, tuple(st.o_part.shape)) == (3, (2, 4, 3, 64))
+
+
+def test_the_backend_names_its_decode_kernel_per_kv_dtype_and_gpu():
+    """/server_info's decode_kernel: the NVFP4 decode's config follows the GPU (Gluon on Hopper), the
+    fp8/bf16 decode is FlashInfer's (the reference where it cannot run)."""
+    from kernels.backends.triton_backend import DeviceTarget, TritonBackend
+
+    cpu = torch.device("cpu")
+    assert TritonBackend().decode_kernel("nvfp4", 128, cpu) == "triton-nvfp4-decode:triton_nw4_bw32_st2_p8"
+    hopper = TritonBackend(target=DeviceTarget(132, (9, 0)))
+    assert hopper.decode_kernel("nvfp4", 128, cpu) == "triton-nvfp4-decode:gluon_nw1_bw32_st2_p24"
+    assert hopper.decode_kernel("nvfp4", 96, cpu).startswith("triton-nvfp4-decode:triton_")  # no Gluon tiling
+    blackwell = TritonBackend(target=DeviceTarget(148, (10, 0)))
+    assert blackwell.decode_kernel("nvfp4", 128, cpu).startswith("triton-nvfp4-decode:triton_")
+    assert TritonBackend().decode_kernel("fp8_e4m3", 128, cpu).startswith("flashinfer-decode")

@@ -89,6 +89,11 @@ class AttentionBackend(ABC):
         lengths (the same values already copied into ``plan.page_table`` / ``plan.seq_lens``). Default: none,
         the decode reads everything from device memory."""
 
+    def decode_kernel(self, kv_dtype: str, head_dim: int, device: torch.device) -> str:
+        """The decode kernel a pool of ``kv_dtype`` runs on ``device`` (reported in /server_info). Default: the
+        backend's name."""
+        return self.name
+
     def warm_decode(self, layer: LayerKV, shapes: list[tuple[int, int]], num_qo_heads: int,
                     q_dtype: torch.dtype, sm_scale: float, fill_page: int) -> int:
         """Compile, ahead of serving, whatever ``decode`` would compile on first use for plans of these

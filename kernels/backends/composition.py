@@ -13,7 +13,7 @@ code. ``Composition.table()`` names the part of every phase per dtype (what ``Tr
 A part is any object with a ``name`` and its phase's method: ``write_kv`` / ``gather_workspace`` / ``prefill``
 with the ``AttentionBackend`` signatures (so ``ReferenceBackend`` serves as one), and for decode ``prepare``
 (after ``planner.plan``, with the ``DecodeOptions``), ``refresh`` (before a CUDA-graph replay), ``warm`` and
-``decode``.
+``decode``; a decode part may name the kernel it runs for a head dim and device (``kernel_for``).
 """
 
 from __future__ import annotations
@@ -144,3 +144,8 @@ class ComposedBackend(AttentionBackend):
 
     def decode(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> torch.Tensor:
         return self.parts.pool(layer.kv_dtype).decode.decode(plan, q, layer, sm_scale)
+
+    def decode_kernel(self, kv_dtype: str, head_dim: int, device: torch.device) -> str:
+        part = self.parts.pool(kv_dtype).decode
+        kernel_for = getattr(part, "kernel_for", None)  # optional: parts whose kernel depends on the GPU
+        return kernel_for(head_dim, device) if kernel_for is not None else _label(part)

@@ -256,6 +256,11 @@ class TritonNvfp4Decode:
             NW=cfg.num_warps, BW=cfg.block_w, MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **cfg.launch_options)
 
+    def kernel_for(self, head_dim: int, device: torch.device) -> str:
+        """``<part>:<config label>`` of the decodes this part plans for ``head_dim`` on ``device``."""
+        cfg = self.decode_config or default_decode_config(head_dim, self._capability(device))
+        return f"{self.name}:{cfg.label}"
+
     def _capability(self, dev: torch.device) -> tuple[int, int] | None:
         """The target's compute capability, else that of ``dev``'s GPU; None for CPU tensors without a target."""
         if self.target is not None:
