@@ -188,7 +188,8 @@ def _decode_kernel(plan: WarmPlan):
     """The NVFP4 decode kernel the engine picks on the target (``default_decode_config``)."""
     from kernels.backends.triton_backend import DecodeKernel, default_decode_config
 
-    if default_decode_config(plan.head_dim, plan.capability).kernel is DecodeKernel.GLUON:
+    group = plan.num_qo_heads // plan.num_kv_heads
+    if default_decode_config(plan.head_dim, plan.capability, group).kernel is DecodeKernel.GLUON:
         from kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
 
         return nvfp4_decode_gluon_kernel

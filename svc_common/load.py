@@ -38,7 +38,9 @@ class LoadReporter:
         # fixed for the process: read once here
         eng = loop.engine
         self._model_path, self._attention_backend = eng.config.model_dir, eng.backend.name
-        self._decode_kernel = eng.backend.decode_kernel(eng.pool.kv_dtype, eng.pool.layers[0].head_dim, eng.device)
+        layer0 = eng.pool.layers[0]
+        self._decode_kernel = eng.backend.decode_kernel(eng.pool.kv_dtype, layer0.head_dim,
+                                                        eng.paths.num_qo_heads // layer0.num_kv_heads, eng.device)
 
     def _snapshot(self) -> Future:
         """A future WorkerLoad: the stats record is taken between steps and published (``_publish``) by the loop

@@ -116,10 +116,14 @@ def test_the_backend_names_its_decode_kernel_per_kv_dtype_and_gpu():
     from kernels.backends.triton_backend import DeviceTarget, TritonBackend
 
     cpu = torch.device("cpu")
-    assert TritonBackend().decode_kernel("nvfp4", 128, cpu) == "triton-nvfp4-decode:triton_nw4_bw32_st2_p8"
+    assert TritonBackend().decode_kernel("nvfp4", 128, 4, cpu) == "triton-nvfp4-decode:triton_nw4_bw32_st2_p8"
     hopper = TritonBackend(target=DeviceTarget(132, (9, 0)))
-    assert hopper.decode_kernel("nvfp4", 128, cpu) == "triton-nvfp4-decode:gluon_nw1_bw32_st2_p24"
-    assert hopper.decode_kernel("nvfp4", 96, cpu).startswith("triton-nvfp4-decode:triton_")  # no Gluon tiling
+    assert hopper.decode_kernel("nvfp4", 128, 4, cpu) == "triton-nvfp4-decode:gluon_nw1_bw32_st2_p24"
+    assert hopper.decode_kernel("nvfp4", 96, 4, cpu).startswith("triton-nvfp4-decode:triton_")  # no Gluon tiling
     blackwell = TritonBackend(target=DeviceTarget(148, (10, 0)))
-    assert blackwell.decode_kernel("nvfp4", 128, cpu).startswith("triton-nvfp4-decode:triton_")
-    assert TritonBackend().decode_kernel("fp8_e4m3", 128, cpu).startswith("flashinfer-decode")
+    assert blackwell.decode_kernel("nvfp4", 128, 4, cpu).startswith("triton-nvfp4-decode:triton_")
+    assert TritonBackend().decode_kernel("fp8_e4m3", 128, 4, cpu).startswith("flashinfer-decode")
+    # groups whose accumulators take many more registers than the measured case stay on the Triton kernel
+    assert hopper.decode_kernel("nvfp4", 128, 16, cpu).startswith("triton-nvfp4-decode:triton_")
+    assert hopper.decode_kernel("nvfp4", 256, 4, cpu).startswith("triton-nvfp4-decode:triton_")
+    assert hopper.decode_kernel("nvfp4", 64, 16, cpu).startswith("triton-nvfp4-decode:gluon_")

@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
          f"{report['quantize']['tb_per_s']:.2f} TB/s")
     triton_cfg = DecodeConfig(4, 16 if D > 128 else 32, 2, 8)  # the Triton kernel's measured best tiling
     gluon = DecodeKernel.GLUON
-    configs = list(dict.fromkeys([default_decode_config(D, torch.cuda.get_device_capability(dev)), triton_cfg, DecodeConfig(1, 32, 3, 24, gluon),
+    configs = list(dict.fromkeys([default_decode_config(D, torch.cuda.get_device_capability(dev), HQ // HK), triton_cfg, DecodeConfig(1, 32, 3, 24, gluon),
                                   DecodeConfig(1, 32, 2, 24, gluon, 112), DecodeConfig(1, 32, 2, 32, gluon, 112)]))
     if args.sweep:
         configs += [DecodeConfig(4, 32, 2, 16), DecodeConfig(1, 32, 2, 32), DecodeConfig(1, 32, 4, 24, gluon),

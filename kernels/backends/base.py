@@ -89,9 +89,9 @@ class AttentionBackend(ABC):
         lengths (the same values already copied into ``plan.page_table`` / ``plan.seq_lens``). Default: none,
         the decode reads everything from device memory."""
 
-    def decode_kernel(self, kv_dtype: str, head_dim: int, device: torch.device) -> str:
-        """The decode kernel a pool of ``kv_dtype`` runs on ``device`` (reported in /server_info). Default: the
-        backend's name."""
+    def decode_kernel(self, kv_dtype: str, head_dim: int, group: int, device: torch.device) -> str:
+        """The decode kernel a pool of ``kv_dtype`` runs on ``device`` for ``group`` query heads per KV head
+        (reported in /server_info). Default: the backend's name."""
         return self.name
 
     def warm_decode(self, layer: LayerKV, shapes: list[tuple[int, int]], num_qo_heads: int,

@@ -80,12 +80,21 @@ class DecodeConfig:
         return self.num_warps * self.block_w
 
 
-def default_decode_config(head_dim: int, capability: tuple[int, int] | None = None) -> DecodeConfig:
+def gluon_fits(head_dim: int, group: int) -> bool:
+    """Whether the Gluon kernel is the default for this head dim and group: its accumulators are GN x D fp32 per
+    warp (GN = the group padded to >= 8). At GN * D <= 1024 (G <= 8 at D 128, G <= 16 at D 64) a program holds
+    about 130 registers, as in the measured GQA 32/8, D 128 case; up to 2048 it compiles without spills but
+    with 200-245 registers (fewer programs per SM, not measured), and G 32 at D 128 spills (sm_90a, Triton 3.6).
+    An explicit DecodeConfig may still ask for it there."""
+    return head_dim in _GLUON_HEAD_DIMS and max(8, triton.next_power_of_2(group)) * head_dim <= 1024
+
+
+def default_decode_config(head_dim: int, capability: tuple[int, int] | None = None, group: int = 1) -> DecodeConfig:
     """The decode kernel and tiling for a GPU of ``capability`` (None: no GPU, the Triton kernel for the
-    interpreter). Hopper (9.x) gets the Gluon kernel, 1.3-1.4x faster than the Triton kernel on the H200 with
+    interpreter). Hopper (9.x) gets the Gluon kernel where it fits (``gluon_fits``: ``group`` query heads per KV head), 1.3-1.4x faster than the Triton kernel on the H200 with
     this tiling (docs/benchmarks/kernels.md: 2-stage ring, 24 programs per SM); other GPUs the Triton kernel, whose D=256 tiling halves the warp slice to
     stay in registers (docs/benchmarks/kernel-notes.md)."""
-    if capability is not None and capability[0] == 9 and head_dim in _GLUON_HEAD_DIMS:
+    if capability is not None and capability[0] == 9 and gluon_fits(head_dim, group):
         return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)
     return DecodeConfig(4, 16 if head_dim > 128 else 32, 2, 8)
 
@@ -167,7 +176,7 @@ class TritonNvfp4Decode:
         plan = DecodePlan(page_table, seq_lens, num_qo_heads, num_kv_heads, head_dim, page_size)
         batch, max_pages = page_table.shape
         dev = page_table.device
-        cfg = self.decode_config or default_decode_config(head_dim, self._capability(dev))
+        cfg = self.decode_config or default_decode_config(head_dim, self._capability(dev), num_qo_heads // num_kv_heads)
         if self.target is not None:
             num_sms = self.target.num_sms
         else:
@@ -256,9 +265,9 @@ class TritonNvfp4Decode:
             NW=cfg.num_warps, BW=cfg.block_w, MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **cfg.launch_options)
 
-    def kernel_for(self, head_dim: int, device: torch.device) -> str:
-        """``<part>:<config label>`` of the decodes this part plans for ``head_dim`` on ``device``."""
-        cfg = self.decode_config or default_decode_config(head_dim, self._capability(device))
+    def kernel_for(self, head_dim: int, group: int, device: torch.device) -> str:
+        """``<part>:<config label>`` of the decodes this part plans for ``head_dim`` and ``group`` on ``device``."""
+        cfg = self.decode_config or default_decode_config(head_dim, self._capability(device), group)
         return f"{self.name}:{cfg.label}"
 
     def _capability(self, dev: torch.device) -> tuple[int, int] | None:
