@@ -56,9 +56,20 @@ def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 
 def rotated_attn(attn: AttnFn, r: torch.Tensor | None) -> AttnFn:
-    """``attn`` on rotated q/k/v with its output rotated back (``attn`` itself when ``r`` is None)."""
+    """``attn`` on rotated q/k/v with its output rotated back (``attn`` itself when ``r`` is None). On CUDA the
+    rotation is one kernel launch for q, k and v and one for the output (kernels/head_rotate.py, the same math
+    up to the order of fp32 sums); elsewhere ``rotate`` / ``unrotate`` (three ops per tensor)."""
     if r is None:
         return attn
+    if r.device.type == "cuda":
+        from kernels import head_rotate  # needs triton, which a CUDA install has
+
+        def fused(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if not head_rotate.supports(q, r):
+                return unrotate(attn(layer_id, rotate(q, r), rotate(k, r), rotate(v, r)), r)
+            return head_rotate.unrotate_heads(attn(layer_id, *head_rotate.rotate_qkv(q, k, v, r)), r)
+
+        return fused
 
     def rotated(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return unrotate(attn(layer_id, rotate(q, r), rotate(k, r), rotate(v, r)), r)

@@ -140,3 +140,19 @@ def test_a_head_dim_the_rotation_cannot_serve_is_refused_at_start_up_in_one_line
     check_model(str(model), "nvfp4", "cpu", "auto", None)  # unrotated it serves
     with pytest.raises(ValueError, match=r"--kv-rotation hadamard needs head_dim a power of two \(.* has 48\)"):
         check_model(str(model), "nvfp4", "cpu", "auto", None, "hadamard")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_the_fused_rotation_changes_no_prediction_beyond_rounding(tiny_model_dir):
+    """On CUDA the rotation runs as two kernel launches per layer (kernels/head_rotate.py): with a bf16 cache the
+    next-token log-probs equal the unrotated engine's up to rounding, as on the CPU."""
+    def engine(rotation: str) -> Engine:
+        return Engine(EngineConfig(model_dir=tiny_model_dir, device="cuda", cache=CacheConfig(
+            kv_dtype="bf16", kv_rotation=rotation, page_size=16, max_total_tokens=2048)))
+
+    windows = [prompt(40), prompt(40, offset=11)]
+    plain = teacher_forced_logprobs(engine("none"), windows, 24)
+    rotated = teacher_forced_logprobs(engine("hadamard"), windows, 24)
+    assert (plain - rotated).abs().max() < 1e-1  # bf16 model and activations on the GPU
+    assert (plain.argmax(-1) == rotated.argmax(-1)).float().mean() >= 0.95
