@@ -56,6 +56,12 @@ def _attention_backends() -> tuple[str, ...]:
     return ("auto", *available_backends())
 
 
+def _nvfp4_decode_kernels() -> tuple[str, ...]:
+    from kernels.backends.registry import NVFP4_DECODE_KERNELS  # as _attention_backends
+
+    return NVFP4_DECODE_KERNELS
+
+
 def _host_cache_fields(size: HostCacheSize) -> dict[str, int]:
     return {"host_cache_bytes": size.num_bytes, "host_cache_tokens": size.num_tokens}
 
@@ -172,6 +178,10 @@ class EngineConfig:
         "the per-block NVFP4 scale choice (the E4M3 scale near amax/6 that reconstructs the block best); triton: the fused NVFP4 kernels (FlashInfer for "
         "fp8/bf16 and prefill when installed); triton-block-select: triton with that per-block scale choice in its "
         "quantize-on-write kernel (CUDA)", choices=_attention_backends))
+    nvfp4_decode_kernel: str = field(default="auto", metadata=flag(
+        "the triton backends' NVFP4 decode kernel: auto (gluon on Hopper for groups of up to 8 query heads per KV "
+        "head at head_dim 128, else triton), gluon (explicit-layout kernel, sm_89+), triton (any GPU)",
+        choices=_nvfp4_decode_kernels))
     # Longest prompt + output served (--context-length); None -> the model's own (config.json, capped by a
     # sliding window). Larger than the model's is refused at start-up.
     context_length: int | None = field(default=None, metadata=flag(
@@ -207,6 +217,9 @@ class EngineConfig:
             raise ValueError(f"--num-layers must be >= 1 (or left out to serve every layer), got {self.num_layers}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"--context-length must be >= 1 (or left out for the model's), got {self.context_length}")
+        if self.nvfp4_decode_kernel not in _nvfp4_decode_kernels():
+            raise ValueError(f"--nvfp4-decode-kernel must be one of {_nvfp4_decode_kernels()}, "
+                             f"got {self.nvfp4_decode_kernel!r}")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -86,7 +86,7 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.host_pool = make_host_pool(self.pool, cc)  # None unless --host-cache-size
         self.cache = RadixCache(cc.page_size, self.allocator, self.host_pool)
-        self.backend = get_backend(config.attention_backend, self.device)
+        self.backend = get_backend(config.attention_backend, self.device, config.nvfp4_decode_kernel)
         self.paths = AttentionPaths(self.pool, self.backend, ws_tokens, mc.num_attention_heads,
                                     mc.head_dim ** -0.5, self.device,
                                     rotation_matrix(cc.kv_rotation, mc.head_dim, self.device))

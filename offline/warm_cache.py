@@ -47,7 +47,7 @@ from svc_common.cli_help import HelpFormatter
 from svc_common.config_flags import argparse_kwargs, flag_name, iter_flags
 
 # The engine flags that decide which kernel variants the engine asks for (engine/config.py declares them).
-_ENGINE_FIELDS = ("model_dir", "dtype", "attention_backend", "context_length", "kv_dtype", "page_size",
+_ENGINE_FIELDS = ("model_dir", "dtype", "attention_backend", "nvfp4_decode_kernel", "context_length", "kv_dtype", "page_size",
                   "max_running_requests", "cuda_graph_max_bs")
 _BACKENDS = ("auto", "triton", "triton-block-select")
 _DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,6 +78,7 @@ class WarmPlan:
     intermediate_size: int = 0
     qk_norm: bool = False
     host_launchers: bool = False  # Triton's host launcher stubs too (offline/triton_host_launchers.py)
+    nvfp4_decode_kernel: str = "auto"  # the engine's --nvfp4-decode-kernel
 
 
 def build_parser(prog: str = "nvfp4-serve warm-cache") -> argparse.ArgumentParser:
@@ -157,7 +158,7 @@ def plan_from_args(a: argparse.Namespace) -> WarmPlan:
                     tuple(dict.fromkeys(a.kv_cache_dtype)), a.page_size,
                     min(a.cuda_graph_max_bs, a.max_running_requests), max_width_pages(context, a.page_size),
                     a.attention_backend == "triton-block-select", capability, a.num_sms, mc.hidden_size,
-                    mc.intermediate_size, mc.qk_norm, not a.no_host_launchers)
+                    mc.intermediate_size, mc.qk_norm, not a.no_host_launchers, a.nvfp4_decode_kernel)
 
 
 def _cache_files(root: Path) -> set[Path]:
@@ -189,13 +190,20 @@ def _decode_kernel(plan: WarmPlan):
     from kernels.backends.triton_backend import DecodeKernel, default_decode_config
 
     group = plan.num_qo_heads // plan.num_kv_heads
-    if default_decode_config(plan.head_dim, plan.capability, group).kernel is DecodeKernel.GLUON:
+    if default_decode_config(plan.head_dim, plan.capability, group, _kernel_choice(plan)).kernel is DecodeKernel.GLUON:
         from kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
 
         return nvfp4_decode_gluon_kernel
     from kernels.triton.nvfp4_decode import nvfp4_decode_kernel
 
     return nvfp4_decode_kernel
+
+
+def _kernel_choice(plan: WarmPlan):
+    """--nvfp4-decode-kernel as a DecodeKernel, None for auto."""
+    from kernels.backends.triton_backend import DecodeKernel
+
+    return None if plan.nvfp4_decode_kernel == "auto" else DecodeKernel(plan.nvfp4_decode_kernel)
 
 
 def _warm_nvfp4(plan: WarmPlan) -> None:
@@ -205,7 +213,8 @@ def _warm_nvfp4(plan: WarmPlan) -> None:
     from kernels.backends.triton_backend import DeviceTarget, TritonBackend, TritonBlockSelectBackend
 
     target = DeviceTarget(plan.num_sms, plan.capability)
-    backend = (TritonBlockSelectBackend if plan.block_select else TritonBackend)(target=target)
+    backend = (TritonBlockSelectBackend if plan.block_select else TritonBackend)(target=target,
+                                                                                decode_kernel=_kernel_choice(plan))
     pool = KVPool("nvfp4", 1, 16, plan.page_size, plan.num_kv_heads, plan.head_dim, scratch_pages=1)
     layer, hk, d = pool.layers[0], plan.num_kv_heads, plan.head_dim
     shapes = [(b, w) for b in batch_buckets(plan.max_batch) for w in width_buckets(plan.max_width)]

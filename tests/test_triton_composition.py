@@ -127,3 +127,19 @@ def test_the_backend_names_its_decode_kernel_per_kv_dtype_and_gpu():
     assert hopper.decode_kernel("nvfp4", 128, 16, cpu).startswith("triton-nvfp4-decode:triton_")
     assert hopper.decode_kernel("nvfp4", 256, 4, cpu).startswith("triton-nvfp4-decode:triton_")
     assert hopper.decode_kernel("nvfp4", 64, 16, cpu).startswith("triton-nvfp4-decode:gluon_")
+
+
+def test_nvfp4_decode_kernel_flag_picks_the_kernel_and_other_backends_refuse_it():
+    from engine.config import EngineConfig
+    from kernels.backends.registry import get_backend
+
+    cpu = torch.device("cpu")
+    assert get_backend("triton", cpu, "gluon").decode_kernel("nvfp4", 128, 4, cpu).endswith(":gluon_nw1_bw32_st2_p24")
+    assert get_backend("triton", cpu, "triton").decode_kernel("nvfp4", 128, 4, cpu).endswith(":triton_nw4_bw32_st2_p8")
+    assert get_backend("triton-block-select", cpu, "gluon").decode_kernel("nvfp4", 128, 4, cpu).endswith(":gluon_nw1_bw32_st2_p24")
+    with pytest.raises(ValueError, match="picks a kernel of the triton backends"):
+        get_backend("auto", cpu, "gluon")  # auto on the CPU is the reference backend
+    with pytest.raises(ValueError, match="--nvfp4-decode-kernel must be one of"):
+        get_backend("triton", cpu, "cuda")
+    with pytest.raises(ValueError, match="--nvfp4-decode-kernel must be one of"):
+        EngineConfig(model_dir="m", nvfp4_decode_kernel="marlin")

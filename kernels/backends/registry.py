@@ -20,8 +20,16 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def get_backend(name: str = "auto", device: torch.device | str | None = None) -> AttentionBackend:
-    """Instantiate a backend; ``auto`` picks the GPU backend on CUDA and the reference on CPU."""
+NVFP4_DECODE_KERNELS = ("auto", "gluon", "triton")
+
+
+def get_backend(name: str = "auto", device: torch.device | str | None = None,
+                nvfp4_decode_kernel: str = "auto") -> AttentionBackend:
+    """Instantiate a backend; ``auto`` picks the GPU backend on CUDA and the reference on CPU.
+    ``nvfp4_decode_kernel`` (``--nvfp4-decode-kernel``): the triton backends' NVFP4 decode kernel, auto = the
+    GPU's default; another backend refuses anything but auto."""
+    if nvfp4_decode_kernel not in NVFP4_DECODE_KERNELS:
+        raise ValueError(f"--nvfp4-decode-kernel must be one of {NVFP4_DECODE_KERNELS}, got {nvfp4_decode_kernel!r}")
     if name == "auto":
         dev = torch.device(device) if device is not None else torch.device("cpu")
         name = "triton" if dev.type == "cuda" and "triton" in _BACKENDS else "reference"
@@ -32,4 +40,12 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None) ->
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise RuntimeError(f"attention backend {name!r} cannot be imported: {e}") from e
-    return getattr(module, cls_name)()
+    cls = getattr(module, cls_name)
+    if nvfp4_decode_kernel == "auto":
+        return cls()
+    if not name.startswith("triton"):
+        raise ValueError(f"--nvfp4-decode-kernel {nvfp4_decode_kernel} picks a kernel of the triton backends; the "
+                         f"{name!r} backend has one NVFP4 decode (use auto)")
+    from kernels.backends.triton_decode import DecodeKernel
+
+    return cls(decode_kernel=DecodeKernel(nvfp4_decode_kernel))

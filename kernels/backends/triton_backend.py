@@ -47,11 +47,12 @@ from kernels.backends.triton_nvfp4 import (  # noqa: F401 - the backend's public
 
 
 def triton_composition(decode_config: DecodeConfig | None = None, block_select: bool = False,
-                       target: DeviceTarget | None = None) -> Composition:
+                       target: DeviceTarget | None = None, decode_kernel: DecodeKernel | None = None) -> Composition:
     """The Triton backend's parts; ``block_select``: NVFP4 writes with the per-block scale search;
-    ``target``: the GPU the NVFP4 decode is planned for (default: the tensors' device)."""
+    ``target``: the GPU the NVFP4 decode is planned for (default: the tensors' device); ``decode_kernel``: the
+    NVFP4 decode kernel to run (default: the GPU's, ``default_decode_config``)."""
     reference = ReferenceBackend()
-    nvfp4_decode = TritonNvfp4Decode(decode_config, target)
+    nvfp4_decode = TritonNvfp4Decode(decode_config, target, decode_kernel)
     nvfp4 = PoolParts(write_kv=TritonNvfp4Write(block_select), gather_workspace=TritonNvfp4Gather(),
                       decode=nvfp4_decode)
     fp8_bf16 = PoolParts(write_kv=TritonDenseWrite(), gather_workspace=reference,
@@ -67,8 +68,9 @@ class TritonBackend(ComposedBackend):
     name = "triton"
     block_select = False  # the NVFP4 encoder: amax/6 scales (kernels.nvfp4.quantize)
 
-    def __init__(self, decode_config: DecodeConfig | None = None, target: DeviceTarget | None = None) -> None:
-        super().__init__(triton_composition(decode_config, self.block_select, target))
+    def __init__(self, decode_config: DecodeConfig | None = None, target: DeviceTarget | None = None,
+                 decode_kernel: DecodeKernel | None = None) -> None:
+        super().__init__(triton_composition(decode_config, self.block_select, target, decode_kernel))
 
 
 class TritonBlockSelectBackend(TritonBackend):

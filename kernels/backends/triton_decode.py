@@ -89,12 +89,15 @@ def gluon_fits(head_dim: int, group: int) -> bool:
     return head_dim in _GLUON_HEAD_DIMS and max(8, triton.next_power_of_2(group)) * head_dim <= 1024
 
 
-def default_decode_config(head_dim: int, capability: tuple[int, int] | None = None, group: int = 1) -> DecodeConfig:
+def default_decode_config(head_dim: int, capability: tuple[int, int] | None = None, group: int = 1,
+                          kernel: DecodeKernel | None = None) -> DecodeConfig:
     """The decode kernel and tiling for a GPU of ``capability`` (None: no GPU, the Triton kernel for the
     interpreter). Hopper (9.x) gets the Gluon kernel where it fits (``gluon_fits``: ``group`` query heads per KV head), 1.3-1.4x faster than the Triton kernel on the H200 with
     this tiling (docs/benchmarks/kernels.md: 2-stage ring, 24 programs per SM); other GPUs the Triton kernel, whose D=256 tiling halves the warp slice to
-    stay in registers (docs/benchmarks/kernel-notes.md)."""
-    if capability is not None and capability[0] == 9 and gluon_fits(head_dim, group):
+    stay in registers (docs/benchmarks/kernel-notes.md). ``kernel`` (``--nvfp4-decode-kernel``) forces one
+    kernel with its default tiling; the Gluon kernel then still needs a GPU of compute capability 8.9+."""
+    if kernel is DecodeKernel.GLUON or (kernel is None and capability is not None and capability[0] == 9
+                                        and gluon_fits(head_dim, group)):
         return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)
     return DecodeConfig(4, 16 if head_dim > 128 else 32, 2, 8)
 
@@ -162,9 +165,13 @@ class TritonNvfp4Decode:
 
     name = "triton-nvfp4-decode"
 
-    def __init__(self, decode_config: DecodeConfig | None = None, target: DeviceTarget | None = None) -> None:
-        self.decode_config = decode_config  # None: default_decode_config(head_dim) per plan
+    def __init__(self, decode_config: DecodeConfig | None = None, target: DeviceTarget | None = None,
+                 kernel: DecodeKernel | None = None) -> None:
+        if decode_config is not None and kernel is not None:
+            raise ValueError("give a decode_config or a kernel to pick, not both")
+        self.decode_config = decode_config  # None: default_decode_config(head_dim, ..., kernel) per plan
         self.target = target  # None: the GPU the tensors are on
+        self.kernel = kernel  # None: the GPU's default (default_decode_config)
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int) -> DecodePlan:
@@ -176,7 +183,8 @@ class TritonNvfp4Decode:
         plan = DecodePlan(page_table, seq_lens, num_qo_heads, num_kv_heads, head_dim, page_size)
         batch, max_pages = page_table.shape
         dev = page_table.device
-        cfg = self.decode_config or default_decode_config(head_dim, self._capability(dev), num_qo_heads // num_kv_heads)
+        cfg = self.decode_config or default_decode_config(head_dim, self._capability(dev), num_qo_heads // num_kv_heads,
+                                                          self.kernel)
         if self.target is not None:
             num_sms = self.target.num_sms
         else:
@@ -267,7 +275,7 @@ class TritonNvfp4Decode:
 
     def kernel_for(self, head_dim: int, group: int, device: torch.device) -> str:
         """``<part>:<config label>`` of the decodes this part plans for ``head_dim`` and ``group`` on ``device``."""
-        cfg = self.decode_config or default_decode_config(head_dim, self._capability(device), group)
+        cfg = self.decode_config or default_decode_config(head_dim, self._capability(device), group, self.kernel)
         return f"{self.name}:{cfg.label}"
 
     def _capability(self, dev: torch.device) -> tuple[int, int] | None:
