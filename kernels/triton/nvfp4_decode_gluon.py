@@ -16,12 +16,14 @@ Data path per step of BT tokens:
   - ldmatrix loads the packed K words as the A operand (pairs along j) and the V words transposed (pairs along
     tokens), so the codes reach the MMA registers without any shuffle;
   - the scale bytes are read from shared memory in a layout whose broadcast to [BT, D/4] IS the operand layout
-    (``convert_layout(..., assert_trivial=True)``: no data movement), and one inline-PTX block per pair of words
-    decodes 8 E2M1 codes and multiplies them by their E4M3 scales in fp16x2 (exact: E2M1 * E4M3 fits fp16);
+    (``convert_layout(..., assert_trivial=True)``: no data movement), converted to fp16 once per pair; two
+    inline-PTX halves per pair of words decode its 8 E2M1 codes (nibbles 0, 2 and 1, 3) and multiply them by
+    their E4M3 scales in fp16x2 (exact: E2M1 * E4M3 fits fp16);
   - online softmax in base 2 over the token axis of S^T (a warp reduction); P^T goes to the B operand layout
     (the one layout change per step).
-One warp owns its program's whole state, so no barrier is shared between warps, and ~160 registers let ~12
-programs share an SM (the 4-warp Triton kernel holds 226 registers: 2 warps per scheduler).
+One warp owns its program's whole state, so no barrier is shared between warps, and at D 128, G <= 8 its 131
+registers let 15 programs share an SM (the 4-warp Triton kernel holds 226 registers: 2 warps per scheduler).
+Larger groups or D 256 need 200-245 registers (``gluon_fits`` in kernels/backends/triton_decode.py).
 
 Scales folded in, as in the Triton kernel: qk_scale = sm_scale * k_global * 2**14 * log2(e) and
 out_scale = v_global * 2**14 (the decoded values are E2M1 * 2**-14 * E4M3). Q enters as fp16 (|q| < 65504).
