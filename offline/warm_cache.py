@@ -149,6 +149,9 @@ def plan_from_args(a: argparse.Namespace) -> WarmPlan:
                         ("--max-running-requests", a.max_running_requests), ("--context-length", a.context_length)):
         if value is not None and value < 1:
             raise WarmCacheError(f"{name} must be >= 1, got {value}")
+    if a.nvfp4_decode_kernel == "gluon" and capability < (8, 9):
+        raise WarmCacheError(f"--nvfp4-decode-kernel gluon needs compute capability 8.9 or newer, --arch {a.arch} is "
+                             f"{capability[0]}.{capability[1]}: use auto or triton")
     mc = model_config(a.model, a.preset)
     try:
         context = served_context_len(a.context_length, mc.max_context_len, a.model or a.preset or "the model")

@@ -24,6 +24,7 @@ def prepare_engine_args(a: argparse.Namespace) -> None:
     a.model = resolve_model(a.model)
     device = check_device(a.device)
     check_model(a.model, a.kv_cache_dtype, device, a.attention_backend, a.context_length, a.kv_rotation)
+    check_decode_kernel(a.nvfp4_decode_kernel, a.attention_backend, device)
 
 
 def check_device(device: str) -> str:
@@ -49,6 +50,24 @@ def check_device(device: str) -> str:
         raise ValueError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible "
                          f"(CUDA_VISIBLE_DEVICES decides which); pass cuda:0..cuda:{torch.cuda.device_count() - 1}")
     return device
+
+
+def check_decode_kernel(kernel: str, attention_backend: str, device: str) -> None:
+    """ValueError unless ``--nvfp4-decode-kernel`` can be served: a kernel other than auto needs a triton backend
+    (auto is one on CUDA), and gluon a GPU of compute capability 8.9 or newer (its scales use cvt.e4m3x2)."""
+    if kernel == "auto":
+        return
+    on_cuda = device.startswith("cuda")
+    if not (attention_backend.startswith("triton") or (attention_backend == "auto" and on_cuda)):
+        raise ValueError(f"--nvfp4-decode-kernel {kernel} picks a kernel of the triton backends, and the backend here "
+                         f"is {attention_backend} on {device}: use --nvfp4-decode-kernel auto")
+    if kernel == "gluon":
+        import torch
+
+        cap = torch.cuda.get_device_capability(torch.device(device))
+        if cap < (8, 9):
+            raise ValueError(f"--nvfp4-decode-kernel gluon needs a GPU of compute capability 8.9 or newer, {device} is "
+                             f"{cap[0]}.{cap[1]}: use --nvfp4-decode-kernel auto or triton")
 
 
 def check_model(model_dir: str, kv_dtype: str, device: str, attention_backend: str,

@@ -18,7 +18,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.startup_error import StartupError
 from offline.tiny_model import make_tiny_model
-from svc_common.preflight import check_device, check_model
+from svc_common.preflight import check_decode_kernel, check_device, check_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_ONLY_TORCH = torch.version.cuda is None
@@ -183,6 +183,16 @@ def test_a_triton_backend_on_the_cpu_is_refused_naming_the_cpu_backends(tiny_mod
         check_model(tiny_model_dir, "nvfp4", "cpu", backend, None)
 
 
+def test_a_decode_kernel_other_than_auto_needs_a_triton_backend_and_is_refused_in_one_line(tiny_model_dir):
+    check_decode_kernel("auto", "auto", "cpu")
+    check_decode_kernel("triton", "triton", "cuda")  # no GPU query for the triton kernel
+    for backend, device in (("auto", "cpu"), ("reference", "cuda"), ("reference-block-select", "cpu")):
+        with pytest.raises(ValueError, match=rf"triton backends, and the backend here is {backend} on {device}"):
+            check_decode_kernel("gluon", backend, device)
+    r = _run("-m", "nvfp4_serve.cli", "up", "--model", tiny_model_dir, "--nvfp4-decode-kernel", "triton")
+    assert "use --nvfp4-decode-kernel auto" in _one_line_error(r, "nvfp4-serve up")
+
+
 # -- context length ----------------------------------------------------------------------------------
 def test_context_length_past_the_models_is_refused_before_and_at_start_up(tiny_model_dir):
     with pytest.raises(ValueError, match=r"--context-length 5000 is longer than .* \(4096 tokens\)"):
@@ -257,6 +267,6 @@ def test_prepare_engine_args_resolves_the_model_in_place(tiny_model_dir):
     from svc_common.preflight import prepare_engine_args
 
     a = SimpleNamespace(model=None, device="cpu", kv_cache_dtype="nvfp4", attention_backend="auto", kv_rotation="none",
-                        context_length=None)
+                        context_length=None, nvfp4_decode_kernel="auto")
     prepare_engine_args(a)
     assert Path(a.model, "config.json").is_file() and Path(a.model).name == "default"

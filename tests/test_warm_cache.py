@@ -148,6 +148,7 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
     (["--preset", "qwen3-8b", "--model", "/tmp"], "give --model or --preset, not both"),
     (["--model", "/nonexistent/model"], "--model /nonexistent/model: no config.json there"),
     (["--preset", "qwen3-8b", "--context-length", "99999999"], "--context-length 99999999 is longer than"),
+    (["--arch", "sm_80", "--nvfp4-decode-kernel", "gluon"], "--nvfp4-decode-kernel gluon needs compute capability 8.9"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path):
     res = _run(["-m", "nvfp4_serve.cli", "warm-cache", *args], {"TRITON_CACHE_DIR": str(tmp_path)})
