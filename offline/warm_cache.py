@@ -141,6 +141,7 @@ def plan_from_args(a: argparse.Namespace) -> WarmPlan:
     from engine.decode_graphs import max_width_pages
     from engine.engine import served_context_len
     from engine.startup_error import StartupError
+    from kernels.backends.registry import GLUON_HEAD_DIMS
 
     capability = parse_arch(a.arch)
     if a.num_sms < 1:
@@ -153,6 +154,9 @@ def plan_from_args(a: argparse.Namespace) -> WarmPlan:
         raise WarmCacheError(f"--nvfp4-decode-kernel gluon needs compute capability 8.9 or newer, --arch {a.arch} is "
                              f"{capability[0]}.{capability[1]}: use auto or triton")
     mc = model_config(a.model, a.preset)
+    if a.nvfp4_decode_kernel == "gluon" and mc.head_dim not in GLUON_HEAD_DIMS:
+        raise WarmCacheError(f"--nvfp4-decode-kernel gluon has tilings for head_dim {GLUON_HEAD_DIMS}, the model has "
+                             f"{mc.head_dim}: use auto or triton")
     try:
         context = served_context_len(a.context_length, mc.max_context_len, a.model or a.preset or "the model")
     except StartupError as e:

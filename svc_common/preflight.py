@@ -23,8 +23,8 @@ def prepare_engine_args(a: argparse.Namespace) -> None:
     """Resolve ``a.model`` in place to the directory every child process gets, then check device and model."""
     a.model = resolve_model(a.model)
     device = check_device(a.device)
-    check_model(a.model, a.kv_cache_dtype, device, a.attention_backend, a.context_length, a.kv_rotation)
-    check_decode_kernel(a.nvfp4_decode_kernel, a.attention_backend, device)
+    config = check_model(a.model, a.kv_cache_dtype, device, a.attention_backend, a.context_length, a.kv_rotation)
+    check_decode_kernel(a.nvfp4_decode_kernel, a.attention_backend, device, config.head_dim)
 
 
 def check_device(device: str) -> str:
@@ -52,9 +52,10 @@ def check_device(device: str) -> str:
     return device
 
 
-def check_decode_kernel(kernel: str, attention_backend: str, device: str) -> None:
+def check_decode_kernel(kernel: str, attention_backend: str, device: str, head_dim: int) -> None:
     """ValueError unless ``--nvfp4-decode-kernel`` can be served: a kernel other than auto needs a triton backend
-    (auto is one on CUDA), and gluon a GPU of compute capability 8.9 or newer (its scales use cvt.e4m3x2)."""
+    (auto is one on CUDA), and gluon a head_dim it has a tiling for and a GPU of compute capability 8.9 or newer
+    (its scales use cvt.e4m3x2)."""
     if kernel == "auto":
         return
     on_cuda = device.startswith("cuda")
@@ -64,6 +65,11 @@ def check_decode_kernel(kernel: str, attention_backend: str, device: str) -> Non
     if kernel == "gluon":
         import torch
 
+        from kernels.backends.registry import GLUON_HEAD_DIMS
+
+        if head_dim not in GLUON_HEAD_DIMS:
+            raise ValueError(f"--nvfp4-decode-kernel gluon has tilings for head_dim {GLUON_HEAD_DIMS}, the model has "
+                             f"{head_dim}: use --nvfp4-decode-kernel auto or triton")
         cap = torch.cuda.get_device_capability(torch.device(device))
         if cap < (8, 9):
             raise ValueError(f"--nvfp4-decode-kernel gluon needs a GPU of compute capability 8.9 or newer, {device} is "

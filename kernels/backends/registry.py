@@ -21,6 +21,7 @@ def available_backends() -> list[str]:
 
 
 NVFP4_DECODE_KERNELS = ("auto", "gluon", "triton")
+GLUON_HEAD_DIMS = (64, 128, 256)  # the head dims the Gluon NVFP4 decode has tilings for (one list, no triton import)
 
 
 def get_backend(name: str = "auto", device: torch.device | str | None = None,

@@ -22,6 +22,7 @@ import torch
 import triton
 
 from kernels.backends.base import DecodeOptions, DecodePlan
+from kernels.backends.registry import GLUON_HEAD_DIMS
 from kernels.backends.triton_nvfp4 import check_nvfp4_layer, u8
 from kernels.kv_layout import LayerKV
 from kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
@@ -37,7 +38,7 @@ class DecodeKernel(enum.Enum):
     GLUON = "gluon"  # kernels/triton/nvfp4_decode_gluon.py: explicit layouts, one warp, CUDA sm_89+ only
 
 
-_GLUON_HEAD_DIMS = (64, 128, 256)
+_GLUON_HEAD_DIMS = GLUON_HEAD_DIMS
 
 
 @dataclass(frozen=True)
@@ -92,10 +93,13 @@ def gluon_fits(head_dim: int, group: int) -> bool:
 def default_decode_config(head_dim: int, capability: tuple[int, int] | None = None, group: int = 1,
                           kernel: DecodeKernel | None = None) -> DecodeConfig:
     """The decode kernel and tiling for a GPU of ``capability`` (None: no GPU, the Triton kernel for the
-    interpreter). Hopper (9.x) gets the Gluon kernel where it fits (``gluon_fits``: ``group`` query heads per KV head), 1.3-1.4x faster than the Triton kernel on the H200 with
-    this tiling (docs/benchmarks/kernels.md: 2-stage ring, 24 programs per SM); other GPUs the Triton kernel, whose D=256 tiling halves the warp slice to
-    stay in registers (docs/benchmarks/kernel-notes.md). ``kernel`` (``--nvfp4-decode-kernel``) forces one
-    kernel with its default tiling; the Gluon kernel then still needs a GPU of compute capability 8.9+."""
+    interpreter) and ``group`` query heads per KV head.
+
+    Hopper (9.x) gets the Gluon kernel where ``gluon_fits``: 1.3-1.4x faster than the Triton kernel on the H200
+    with this tiling (docs/benchmarks/kernels.md: 2-stage ring, 24 programs per SM). Other GPUs get the Triton
+    kernel, whose D=256 tiling halves the warp slice to stay in registers (docs/benchmarks/kernel-notes.md).
+    ``kernel`` (``--nvfp4-decode-kernel``) forces one kernel with its default tiling; the Gluon kernel then still
+    needs a head_dim in GLUON_HEAD_DIMS and compute capability 8.9+ (checked at start-up, svc_common/preflight.py)."""
     if kernel is DecodeKernel.GLUON or (kernel is None and capability is not None and capability[0] == 9
                                         and gluon_fits(head_dim, group)):
         return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)
