@@ -14,8 +14,8 @@
 3. decode: the chunk is one token per sequence; its K/V are written to the pool first, then the
    backend's decode kernel reads the pages directly.
 
-With a KV rotation (``--kv-rotation``, engine/kv_rotation.py) every path's AttnFn rotates q, k and v first and
-rotates its output back, so the workspace, the pool and every kernel only ever see rotated vectors.
+With a KV rotation (``--kv-rotation``, engine/kv_rotation.py) the model hands every path rotated q, k and v and
+takes the output rotated, so the workspace, the pool and every kernel only ever see rotated vectors.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_pool import KVPool
-from engine.kv_rotation import rotated_attn
 from engine.model import AttnFn
 from kernels import fp8
 from kernels.backends.base import AttentionBackend, DecodeOptions, DecodePlan
@@ -51,10 +50,8 @@ class WorkspaceTooSmall(ValueError):
 
 class AttentionPaths:
     def __init__(self, pool: KVPool, backend: AttentionBackend, workspace_tokens: int,
-                 num_qo_heads: int, sm_scale: float, device: torch.device,
-                 rotation: torch.Tensor | None = None):
+                 num_qo_heads: int, sm_scale: float, device: torch.device):
         first = pool.layers[0]
-        self.rotation = rotation  # fp32 [D, D] on ``device``, or None: q/k/v as the model computed them
         self.pool = pool
         self.backend = backend
         self.workspace_tokens = workspace_tokens
@@ -117,10 +114,7 @@ class AttentionPaths:
             out = self.backend.prefill(plan, q, ws_k, ws_v, layer.ws_k_scale, layer.ws_v_scale, self.sm_scale)
             return out
 
-        return self._rotated(attn)
-
-    def _rotated(self, attn: AttnFn) -> AttnFn:
-        return rotated_attn(attn, self.rotation)
+        return attn
 
     def _to_workspace(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if self.ws_k.dtype == torch.bfloat16:
@@ -144,7 +138,7 @@ class AttentionPaths:
             self.backend.write_kv(layer, out_slots, k, v)
             return self.backend.decode(plan, q, layer, self.sm_scale)
 
-        return self._rotated(attn)
+        return attn
 
     def decode(self, page_table: torch.Tensor, seq_lens: torch.Tensor, out_slots: torch.Tensor,
                q_dtype: torch.dtype = torch.bfloat16) -> AttnFn:

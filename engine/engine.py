@@ -23,7 +23,7 @@ from engine.decode_graphs import DecodeGraphRunner, max_width_pages
 from engine.host_pool import make_host_pool
 from engine.integrity import IntegrityReport
 from engine.kv_pool import KVPool, PoolCapacity
-from engine.kv_rotation import rotation_matrix
+from engine.kv_rotation import head_rotation
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outcome import FinishReason
@@ -87,9 +87,11 @@ class Engine:
         self.host_pool = make_host_pool(self.pool, cc)  # None unless --host-cache-size
         self.cache = RadixCache(cc.page_size, self.allocator, self.host_pool)
         self.backend = get_backend(config.attention_backend, self.device, config.nvfp4_decode_kernel)
+        rotation = head_rotation(cc.kv_rotation, mc.head_dim, self.device, self.model.dtype)
+        if rotation is not None:
+            self.model.rotate_kv(rotation)
         self.paths = AttentionPaths(self.pool, self.backend, ws_tokens, mc.num_attention_heads,
-                                    mc.head_dim ** -0.5, self.device,
-                                    rotation_matrix(cc.kv_rotation, mc.head_dim, self.device))
+                                    mc.head_dim ** -0.5, self.device)
         graphs = None
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             graphs = DecodeGraphRunner(self.model, self.paths, self.device,

@@ -7,8 +7,10 @@ Attention is computed on q R, k R, v R and its output rotated back (o R^T). Exac
 difference: R spreads an outlier channel of K or V over all D channels, so a 16-value block's scale is set by
 typical values rather than by one large one, and the E2M1 grid resolves the rest better.
 
-Every path sees the same R, applied where the model hands q/k/v to attention (engine/attention_paths.py):
-the prefill and extend workspace, the pool (what is written, transferred and cached is rotated K/V) and decode.
+Every path sees the same R because the model itself hands attention rotated vectors (``CausalLM.rotate_kv``):
+q, k, v leave the fused q/k-norm + RoPE kernel rotated (kernels/triton/qk_norm_rope.py, no extra launch) and the
+output's R^T is folded into o_proj's weight at load, so the prefill and extend workspace, the pool (what is
+written, transferred and cached is rotated K/V), decode and calibration all see rotated K/V at no cost per step.
 The rotation is part of the KV layout (svc_common/layout.py), so a decode refuses pages rotated differently.
 """
 
@@ -18,7 +20,7 @@ import functools
 
 import torch
 
-from engine.model import AttnFn
+from kernels.model_ops import HeadRotation
 
 KV_ROTATIONS = ("none", "hadamard")
 _SIGN_SEED = 0  # part of the format: changing it changes what a rotated pool's bytes mean
@@ -45,6 +47,17 @@ def rotation_matrix(kind: str, head_dim: int, device: torch.device | str = "cpu"
     return _matrix_cpu(kind, head_dim).to(device)
 
 
+def head_rotation(kind: str, head_dim: int, device: torch.device | str,
+                  dtype: torch.dtype) -> HeadRotation | None:
+    """``rotation_matrix`` as the model applies it: +-1 entries in ``dtype`` times 1/sqrt(D) (None for "none")."""
+    r = rotation_matrix(kind, head_dim)
+    if r is None:
+        return None
+    scale = head_dim ** -0.5
+    unit = torch.sign(r)  # R = signs * H / sqrt(D): every entry +-1/sqrt(D)
+    return HeadRotation(unit.to(device=device, dtype=dtype).contiguous(), scale)
+
+
 def rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """``x @ r`` over the last dim in fp32, returned in ``x``'s dtype."""
     return (x.float() @ r).to(x.dtype)
@@ -53,25 +66,3 @@ def rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """The inverse of ``rotate``: ``x @ r.T``."""
     return (x.float() @ r.T).to(x.dtype)
-
-
-def rotated_attn(attn: AttnFn, r: torch.Tensor | None) -> AttnFn:
-    """``attn`` on rotated q/k/v with its output rotated back (``attn`` itself when ``r`` is None). On CUDA the
-    rotation is one kernel launch for q, k and v and one for the output (kernels/head_rotate.py, the same math
-    up to the order of fp32 sums); elsewhere ``rotate`` / ``unrotate`` (three ops per tensor)."""
-    if r is None:
-        return attn
-    if r.device.type == "cuda":
-        from kernels import head_rotate  # needs triton, which a CUDA install has
-
-        def fused(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if not head_rotate.supports(q, r):
-                return unrotate(attn(layer_id, rotate(q, r), rotate(k, r), rotate(v, r)), r)
-            return head_rotate.unrotate_heads(attn(layer_id, *head_rotate.rotate_qkv(q, k, v, r)), r)
-
-        return fused
-
-    def rotated(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return unrotate(attn(layer_id, rotate(q, r), rotate(k, r), rotate(v, r)), r)
-
-    return rotated

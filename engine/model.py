@@ -7,6 +7,8 @@ KV cache. A forward pass runs over a flattened batch of T tokens from any number
     input_ids [T] int64, positions [T] int64  -->  hidden [T, hidden_size] (after the final norm)
     attn(layer_id, q [T, Hq, D], k [T, Hk, D], v [T, Hk, D]) -> [T, Hq, D]     (model dtype)
 
+After ``rotate_kv(R)`` (--kv-rotation) q, k, v arrive rotated (x @ R per head) and the output is taken rotated.
+
 Query head h attends with KV head ``h // num_q_per_kv`` (HF ``repeat_kv`` grouping).
 
 Parameters are fused where the math allows (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``);
@@ -28,7 +30,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
-from kernels.model_ops import ModelOps, model_ops, rms_norm
+from kernels.model_ops import HeadRotation, ModelOps, model_ops, rms_norm
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -72,6 +74,15 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.kv_rotation: HeadRotation | None = None  # CausalLM.rotate_kv
+
+    def rotate_kv(self, rotation: HeadRotation) -> None:
+        """q, k, v leave qk_norm_rope rotated (x @ R per head), so attention returns o R; o_proj's weight takes
+        R^T back: o W^T = (o R) (W_h R)^T summed over heads h, i.e. W_h <- W_h R (fp32 product, rounded once)."""
+        w = self.o_proj.weight
+        heads = w.view(w.shape[0], self.num_heads, self.head_dim)
+        w.copy_((heads.float() @ rotation.matrix().to(w.device)).to(w.dtype).view_as(w))
+        self.kv_rotation = rotation
 
     def forward(self, layer_id: int, positions: torch.Tensor, x: torch.Tensor, attn: AttnFn,
                 rope: RotaryEmbedding, ops: ModelOps) -> torch.Tensor:
@@ -82,7 +93,7 @@ class Attention(nn.Module):
         k_w = None if self.k_norm is None else self.k_norm.weight
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         q, k, v = ops.qk_norm_rope(self.qkv_proj(x), positions, cos, sin, q_w, k_w, eps, self.num_heads,
-                                   self.num_kv_heads)
+                                   self.num_kv_heads, self.kv_rotation)
         o = attn(layer_id, q, k, v)
         if o.shape != q.shape:
             raise ValueError(f"attention function returned shape {tuple(o.shape)}, expected {tuple(q.shape)}")
@@ -156,6 +167,26 @@ class CausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
+
+    @property
+    def kv_rotation(self) -> HeadRotation | None:
+        """The rotation q, k and v leave each layer's qk_norm_rope with (None: as the checkpoint computes them)."""
+        layers = self.model.layers
+        return layers[0].self_attn.kv_rotation if len(layers) else None
+
+    @torch.no_grad()
+    def rotate_kv(self, rotation: HeadRotation) -> None:
+        """Serve attention in rotated coordinates (--kv-rotation): every layer hands q R, k R, v R to its AttnFn,
+        which returns o R, and each o_proj weight is folded to take o R (``Attention.rotate_kv``). The model's
+        outputs are unchanged in real arithmetic; what it hands attention, and so the KV cache, is rotated.
+        Once per model: folding twice would rotate the weights twice."""
+        if self.kv_rotation is not None:
+            raise ValueError("this model's K/V are already rotated")
+        if rotation.head_dim != self.config.head_dim:
+            raise ValueError(f"a rotation of {rotation.head_dim}-value heads for a model of head_dim "
+                             f"{self.config.head_dim}")
+        for layer in self.model.layers:
+            layer.self_attn.rotate_kv(rotation)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn) -> torch.Tensor:
         """hidden ``[T, hidden_size]`` (final norm applied) for ``input_ids`` / ``positions`` ``[T]`` int64."""

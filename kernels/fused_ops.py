@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.model_ops import ModelOps
+from kernels.model_ops import HeadRotation, ModelOps, rotate_heads
 from kernels.triton.qk_norm_rope import qk_norm_rope_kernel
 from kernels.triton.rmsnorm import rmsnorm_kernel
 from kernels.triton.silu_mul import silu_mul_kernel
@@ -34,9 +34,10 @@ def _norm_warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
-def _qk_warps(half_tile: int) -> int:
-    """Warps for a [heads, D/2] tile: 16 fp32 values of each half per thread, 1 to 8 warps."""
-    return max(1, min(8, half_tile // 512))
+def _qk_warps(half_tile: int, rotate: bool = False) -> int:
+    """Warps for a [heads, D/2] tile: 16 fp32 values of each half per thread, 1 to 8 warps; 4 or more to rotate
+    (R's [D/2, D] halves, 64 fp32 values per thread at D 128 and 4 warps)."""
+    return max(4 if rotate else 1, min(8, half_tile // 512))
 
 
 def _launch_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float,
@@ -104,11 +105,27 @@ def _check_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
     return d
 
 
+def fuses_rotation(rotation: HeadRotation, dtype: torch.dtype) -> bool:
+    """Whether the kernel rotates heads itself: D a power of two >= 32 (tensor-core tiles) and ``unit`` in the
+    model dtype; other rotations run as the reference's matmul after the kernel."""
+    d = rotation.head_dim
+    return d >= 32 and d & (d - 1) == 0 and rotation.unit.dtype == dtype and rotation.unit.is_contiguous()
+
+
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float, num_heads: int,
-                 num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k = rope(rms_norm_per_head(qkv's q, k heads, q_w / k_w), cos/sin[positions]), v = qkv's v heads."""
+                 num_kv_heads: int,
+                 rotation: HeadRotation | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k = rope(rms_norm_per_head(qkv's q, k heads, q_w / k_w), cos/sin[positions]), v = qkv's v heads;
+    with ``rotation`` all three rotated in the same launch (where ``fuses_rotation``)."""
     d = _check_qkv(qkv, positions, cos, sin, num_heads, num_kv_heads)
+    if rotation is not None:
+        if rotation.head_dim != d or rotation.unit.device != qkv.device:
+            raise ValueError(f"qk_norm_rope: a rotation of {rotation.head_dim}-value heads on "
+                             f"{rotation.unit.device} for heads of {d} on {qkv.device}")
+        if not fuses_rotation(rotation, qkv.dtype):
+            q, k, v = qk_norm_rope(qkv, positions, cos, sin, q_w, k_w, eps, num_heads, num_kv_heads)
+            return rotate_heads(q, rotation), rotate_heads(k, rotation), rotate_heads(v, rotation)
     if (q_w is None) != (k_w is None):
         raise ValueError("qk_norm_rope takes both q and k norm weights or neither")
     if q_w is not None:
@@ -119,12 +136,15 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     k = torch.empty((t, num_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
     v = torch.empty_like(k)
     if t:
-        p2 = triton.next_power_of_2
+        rotate = rotation is not None
+        min_heads = 16 if rotate else 1  # a rotated tile is a tensor-core operand: >= 16 rows
+        hq_p, hk_p = (max(min_heads, triton.next_power_of_2(h)) for h in (num_heads, num_kv_heads))
         qk_norm_rope_kernel[(t, 3)](
             qkv, positions, cos, sin, q if q_w is None else q_w, k if k_w is None else k_w, q, k, v,
-            qkv.stride(0), cos.stride(0), float(eps), HQ=num_heads, HK=num_kv_heads, HQ_P=p2(num_heads),
-            HK_P=p2(num_kv_heads), D=d, HALF_P=p2(d // 2), V_P=p2(num_kv_heads * d),
-            num_warps=_qk_warps(p2(num_heads) * p2(d // 2)), HAS_NORM=q_w is not None)
+            rotation.unit if rotate else q, qkv.stride(0), cos.stride(0), float(eps),
+            rotation.scale if rotate else 1.0, HQ=num_heads, HK=num_kv_heads, HQ_P=hq_p, HK_P=hk_p, D=d,
+            HALF_P=triton.next_power_of_2(d // 2), V_P=triton.next_power_of_2(num_kv_heads * d),
+            num_warps=_qk_warps(hq_p * triton.next_power_of_2(d // 2), rotate), HAS_NORM=q_w is not None, ROTATE=rotate)
     return q, k, v
 
 

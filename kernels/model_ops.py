@@ -10,11 +10,13 @@ numerics the model always had (HF order: normalise in fp32, round, times the wei
     silu_mul(gate_up [T, 2I]) -> silu(gate) * up [T, I]
     qk_norm_rope(qkv [T, (Hq + 2Hk) D], positions [T], cos, sin [P, D/2] fp32, q_w, k_w [D] | None, eps, Hq, Hk)
         -> q [T, Hq, D], k [T, Hk, D] (per-head RMSNorm when q_w/k_w are given, then neox RoPE), v [T, Hk, D]
+        ``rotation`` (a ``HeadRotation``, --kv-rotation): q, k and v then leave rotated, each head ``x @ R``
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -27,6 +29,31 @@ class ModelOps(NamedTuple):
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, eq=False)
+class HeadRotation:
+    """An orthogonal rotation of each head's vectors, ``x -> x @ R`` with ``R = unit * scale``.
+
+    ``unit`` is [D, D] in the model dtype with entries exactly representable in it (+-1 for a Hadamard), so a
+    kernel multiplies by it exactly on tensor cores and applies ``scale`` once in fp32; ``matrix()`` is the fp32 R
+    the reference multiplies by.
+    """
+
+    unit: torch.Tensor
+    scale: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.unit.shape[0]
+
+    def matrix(self) -> torch.Tensor:
+        return self.unit.float() * self.scale
+
+
+def rotate_heads(x: torch.Tensor, rotation: HeadRotation) -> torch.Tensor:
+    """``x @ R`` over the last dim in fp32, rounded once to ``x``'s dtype."""
+    return (x.float() @ rotation.matrix()).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,8 +86,10 @@ def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float, num_heads: int,
-                 num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k (per-head RMSNorm if q_w/k_w, then RoPE at ``positions``) and v, contiguous, from the QKV rows."""
+                 num_kv_heads: int,
+                 rotation: HeadRotation | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k (per-head RMSNorm if q_w/k_w, then RoPE at ``positions``) and v, contiguous, from the QKV rows;
+    with ``rotation`` each of the three then rotated (``rotate_heads``: one more rounding)."""
     t = qkv.shape[0]
     d = cos.shape[-1] * 2
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
@@ -70,7 +99,10 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         assert k_w is not None
         q, k = rms_norm(q, q_w, eps), rms_norm(k, k_w, eps)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D/2]
-    return rotate_neox(q, c, s), rotate_neox(k, c, s), v
+    q, k = rotate_neox(q, c, s), rotate_neox(k, c, s)
+    if rotation is None:
+        return q, k, v
+    return rotate_heads(q, rotation), rotate_heads(k, rotation), rotate_heads(v, rotation)
 
 
 REFERENCE_OPS = ModelOps("reference", rms_norm, add_rms_norm, silu_mul, qk_norm_rope)

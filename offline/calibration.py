@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_rotation import KV_ROTATIONS, rotated_attn, rotation_matrix
+from engine.kv_rotation import KV_ROTATIONS, head_rotation
 from engine.kv_scales import KVScales
 from engine.model import AttnFn, causal_attention_no_cache
 
@@ -71,11 +71,13 @@ def calibrate(
         raise ValueError("the calibration text is empty after tokenization")
     window = min(seq_len or 2048, loaded.config.max_context_len)
     recorder = AmaxRecorder(loaded.config.num_hidden_layers)
-    rotation = rotation_matrix(kv_rotation, loaded.config.head_dim, dev)
+    rotation = head_rotation(kv_rotation, loaded.config.head_dim, dev, loaded.model.dtype)
+    if rotation is not None:
+        loaded.model.rotate_kv(rotation)  # the amax of K/V as a server with this --kv-rotation stores them
     with torch.inference_mode():
         for start in range(0, len(ids), window):
             chunk = ids[start : start + window]
-            attn = rotated_attn(recorder.wrap(causal_attention_no_cache([len(chunk)])), rotation)
+            attn = recorder.wrap(causal_attention_no_cache([len(chunk)]))
             loaded.model(torch.tensor(chunk, device=dev), torch.arange(len(chunk), device=dev), attn)
     return KVScales(
         loaded.fingerprint, tuple(recorder.k_amax), tuple(recorder.v_amax), len(ids), source or "user text",

@@ -68,3 +68,12 @@ def test_an_older_json_with_only_the_eager_attention_shows_no_rest(tmp_path):
     md = _render([_row(attention_ms=4.90, attention_tb_s=0.12)], tmp_path)
     assert "| 1 x 32768 | nvfp4 | 7.84 | 35.68 | - | 4.90 | - | - | 3.55 | - | 128 | - |" in md
     assert "kernel ms per step" not in md
+
+
+def test_rotated_rows_are_labelled_and_set_against_the_unrotated_step_of_the_same_run(tmp_path):
+    plain = _row(attention_graph_ms=2.25, kv_rotation="none")
+    rotated = _row(attention_graph_ms=2.26, kv_rotation="hadamard", graph_ms=7.92, tok_s=126.3)
+    md = _render([plain, rotated], tmp_path)
+    assert "| 1 x 32768 | nvfp4 + hadamard | 7.92 |" in md
+    assert "| 1 x 32768 | nvfp4 + hadamard | 7.840 | 7.920 | 1.010 | 2.250 | 2.260 |" in md
+    assert "rotation's cost" not in _render([plain], tmp_path)

@@ -77,6 +77,8 @@ _INTERPRETED = textwrap.dedent("""
 
     torch.manual_seed(0)
     BF = torch.bfloat16
+    from engine.kv_rotation import head_rotation
+    ROT = {dt: head_rotation("hadamard", 128, "cpu", dt) for dt in (BF, torch.float16, torch.float32)}
 
     def check(name, out, expect, rtol=2**-7, atol_frac=2**-8, max_diff_frac=0.01):
         out, expect = out.float(), expect.float()
@@ -123,24 +125,40 @@ _INTERPRETED = textwrap.dedent("""
                     worst = max(worst, check("q", got[0], exp[0]), check("k", got[1], exp[1]))
                     assert torch.equal(got[2], exp[2]), "v heads are copied"
                     assert all(g.is_contiguous() for g in got)
+                    if d == 128:  # rotated in the same launch (--kv-rotation): q, k and v
+                        got = fused_ops.qk_norm_rope(qkv, pos, cos, sin, qw, kw, 1e-6, hq, hk, ROT[BF])
+                        exp = ref.qk_norm_rope(qkv, pos, cos, sin, qw, kw, 1e-6, hq, hk, ROT[BF])
+                        for n, g, e in zip("qkv", got, exp):  # a 1-ulp input difference reaches a whole head
+                            check("rotated " + n, g, e, max_diff_frac=0.1)
     # fp32 rows (a --dtype float32 model on CUDA): no intermediate rounding, differences at fp32 level only
     x32, w32 = inputs((7, 4096), True, torch.float32), torch.randn(4096)
     torch.testing.assert_close(fused_ops.rms_norm(x32, w32, 1e-6), ref.rms_norm(x32, w32, 1e-6), rtol=1e-5, atol=1e-5)
     gu32 = inputs((7, 2000), True, torch.float32)
     torch.testing.assert_close(fused_ops.silu_mul(gu32), ref.silu_mul(gu32), rtol=1e-5, atol=1e-5)
+    cos, sin = rope_tables(128, 1e6, None, 40960, 8192)
+    pos = torch.randint(0, 8192, (7,))
+    for dt, tol in ((torch.float16, 2**-9), (torch.float32, 1e-5)):  # the rotation's tf32 / IEEE fp32 products
+        qkv = inputs((7, 12 * 128), True, dt)
+        for g, e in zip(fused_ops.qk_norm_rope(qkv, pos, cos, sin, None, None, 1e-6, 8, 2, ROT[dt]),
+                        ref.qk_norm_rope(qkv, pos, cos, sin, None, None, 1e-6, 8, 2, ROT[dt])):
+            torch.testing.assert_close(g.float(), e.float(), rtol=tol, atol=tol * float(e.abs().max()))
     print(f"kernels ok (largest fraction of differing elements {worst:.4f})")
 
-    # the whole model: Triton ops (interpreted) vs the reference, bf16, with and without K/V rotation
+    # the whole model: Triton ops (interpreted) vs the reference, bf16, with and without K/V rotation; the rotated
+    # model (q/k/v rotated in qk_norm_rope, o_proj folded) against the plain one up to rounding
     import sys, tempfile
     import engine.model
-    from engine.kv_rotation import rotated_attn, rotation_matrix
     from engine.loader import load_model
     from offline.tiny_model import make_tiny_model
-    model = load_model(make_tiny_model(tempfile.mkdtemp(), hidden_size=256, num_heads=8, num_kv_heads=2,
-                                       head_dim=128, intermediate_size=512, seed=1), dtype=BF).model
+    tiny = make_tiny_model(tempfile.mkdtemp(), hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=128,
+                           intermediate_size=512, seed=1)
     ids, pos = torch.randint(0, 512, (12,)), torch.arange(12)
+    attn = engine.model.causal_attention_no_cache([12])
+    plain = None
     for kind in ("none", "hadamard"):
-        attn = rotated_attn(engine.model.causal_attention_no_cache([12]), rotation_matrix(kind, 128))
+        model = load_model(tiny, dtype=BF).model
+        if kind != "none":
+            model.rotate_kv(ROT[BF])
         with torch.no_grad():
             expect = model.compute_logits(model(ids, pos, attn))
             engine.model.model_ops = lambda device, fused=True: fused_ops.TRITON_OPS
@@ -149,7 +167,10 @@ _INTERPRETED = textwrap.dedent("""
         rel = float((got - expect).norm() / expect.norm())
         assert rel < 2e-2, (kind, rel)
         assert float((got.argmax(-1) == expect.argmax(-1)).float().mean()) >= 0.9, kind
-        print(f"model ok ({kind}: logits relative error {rel:.2e})")
+        plain = expect if plain is None else plain
+        moved = float((expect - plain).norm() / plain.norm())
+        assert moved < 3e-2, (kind, moved)
+        print(f"model ok ({kind}: logits relative error {rel:.2e}, {moved:.2e} from the unrotated model)")
 """)
 
 
@@ -187,7 +208,8 @@ def _sm90a(fn, signature: dict, constexprs: dict, num_warps: int, tmp_path):
 _NORM_SIG = {"X": "*bf16", "RES": "*bf16", "W": "*bf16", "OUT": "*bf16", "RES_OUT": "*bf16", "stride_x": "i32",
              "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32", "n_cols": "i32", "eps": "fp32"}
 _QK_SIG = {"QKV": "*bf16", "POS": "*i64", "COS": "*fp32", "SIN": "*fp32", "QW": "*bf16", "KW": "*bf16",
-           "Q": "*bf16", "K": "*bf16", "V": "*bf16", "stride_t": "i32", "stride_cos": "i32", "eps": "fp32"}
+           "Q": "*bf16", "K": "*bf16", "V": "*bf16", "U": "*bf16", "stride_t": "i32", "stride_cos": "i32",
+           "eps": "fp32", "rot_scale": "fp32"}
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -211,15 +233,19 @@ def test_silu_mul_kernel_compiles_for_sm90a_without_spills(tmp_path):
     assert "STL" not in sass and "LDL" not in sass and regs <= 128
 
 
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize(("hq", "hk"), [(32, 8), (8, 2), (64, 8)])
-def test_qk_norm_rope_kernel_compiles_for_sm90a_without_spills(tmp_path, hq, hk):
+def test_qk_norm_rope_kernel_compiles_for_sm90a_without_spills(tmp_path, hq, hk, rotate):
     from kernels.fused_ops import _qk_warps
     from kernels.triton.qk_norm_rope import qk_norm_rope_kernel
 
-    consts = {"HQ": hq, "HK": hk, "HQ_P": hq, "HK_P": hk, "D": 128, "HALF_P": 64, "V_P": hk * 128, "HAS_NORM": True}
-    regs, sass = _sm90a(qk_norm_rope_kernel, _QK_SIG, consts, _qk_warps(hq * 64), tmp_path)
-    print(f"qk_norm_rope_kernel ({hq}/{hk} heads, head_dim 128): {regs} registers")
+    hq_p, hk_p = (max(16, h) if rotate else h for h in (hq, hk))
+    consts = {"HQ": hq, "HK": hk, "HQ_P": hq_p, "HK_P": hk_p, "D": 128, "HALF_P": 64, "V_P": hk * 128,
+              "HAS_NORM": True, "ROTATE": rotate}
+    regs, sass = _sm90a(qk_norm_rope_kernel, _QK_SIG, consts, _qk_warps(hq_p * 64, rotate), tmp_path)
+    print(f"qk_norm_rope_kernel ({hq}/{hk} heads, head_dim 128, rotate={rotate}): {regs} registers")
     assert "STL" not in sass and "LDL" not in sass and regs <= 128
+    assert ("HMMA" in sass) == rotate  # the rotation's products on tensor cores
 
 
 @pytest.mark.gpu

@@ -145,8 +145,8 @@ def test_a_head_dim_the_rotation_cannot_serve_is_refused_at_start_up_in_one_line
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_the_gpu_the_fused_rotation_changes_no_prediction_beyond_rounding(tiny_model_dir):
-    """On CUDA the rotation runs as two kernel launches per layer (kernels/head_rotate.py): with a bf16 cache the
-    next-token log-probs equal the unrotated engine's up to rounding, as on the CPU."""
+    """On CUDA q, k and v are rotated inside the fused q/k-norm + RoPE kernel and o_proj's weight is folded: with a
+    bf16 cache the next-token log-probs equal the unrotated engine's up to rounding, as on the CPU."""
     def engine(rotation: str) -> Engine:
         return Engine(EngineConfig(model_dir=tiny_model_dir, device="cuda", cache=CacheConfig(
             kv_dtype="bf16", kv_rotation=rotation, page_size=16, max_total_tokens=2048)))
@@ -156,3 +156,36 @@ def test_on_the_gpu_the_fused_rotation_changes_no_prediction_beyond_rounding(tin
     rotated = teacher_forced_logprobs(engine("hadamard"), windows, 24)
     assert (plain - rotated).abs().max() < 1e-1  # bf16 model and activations on the GPU
     assert (plain.argmax(-1) == rotated.argmax(-1)).float().mean() >= 0.95
+
+
+def test_a_rotated_model_hands_attention_rotated_vectors_and_computes_the_same_logits(tiny_model_dir):
+    """``CausalLM.rotate_kv``: q, k, v reach the AttnFn as ``x @ R`` (rotated inside qk_norm_rope) and the folded
+    o_proj takes the rotated output back, so the logits are those of the plain model; folding twice is refused."""
+    from engine.kv_rotation import head_rotation
+    from engine.loader import load_model
+    from engine.model import causal_attention_no_cache
+
+    def run_model(rotated: bool):
+        model = load_model(tiny_model_dir, dtype=torch.float32).model
+        if rotated:
+            model.rotate_kv(head_rotation("hadamard", model.config.head_dim, "cpu", torch.float32))
+        seen = []
+        inner = causal_attention_no_cache([10])
+
+        def attn(layer_id, q, k, v):
+            seen.append((q, k, v))
+            return inner(layer_id, q, k, v)
+
+        with torch.no_grad():
+            logits = model.compute_logits(model(torch.arange(3, 13), torch.arange(10), attn))
+        return model, logits, seen
+
+    _, plain, plain_seen = run_model(False)
+    model, rotated, rotated_seen = run_model(True)
+    r = rotation_matrix("hadamard", model.config.head_dim)
+    for plain_qkv, rot_qkv in zip(plain_seen, rotated_seen, strict=True):
+        for x, xr in zip(plain_qkv, rot_qkv, strict=True):
+            torch.testing.assert_close(xr, rotate(x, r), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(rotated, plain, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="already rotated"):
+        model.rotate_kv(model.kv_rotation)

@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; itl_check, spy, engine_blocksel, engine_nofused are on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; itl_check, spy, engine_blocksel, engine_nofused, engine_rotation are on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -50,6 +50,10 @@ stage engine_nofused 400 python3 -m benchmarks.engine.bench_decode_step --shapes
 stage engine_blocksel 300 python3 -m benchmarks.engine.bench_decode_step --shapes 1x32768 16x32768 44x32768 --iters 8 \
   --kv-dtypes nvfp4 --block-select --profile --out docs/benchmarks/engine_decode_block_select.json \
   --md docs/benchmarks/engine_decode_block_select.md
+# nvfp4 and fp8 steps unrotated and with --kv-rotation hadamard in one process: the rotation's cost per step
+stage engine_rotation 300 python3 -m benchmarks.engine.bench_decode_step --shapes ${ROTATION_SHAPES:-1x32768 16x32768 44x32768} \
+  --iters 8 --kv-dtypes nvfp4 fp8_e4m3 --kv-rotations none hadamard --out docs/benchmarks/engine_decode_rotation.json \
+  --md docs/benchmarks/engine_decode_rotation.md
 stage model 240 python3 -m nvfp4_serve.cli make-model /tmp/q8b --preset qwen3-8b --device cuda
 stage issue5 900 python3 -m nvfp4_serve.cli bench experiments --kv-dtypes bf16 fp8_e4m3 nvfp4 \
   --iso 32768:40 163840:8 --capacity-input-lens 32768 --sweep-concurrency 1 4 16 --sweep-input-len 32768 \

@@ -280,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model's PyTorch norm/activation/RoPE ops instead of the fused Triton kernels")
     p.add_argument("--block-select", action="store_true",
                    help="nvfp4 pool writes with the per-block scale search (--attention-backend triton-block-select)")
+    p.add_argument("--kv-rotations", nargs="+", default=["none"], choices=["none", "hadamard"],
+                   help="run every shape and dtype under each --kv-rotation, in this order (none first: the model "
+                        "is rotated in place once), so the rotation's cost per step is measured in the same run")
     p.add_argument("--profile", action="store_true",
                    help="also profile each shape's graph replay (torch profiler): top kernels, kernel time per "
                         "category and the launch gaps (graph step - kernel sum)")
@@ -289,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.block_select and set(a.kv_dtypes) != {"nvfp4"}:
         p.error("--block-select changes only nvfp4 pool writes: give --kv-dtypes nvfp4")
+    if len(set(a.kv_rotations)) != len(a.kv_rotations) or a.kv_rotations[1:].count("none"):
+        p.error("--kv-rotations: each once, none (if given) first")
     if a.render:
         with open(a.render) as f:
             doc = json.load(f)
@@ -301,22 +306,28 @@ def main(argv: list[str] | None = None) -> int:
     model, cfg = build_model(a.layers, max_len, dev, fused_ops=not a.no_fused)
     bw = copy_bandwidth(dev)
     rows = []
-    for b, l in a.shapes:
-        for dt in a.kv_dtypes:
-            try:
-                row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile, a.block_select)
-            except Exception as e:  # noqa: BLE001 - recorded, the other shapes go on
-                traceback.print_exc()
-                row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
+    for rotation in a.kv_rotations:
+        if rotation != "none":
+            from engine.kv_rotation import head_rotation
+
+            model.rotate_kv(head_rotation(rotation, cfg.head_dim, dev, model.dtype))
+        for b, l in a.shapes:
+            for dt in a.kv_dtypes:
+                try:
+                    row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile, a.block_select)
+                except Exception as e:  # noqa: BLE001 - recorded, the other shapes go on
+                    traceback.print_exc()
+                    row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
+                    torch.cuda.empty_cache()
+                row["kv_rotation"] = rotation
+                if "weight_gb" in row:
+                    row["non_attention_floor_ms"] = row["weight_gb"] / bw
+                rows.append(row)
                 torch.cuda.empty_cache()
-            if "weight_gb" in row:
-                row["non_attention_floor_ms"] = row["weight_gb"] / bw
-            rows.append(row)
-            torch.cuda.empty_cache()
-            _log(json.dumps(row))
+                _log(json.dumps(row))
     _print_table(rows, a.layers)
     doc = {"gpu": torch.cuda.get_device_name(dev), "copy_tb_s": bw, "layers": a.layers, "fused_ops": not a.no_fused,
-           "block_select": a.block_select,
+           "block_select": a.block_select, "kv_rotations": a.kv_rotations,
            "model": "Qwen3-8B-shaped, random bf16 weights", "command": " ".join(["python -m benchmarks.engine.bench_decode_step", *sys.argv[1:]]), "rows": rows}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
@@ -350,7 +361,7 @@ _PROFILE_DOC = (
 
 def _write_md(doc: dict, path: str) -> None:
     rows = doc["rows"]
-    fp8 = {(r["batch"], r["seq_len"]): r for r in rows if r["kv_dtype"] == "fp8_e4m3" and "tok_s" in r}
+    fp8 = _fp8_rows(rows)
     lines = [
         f"# Engine decode step ({doc['gpu']}, {doc['model']}, {doc['layers']} layers)", "",
         (f"Command: `{doc['command']}`. Copy bandwidth measured: {doc['copy_tb_s']:.2f} TB/s. Decoder norms, "
@@ -364,16 +375,47 @@ def _write_md(doc: dict, path: str) -> None:
     for r in rows:
         shape = f"{r['batch']} x {r['seq_len']}"
         if "error" in r:
-            lines.append(f"| {shape} | {r['kv_dtype']} | {r['error']} | | | | | | | | | |")
+            lines.append(f"| {shape} | {_kv(r)} | {r['error']} | | | | | | | | | |")
             continue
         c = _cells(r, fp8.get((r["batch"], r["seq_len"])))
-        lines.append(f"| {shape} | {r['kv_dtype']} | {c['graph']} | {c['eager']} | {c['attn']} | {c['attn_eager']} | "
+        lines.append(f"| {shape} | {_kv(r)} | {c['graph']} | {c['eager']} | {c['attn']} | {c['attn_eager']} | "
                      f"{c['tb_s']} | {c['rest']} | {c['floor']} | {c['over']} | {c['tok_s']} | {c['vs_fp8']} |")
+    lines += _rotation_lines(rows)
     lines += _category_lines(rows)
     lines += _kernel_lines(rows)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
+
+
+def _kv(r: dict) -> str:
+    """The row's cache dtype, with its --kv-rotation where it has one."""
+    rot = r.get("kv_rotation", "none")
+    return r["kv_dtype"] if rot == "none" else f"{r['kv_dtype']} + {rot}"
+
+
+def _fp8_rows(rows: list[dict]) -> dict[tuple[int, int], dict]:
+    return {(r["batch"], r["seq_len"]): r for r in rows
+            if r["kv_dtype"] == "fp8_e4m3" and r.get("kv_rotation", "none") == "none" and "tok_s" in r}
+
+
+def _rotation_lines(rows: list[dict]) -> list[str]:
+    """Each rotated row's step against the unrotated row of its dtype and shape in the same run."""
+    plain = {(r["kv_dtype"], r["batch"], r["seq_len"]): r for r in rows
+             if r.get("kv_rotation", "none") == "none" and "graph_ms" in r}
+    pairs = [(r, plain[(r["kv_dtype"], r["batch"], r["seq_len"])]) for r in rows
+             if r.get("kv_rotation", "none") != "none" and "graph_ms" in r
+             and (r["kv_dtype"], r["batch"], r["seq_len"]) in plain]
+    if not pairs:
+        return []
+    out = ["", "### The rotation's cost per step (same run)", "",
+           ("| B x L | kv | step ms unrotated | step ms rotated | rotated / unrotated | attention ms unrotated "
+            "| attention ms rotated |"), "|---|---|---|---|---|---|---|"]
+    for r, p in pairs:
+        out.append(f"| {r['batch']} x {r['seq_len']} | {_kv(r)} | {p['graph_ms']:.3f} | {r['graph_ms']:.3f} | "
+                   f"{r['graph_ms'] / p['graph_ms']:.3f} | {p['attention_graph_ms']:.3f} | "
+                   f"{r['attention_graph_ms']:.3f} |")
+    return out
 
 
 def _ms(x: float | None) -> str:
@@ -404,7 +446,7 @@ def _category_lines(rows: list[dict]) -> list[str]:
     for r in prof:
         cats, eager = r["kernel_ms"], r.get("kernels_from") == "eager"
         step = f"{r['eager_ms']:.2f} (eager)" if eager else f"{r['graph_ms']:.2f}"
-        out.append(f"| {r['batch']} x {r['seq_len']} | {r['kv_dtype']} | {step} | "
+        out.append(f"| {r['batch']} x {r['seq_len']} | {_kv(r)} | {step} | "
                    + " | ".join(f"{cats[c]:.2f}" for c in CATEGORY_NAMES)
                    + f" | {cats['total']:.2f} | {r['launch_gaps_ms']:.2f} |")
     return out
@@ -417,7 +459,7 @@ def _kernel_lines(rows: list[dict]) -> list[str]:
         if not r.get("kernels"):
             continue
         source = "CUDA graph replay" if r.get("kernels_from") == "graph" else "eager step"
-        title = f"### Kernels of one step: {r['batch']} x {r['seq_len']}, {r['kv_dtype']} (torch profiler, {source})"
+        title = f"### Kernels of one step: {r['batch']} x {r['seq_len']}, {_kv(r)} (torch profiler, {source})"
         out += ["", title, "", "| kernel | us per step | launches per step |", "|---|---|---|"]
         out += [f"| `{k['kernel']}` | {k['us']:.1f} | {k['launches']:.0f} |" for k in r["kernels"]]
     return out
@@ -429,15 +471,15 @@ def _print_table(rows: list[dict], layers: int) -> None:
     heads = ("graph ms", "eager ms", "attn ms", "attn eager", "attn TB/s", "rest ms", "floor ms", "x floor", "tok/s",
              "vs fp8")
     print(f"{'shape':>12} {'kv':>9} " + " ".join(f"{h:>10}" for h in heads))
-    fp8 = {(r["batch"], r["seq_len"]): r for r in rows if r["kv_dtype"] == "fp8_e4m3" and "tok_s" in r}
+    fp8 = _fp8_rows(rows)
     for r in rows:
         shape = f"{r['batch']}x{r['seq_len']}"
         if "error" in r:
-            print(f"{shape:>12} {r['kv_dtype']:>9}  {r['error']}")
+            print(f"{shape:>12} {_kv(r):>9}  {r['error']}")
             continue
         c = _cells(r, fp8.get((r["batch"], r["seq_len"])))
         keys = ("graph", "eager", "attn", "attn_eager", "tb_s", "rest", "floor", "over", "tok_s", "vs_fp8")
-        print(f"{shape:>12} {r['kv_dtype']:>9} " + " ".join(f"{c[k]:>10}" for k in keys))
+        print(f"{shape:>12} {_kv(r):>9} " + " ".join(f"{c[k]:>10}" for k in keys))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,13 @@
                  out = round([x1 c - x2 s, x2 c + x1 s])   -> Q [T, HQ, D] / K [T, HK, D]
     v heads:     copied to V [T, HK, D]
 
+    ROTATE (--kv-rotation): every q, k and v head then leaves as round(round(head) @ U * rot_scale), R = U *
+                 rot_scale the rotation (kernels/model_ops.py HeadRotation): U's entries are exact in the model
+                 dtype, so the product runs on tf32 tensor cores exactly, with fp32 sums (IEEE fp32 for an fp32 model)
+
 fp32 math; ``round`` is to the output dtype (kernels/triton/rounding.py) where the PyTorch reference
-(kernels/model_ops.py) rounds. Head counts and D/2 are padded to powers of two (H_P, HALF_P) and masked.
+(kernels/model_ops.py) rounds. Head counts and D/2 are padded to powers of two (H_P, HALF_P) and masked; with
+ROTATE, D is a power of two >= 32 and H_P >= 16 (the tensor-core tile).
 """
 
 from __future__ import annotations
@@ -23,8 +28,35 @@ from kernels.triton.rounding import round_to
 
 
 @triton.jit
-def _norm_rope_heads(src, W, dst, cos_row, sin_row, eps, H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr,
-                     HALF_P: tl.constexpr, HAS_NORM: tl.constexpr):
+def _dot(a, b, acc, DT: tl.constexpr):
+    """acc + a @ b for fp32 tiles holding DT values. bf16 and fp16 values are exact in tf32 (10 stored mantissa
+    bits), so tf32 tensor cores multiply them exactly; fp32 values take IEEE fp32."""
+    if DT == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision="tf32")
+
+
+@triton.jit
+def _store_heads(x1, x2, dst, heads, half, m, U, rot_scale, H: tl.constexpr, D: tl.constexpr,
+                 HALF_P: tl.constexpr, ROTATE: tl.constexpr):
+    """Heads whose halves x1, x2 [H_P, HALF_P] hold values of dst's dtype -> dst, rotated when ROTATE."""
+    dt = dst.dtype.element_ty
+    if ROTATE:
+        cols = tl.arange(0, D)[None, :]
+        u_rows = tl.arange(0, HALF_P)[:, None] * D
+        acc = _dot(x1, tl.load(U + u_rows + cols).to(tl.float32), tl.zeros([x1.shape[0], D], tl.float32), dt)
+        acc = _dot(x2, tl.load(U + (D // 2) * D + u_rows + cols).to(tl.float32), acc, dt)
+        tl.store(dst + heads * D + cols, round_to(acc * rot_scale, dt).to(dt), mask=heads < H)
+    else:
+        lo = heads * D + half
+        tl.store(dst + lo, x1.to(dt), mask=m)
+        tl.store(dst + lo + D // 2, x2.to(dt), mask=m)
+
+
+@triton.jit
+def _norm_rope_heads(src, W, dst, cos_row, sin_row, eps, U, rot_scale, H: tl.constexpr, H_P: tl.constexpr,
+                     D: tl.constexpr, HALF_P: tl.constexpr, HAS_NORM: tl.constexpr, ROTATE: tl.constexpr):
     """Heads [H, D] at src (contiguous) -> dst (contiguous), as tiles [H_P, HALF_P] of the two halves."""
     heads = tl.arange(0, H_P)[:, None]
     half = tl.arange(0, HALF_P)[None, :]
@@ -41,27 +73,43 @@ def _norm_rope_heads(src, W, dst, cos_row, sin_row, eps, H: tl.constexpr, H_P: t
         x2 = round_to(round_to(x2 * inv, dt) * w2, dt)
     c = tl.load(cos_row + half, mask=half < D // 2, other=0.0)
     s = tl.load(sin_row + half, mask=half < D // 2, other=0.0)
-    tl.store(dst + lo, round_to(x1 * c - x2 * s, dt).to(dt), mask=m)
-    tl.store(dst + lo + D // 2, round_to(x2 * c + x1 * s, dt).to(dt), mask=m)
+    _store_heads(round_to(x1 * c - x2 * s, dt), round_to(x2 * c + x1 * s, dt), dst, heads, half, m, U, rot_scale,
+                 H, D, HALF_P, ROTATE)
 
 
 @triton.jit
-def qk_norm_rope_kernel(QKV, POS, COS, SIN, QW, KW, Q, K, V, stride_t, stride_cos, eps,
+def _rotate_v_heads(src, dst, U, rot_scale, H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr,
+                    HALF_P: tl.constexpr):
+    heads = tl.arange(0, H_P)[:, None]
+    half = tl.arange(0, HALF_P)[None, :]
+    m = (heads < H) & (half < D // 2)
+    x1 = tl.load(src + heads * D + half, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + heads * D + half + D // 2, mask=m, other=0.0).to(tl.float32)
+    _store_heads(x1, x2, dst, heads, half, m, U, rot_scale, H, D, HALF_P, True)
+
+
+@triton.jit
+def qk_norm_rope_kernel(QKV, POS, COS, SIN, QW, KW, Q, K, V, U, stride_t, stride_cos, eps, rot_scale,
                         HQ: tl.constexpr, HK: tl.constexpr, HQ_P: tl.constexpr, HK_P: tl.constexpr,
-                        D: tl.constexpr, HALF_P: tl.constexpr, V_P: tl.constexpr, HAS_NORM: tl.constexpr):
+                        D: tl.constexpr, HALF_P: tl.constexpr, V_P: tl.constexpr, HAS_NORM: tl.constexpr,
+                        ROTATE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     row = QKV + t * stride_t
     if part == 2:
-        offs = tl.arange(0, V_P)
-        vals = tl.load(row + (HQ + HK) * D + offs, mask=offs < HK * D)
-        tl.store(V + t * (HK * D) + offs, vals, mask=offs < HK * D)
+        if ROTATE:
+            _rotate_v_heads(row + (HQ + HK) * D, V + t * (HK * D), U, rot_scale, HK, HK_P, D, HALF_P)
+        else:
+            offs = tl.arange(0, V_P)
+            vals = tl.load(row + (HQ + HK) * D + offs, mask=offs < HK * D)
+            tl.store(V + t * (HK * D) + offs, vals, mask=offs < HK * D)
     else:
         pos = tl.load(POS + t).to(tl.int64)
         cos_row = COS + pos * stride_cos
         sin_row = SIN + pos * stride_cos
         if part == 0:
-            _norm_rope_heads(row, QW, Q + t * (HQ * D), cos_row, sin_row, eps, HQ, HQ_P, D, HALF_P, HAS_NORM)
+            _norm_rope_heads(row, QW, Q + t * (HQ * D), cos_row, sin_row, eps, U, rot_scale, HQ, HQ_P, D, HALF_P,
+                             HAS_NORM, ROTATE)
         else:
-            _norm_rope_heads(row + HQ * D, KW, K + t * (HK * D), cos_row, sin_row, eps, HK, HK_P, D, HALF_P,
-                             HAS_NORM)
+            _norm_rope_heads(row + HQ * D, KW, K + t * (HK * D), cos_row, sin_row, eps, U, rot_scale, HK, HK_P, D,
+                             HALF_P, HAS_NORM, ROTATE)
