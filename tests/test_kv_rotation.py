@@ -144,11 +144,17 @@ def test_a_head_dim_the_rotation_cannot_serve_is_refused_at_start_up_in_one_line
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_the_gpu_the_fused_rotation_changes_no_prediction_beyond_rounding(tiny_model_dir):
+def test_on_the_gpu_the_fused_rotation_changes_no_prediction_beyond_rounding(tmp_path):
     """On CUDA q, k and v are rotated inside the fused q/k-norm + RoPE kernel and o_proj's weight is folded: with a
-    bf16 cache the next-token log-probs equal the unrotated engine's up to rounding, as on the CPU."""
+    bf16 cache the next-token log-probs equal the unrotated engine's up to rounding, as on the CPU. head_dim 128:
+    the kernel rotates heads of 32 values or more, and FlashInfer's prefill takes no 16-value heads."""
+    from offline.tiny_model import make_tiny_model
+
+    model_dir = str(make_tiny_model(tmp_path / "m", hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=128,
+                                    intermediate_size=1024, seed=4))
+
     def engine(rotation: str) -> Engine:
-        return Engine(EngineConfig(model_dir=tiny_model_dir, device="cuda", cache=CacheConfig(
+        return Engine(EngineConfig(model_dir=model_dir, device="cuda", cache=CacheConfig(
             kv_dtype="bf16", kv_rotation=rotation, page_size=16, max_total_tokens=2048)))
 
     windows = [prompt(40), prompt(40, offset=11)]
