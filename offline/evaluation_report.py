@@ -71,7 +71,17 @@ def findings(results: dict[str, Any]) -> list[str]:
                     f"calibration amax in layers {list(over)} (by up to {max(over.values()):+.0%}): with "
                     "calibrated scales those values saturate (FP8 at 448 * s, NVFP4 at 6 * 448 * g)."
                 )
-    return lines
+    return lines + _synthetic_findings(results.get("synthetic_attention_error", []))
+
+
+def _synthetic_findings(rows: list[dict[str, Any]]) -> list[str]:
+    """What the rotation moves in each synthetic regime (attention-output error of calibrated NVFP4)."""
+    plain, rotated = "nvfp4 calibrated", "nvfp4 calibrated + rotation"
+    parts = [f"{r['regime'].split(' (')[0]}: {r[plain]:.3f} -> {r[rotated]:.3f}" for r in rows
+             if plain in r and rotated in r]
+    if not parts:
+        return []
+    return ["synthetic K/V: rotation moves calibrated NVFP4's attention-output error " + ", ".join(parts) + "."]
 
 
 def _rotation_findings(context: str, v: dict[str, dict[str, Any]]) -> list[str]:
@@ -110,7 +120,8 @@ _SYNTHETIC = (
     "2048 tokens, head_dim 64, 32 queries; K has 4 outlier channels (x12) and 2% outlier tokens (x6), V "
     "heavy-tailed rows and 0.5% spikes (x20), both scaled to the amax of the regime. Relative L2 error of "
     'the attention output against float64 attention on the exact K/V ("calibrated" uses each tensor\'s '
-    "own amax)."
+    'own amax; "rotation": q, K and V rotated by the --kv-rotation hadamard matrix before K and V are stored, '
+    "the output rotated back)."
 )
 _TABLE_HEAD = (
     "| KV cache | perplexity | NLL - bf16's (nats) | KL vs bf16 (mean ± se) | KL p99 | top-1 agreement "

@@ -3,8 +3,9 @@
 K gets outlier channels and outlier tokens, V heavy-tailed rows and sparse spikes, both scaled to a
 chosen amax: one regime inside the range a global scale of 1.0 represents well, one above it (FP8
 saturates at 448, NVFP4 at 6 * 448) and one below it (E4M3 subnormals). Each format stores K and V
-(``calibrated``: global scale from the tensor's own amax) and the attention output is compared with
-float64 attention on the exact K/V.
+(``calibrated``: global scale from the tensor's own amax; ``rotation``: q, K and V rotated by the
+``--kv-rotation hadamard`` matrix before K and V are stored, the output rotated back) and the attention output
+is compared with float64 attention on the exact K/V.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.kv_rotation import rotation_matrix
 from kernels import fp8, nvfp4
 from kernels.nvfp4_block_select import quantize_block_select
 
@@ -35,7 +37,10 @@ SYNTHETIC_FORMATS = (
     "nvfp4 (scale 1.0)",
     "nvfp4 calibrated",
     "nvfp4 calibrated + block select",
+    "nvfp4 calibrated + rotation",
+    "nvfp4 calibrated + rotation + block select",
 )
+_ROTATION = " + rotation"
 SYNTHETIC_REGIMES = (
     ("amax 10", 10.0),
     ("amax 5000 (beyond scale-1.0 range)", 5000.0),
@@ -74,9 +79,15 @@ def synthetic_attention_error(
         q, k, v = synthetic_kv(num_tokens, head_dim, amax, gen)
         exact = torch.softmax((q.double() @ k.double().T) * head_dim**-0.5, -1) @ v.double()
         row: dict[str, Any] = {"regime": regime, "amax": amax}
+        r = rotation_matrix("hadamard", head_dim).double()
         for fmt in SYNTHETIC_FORMATS:
-            kq, vq = _roundtrip(k, fmt, float(k.abs().max())), _roundtrip(v, fmt, float(v.abs().max()))
-            approx = torch.softmax((q.double() @ kq.double().T) * head_dim**-0.5, -1) @ vq.double()
+            rotated = _ROTATION in fmt
+            qs, ks, vs = ((x.double() @ r).float() for x in (q, k, v)) if rotated else (q, k, v)
+            store = fmt.replace(_ROTATION, "")
+            kq, vq = _roundtrip(ks, store, float(ks.abs().max())), _roundtrip(vs, store, float(vs.abs().max()))
+            approx = torch.softmax((qs.double() @ kq.double().T) * head_dim**-0.5, -1) @ vq.double()
+            if rotated:
+                approx = approx @ r.T
             row[fmt] = float((approx - exact).norm() / exact.norm())
         out.append(row)
     return out

@@ -131,6 +131,8 @@ def test_synthetic_errors_order_the_formats_and_show_what_calibration_fixes():
     rows = {r["regime"].split(" (")[0]: r for r in synthetic_attention_error(num_tokens=512)}
     for r in rows.values():
         assert r["bf16"] < r["fp8_e4m3 calibrated"] < r["nvfp4 calibrated"] < 0.5
+        for fmt in ("nvfp4 calibrated + rotation", "nvfp4 calibrated + rotation + block select"):
+            assert r["fp8_e4m3 calibrated"] < r[fmt] < 0.5, fmt  # rotated back: the error is quantization's only
     for regime in ("amax 5000", "amax 0.05"):  # outside what scale 1.0 represents well
         assert rows[regime]["fp8_e4m3 (scale 1.0)"] > 3 * rows[regime]["fp8_e4m3 calibrated"]
         assert rows[regime]["nvfp4 (scale 1.0)"] > 1.5 * rows[regime]["nvfp4 calibrated"]
@@ -163,6 +165,8 @@ def test_evaluate_reports_every_variant_and_writes_json_and_markdown(tiny_model_
     assert "| nvfp4 calibrated + block select |" in md and "## long context: 60 tokens" in md
     assert "calibration moves NVFP4's KL" in md
     assert "rotation moves calibrated NVFP4's KL" in md and "the best NVFP4 variant" in md
+    assert "| nvfp4 calibrated + rotation + block select |" in md.split("synthetic outlier-heavy")[1]
+    assert "synthetic K/V: rotation moves calibrated NVFP4's attention-output error amax 10: " in md
     assert res["calibration"]["rotated_k_amax"] == list(tiny_rotated_scales.k_amax)
     with pytest.raises(ValueError, match="calibrated for model"):
         evaluate(cfg, KVScales("0" * 16, tiny_scales.k_amax, tiny_scales.v_amax), TEXT)
