@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; itl_check, spy, engine_blocksel, engine_nofused, engine_rotation are on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval are on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -54,6 +54,12 @@ stage engine_blocksel 300 python3 -m benchmarks.engine.bench_decode_step --shape
 stage engine_rotation 300 python3 -m benchmarks.engine.bench_decode_step --shapes ${ROTATION_SHAPES:-1x32768 16x32768 44x32768} \
   --iters 8 --kv-dtypes nvfp4 fp8_e4m3 --kv-rotations none hadamard --out docs/benchmarks/engine_decode_rotation.json \
   --md docs/benchmarks/engine_decode_rotation.md
+# a larger model trained here with the project's trainer (head_dim 128, GQA 4; results only, not shipped), then the
+# accuracy report of docs/benchmarks/accuracy.md on it: every KV variant, standard errors over windows
+stage large_eval 590 bash -c "python3 -m offline.train all --out /tmp/big --hidden 1024 --intermediate 2816 \
+  --layers 8 --heads 8 --kv-heads 2 --head-dim 128 --device cuda --time-budget-s ${LARGE_TRAIN_S:-200} \
+  && python3 -m nvfp4_serve.cli eval --model /tmp/big --device cuda --dtype float32 \
+  --json docs/benchmarks/accuracy_large.json --markdown docs/benchmarks/accuracy_large.md"
 stage model 240 python3 -m nvfp4_serve.cli make-model /tmp/q8b --preset qwen3-8b --device cuda
 stage issue5 900 python3 -m nvfp4_serve.cli bench experiments --kv-dtypes bf16 fp8_e4m3 nvfp4 \
   --iso 32768:40 163840:8 --capacity-input-lens 32768 --sweep-concurrency 1 4 16 --sweep-input-len 32768 \
