@@ -132,15 +132,15 @@ def add_paired(rows: list[dict[str, Any]]) -> None:
 
 def render(doc: dict[str, Any]) -> str:
     lines = [f"# lm-eval-harness through the server ({doc['model']})", "",
-             f"Command: `{doc['command']}`. {doc['num_docs']} documents of {doc['doc_tokens']} tokens from the "
+             (f"Command: `{doc['command']}`. {doc['num_docs']} documents of {doc['doc_tokens']} tokens from the "
              f"stdlib held-out split, a local `loglikelihood_rolling` task scored by lm-eval {doc['lm_eval']}'s "
              f"`local-completions` against `nvfp4-serve up --num-prefill 0` on {doc['device']}, prefilled in chunks "
              f"of {doc['chunk']} tokens: every chunk attends to the earlier ones read back from the KV cache in "
              "the variant's format. Bits per byte per document: mean ± standard error over documents; the paired "
              "difference from bf16's over the same documents. \"calibrated\": scales from `nvfp4-serve "
-             "calibrate` (under the rotation where the variant rotates).", "",
-             "| KV cache | bits per byte (mean ± se) | - bf16's (paired, ± se) | lm-eval word perplexity "
-             "| lm-eval byte perplexity | lm-eval bits per byte | serve s |",
+             "calibrate` (under the rotation where the variant rotates)."), "",
+             ("| KV cache | bits per byte (mean ± se) | - bf16's (paired, ± se) | lm-eval word perplexity "
+             "| lm-eval byte perplexity | lm-eval bits per byte | serve s |"),
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in doc["rows"]:
         lines.append(f"| {r['variant']} | {r['bits_per_byte']:.5f} ± {r['bits_per_byte_se']:.5f} | "
