@@ -130,7 +130,10 @@ def sdpa_attention(batch: int, seq_len: int) -> Callable:
 def build_model(shape: ModelShape, device: torch.device, seed: int) -> CausalLM:
     """``CausalLM`` with trainable fp32 weights: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
     torch.manual_seed(seed)
-    model = CausalLM(ModelConfig.from_dict(shape.hf_config()), dtype=torch.float32, device=device)
+    # the PyTorch ops: the fused Triton kernels have no backward, and under autocast their inputs are bf16
+    # activations beside fp32 norm weights
+    model = CausalLM(ModelConfig.from_dict(shape.hf_config()), dtype=torch.float32, device=device,
+                     fused_ops=False)
     residual_std = 0.02 / math.sqrt(2 * shape.num_layers)
     for name, p in model.named_parameters():
         p.requires_grad_(True)
