@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval are on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity are on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -65,6 +65,12 @@ stage issue5 900 python3 -m nvfp4_serve.cli bench experiments --kv-dtypes bf16 f
   --iso 32768:40 163840:8 --capacity-input-lens 32768 --sweep-concurrency 1 4 16 --sweep-input-len 32768 \
   --output-len 1024 --point-timeout-s 150 --no-progress --launch-log-dir $R/logs5 \
   --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --mem-fraction-static 0.22 --workspace-tokens 262144 \
+  --chunked-prefill-size 8192
+# the iso-capacity point of issue5 alone (fp8 and nvfp4 at the largest concurrency each pool holds, 32K in / 1K out)
+stage iso_capacity 560 python3 -m nvfp4_serve.cli bench experiments --kv-dtypes fp8_e4m3 nvfp4 \
+  --capacity-input-lens 32768 --output-len 1024 --point-timeout-s 150 --no-progress --launch-log-dir $R/logs_cap \
+  --out docs/benchmarks/serving_iso_capacity.json --report docs/benchmarks/serving_iso_capacity.md --launch \
+  --model /tmp/q8b --num-layers 8 --num-prefill 0 --mem-fraction-static 0.22 --workspace-tokens 262144 \
   --chunked-prefill-size 8192
 # one nvfp4 point of issue5 (32K x 40) to check ITL after an engine-loop change, without the full sweep
 stage itl_check 400 python3 -m nvfp4_serve.cli bench experiments --kv-dtypes nvfp4 --iso 32768:40 --output-len 1024 \
