@@ -1,9 +1,11 @@
 """The host tier's storage: KV pages of one device pool kept in host memory, block scales included.
 
-Layout per layer (H host pages, same page shape as the device pool, ``engine/kv_pool.py``):
-
-    k, v        [H, S, Hk, X*b]    the raw bytes of the pool's k, v (nvfp4: packed E2M1; b bytes per element)
-    k_sf, v_sf  [H, S, Hk, D/16]   the E4M3 block scale bytes (nvfp4 only)
+Layout: one host tensor ``[H, page_bytes]`` uint8, page-major: host page h holds one device page's raw bytes of
+every layer and part (k, k_sf, v, v_sf: packed E2M1 / E4M3 / bf16 values and the E4M3 block scales), in the
+order of ``kernels.page_stage`` (layer by layer, parts in that order). A batch moves as one gather of its pages
+into a page-major device staging buffer (one launch for every layer and part), one device -> host copy per run
+of consecutive host pages, and the reverse for a load: a few operations whatever the layer count, so small
+batches also move at copy speed. Staging is done in chunks of at most ``STAGE_BYTES``.
 
 Pinned memory when the device pool is on CUDA (host <-> device copies run asynchronously on one side stream),
 plain memory on CPU. A host page is bytes only; the pool is built for ONE device pool and keeps that pool's
@@ -36,11 +38,13 @@ import torch
 from engine.config import CacheConfig
 from engine.kv_pool import KVPool
 from engine.startup_error import StartupError
+from kernels import page_stage
 from kernels.kv_layout import KV_DTYPES, bytes_per_token_per_layer
 
 log = logging.getLogger(__name__)
 
 _PARTS = ("k", "k_sf", "v", "v_sf")
+STAGE_BYTES = 64 << 20  # device staging per chunk of a batch (a large eviction moves in chunks of this size)
 
 
 class PoolIdentity(NamedTuple):
@@ -104,15 +108,11 @@ class HostPool:
         self.page_bytes = pool.page_size * pool.bytes_per_token  # all layers, K + V + block scales
         cuda = pool.device.type == "cuda"
         self.pinned = cuda
-        self.layers: list[dict[str, torch.Tensor]] = []
-        for lkv in pool.layers:
-            parts = {}
-            for name in _PARTS:
-                t = getattr(lkv, name)
-                if t is not None:  # raw bytes: copies never convert (and every dtype can be gathered)
-                    raw = t.view(torch.uint8)
-                    parts[name] = torch.empty((num_pages, *raw.shape[1:]), dtype=torch.uint8, pin_memory=cuda)
-            self.layers.append(parts)
+        self._plan = self._stage_plan()
+        if self._plan.page_bytes != self.page_bytes:
+            raise ValueError(f"host tier: the pool's parts hold {self._plan.page_bytes} bytes per page, its "
+                             f"layout says {self.page_bytes}")
+        self.pages = torch.empty((num_pages, self.page_bytes), dtype=torch.uint8, pin_memory=cuda)
         self._stream = torch.cuda.Stream(pool.device) if cuda else None
         self._free = list(range(num_pages))  # min-heap: allocation hands out the smallest ids (runs stay long)
         self._owned = [False] * num_pages
@@ -156,14 +156,14 @@ class HostPool:
     def store(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """Copy device pages into owned host pages (pairwise), every layer, data and block scales.
 
-        Batched: per layer and part one gather on the device and one copy per run of consecutive host pages.
+        Batched: one gather of every layer and part into staging, one copy per run of consecutive host pages.
         """
         self._copy("store", device_pages, host_pages)
 
     def load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
         """Copy owned host pages into device pages (pairwise); the compute stream sees them after this call.
 
-        Batched: per layer and part one copy per run of consecutive host pages and one scatter on the device.
+        Batched: one copy per run of consecutive host pages into staging, one scatter of every layer and part.
         """
         self._copy("load", device_pages, host_pages)
 
@@ -183,7 +183,8 @@ class HostPool:
         if bad:
             raise RuntimeError(f"host tier: {kind} of host pages {bad[:8]} that are not owned")
         dev_idx = torch.tensor([int(p) for p in device_pages], dtype=torch.int64, device=pool.device)
-        runs = _runs(host_pages)
+        plan = self._stage_plan()
+        per_chunk = max(1, STAGE_BYTES // self.page_bytes)
         t0 = time.perf_counter()
         start = end = None
         if self._stream is not None:
@@ -192,18 +193,17 @@ class HostPool:
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             if start is not None:
                 start.record()
-            for lkv, host in zip(pool.layers, self.layers, strict=True):
-                for name, h in host.items():
-                    d = getattr(lkv, name).view(torch.uint8)
-                    if kind == "store":
-                        gathered = d.index_select(0, dev_idx)
-                        for i, a, b in runs:
-                            h[a:b].copy_(gathered[i:i + b - a], non_blocking=True)
-                    else:
-                        staged = torch.empty((n, *d.shape[1:]), dtype=d.dtype, device=d.device)
-                        for i, a, b in runs:
-                            staged[i:i + b - a].copy_(h[a:b], non_blocking=True)
-                        d.index_copy_(0, dev_idx, staged)
+            for c0 in range(0, n, per_chunk):
+                ids, hosts = dev_idx[c0:c0 + per_chunk], host_pages[c0:c0 + per_chunk]
+                stage = torch.empty((ids.numel(), self.page_bytes), dtype=torch.uint8, device=pool.device)
+                if kind == "store":
+                    page_stage.gather(plan, ids, stage)
+                    for i, a, b in _runs(hosts):
+                        self.pages[a:b].copy_(stage[i:i + b - a], non_blocking=True)
+                else:
+                    for i, a, b in _runs(hosts):
+                        stage[i:i + b - a].copy_(self.pages[a:b], non_blocking=True)
+                    page_stage.scatter(plan, ids, stage)
             if end is not None:
                 end.record()
         if self._stream is not None:
@@ -218,6 +218,14 @@ class HostPool:
         else:
             self.num_loads += 1
             self.num_loaded_pages += n
+
+    def _stage_plan(self) -> page_stage.StagePlan:
+        """The pool's parts in staging order; rebuilt if a part tensor moved (the kernel reads their addresses)."""
+        parts = [getattr(lkv, name) for lkv in self.pool.layers for name in _PARTS if getattr(lkv, name) is not None]
+        plan = getattr(self, "_plan", None)
+        if plan is None or [v.data_ptr() for v in plan.views] != [t.data_ptr() for t in parts]:
+            plan = self._plan = page_stage.StagePlan.of(parts)
+        return plan
 
     # -- stats -----------------------------------------------------------------------------------
     def stats(self) -> HostTierStats:

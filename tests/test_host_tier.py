@@ -76,11 +76,25 @@ def test_round_trip_through_the_host_is_bit_exact_with_block_scales(kv_dtype):
     pool.poison(0x00)
     host.load([hp[2], hp[0], hp[1]], [1, 7, 2])
     assert [page_bytes(pool, p) for p in (1, 7, 2)] == [before[3], before[5], before[6]]
-    if kv_dtype == "nvfp4":  # the scales really are part of it
-        assert all(host.layers[0]["k_sf"].numel() and "v_sf" in layer for layer in host.layers)
+    assert host.pages.shape == (4, S * pool.bytes_per_token)  # every layer's K, V and (nvfp4) block scales
     st = host.stats()
     assert (st.num_stores, st.num_stored_pages, st.num_loads, st.num_loaded_pages) == (1, 3, 1, 3)
     assert st.load_bytes == st.store_bytes == 3 * S * pool.bytes_per_token
+
+
+def test_a_batch_larger_than_the_staging_moves_in_chunks_bit_exactly(monkeypatch):
+    import engine.host_pool
+
+    pool = make_pool("nvfp4", num_pages=8)
+    monkeypatch.setattr(engine.host_pool, "STAGE_BYTES", 3 * S * pool.bytes_per_token)  # 3 pages per chunk
+    before = {p: page_bytes(pool, p) for p in range(8)}
+    host = HostPool(pool, 8)
+    hp = host.allocate(8)
+    order = [6, 1, 7, 0, 3, 2, 5, 4]
+    host.store(order, [hp[i] for i in (0, 1, 2, 4, 5, 6, 3, 7)])  # runs broken across chunk boundaries
+    pool.poison(0x00)
+    host.load([hp[i] for i in (0, 1, 2, 4, 5, 6, 3, 7)], order)
+    assert {p: page_bytes(pool, p) for p in range(8)} == before
 
 
 def test_a_pool_whose_global_scales_changed_cannot_read_host_pages():

@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity are on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy are on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -54,6 +54,9 @@ stage engine_blocksel 300 python3 -m benchmarks.engine.bench_decode_step --shape
 stage engine_rotation 300 python3 -m benchmarks.engine.bench_decode_step --shapes ${ROTATION_SHAPES:-1x32768 16x32768 44x32768} \
   --iters 8 --kv-dtypes nvfp4 fp8_e4m3 --kv-rotations none hadamard --out docs/benchmarks/engine_decode_rotation.json \
   --md docs/benchmarks/engine_decode_rotation.md
+# the host tier's store / load rates per batch size against a raw pinned copy of the same bytes
+stage host_copy 200 python3 -m benchmarks.engine.bench_host_tier --out docs/benchmarks/host_tier_copy.json \
+  --md docs/benchmarks/host_tier_copy.md
 # a larger model trained here with the project's trainer (head_dim 128, GQA 4; results only, not shipped), then the
 # accuracy report of docs/benchmarks/accuracy.md on it: every KV variant, standard errors over windows
 stage large_eval 590 bash -c "python3 -m offline.train all --out /tmp/big --hidden 1024 --intermediate 2816 \

@@ -1,0 +1,111 @@
+"""kernels/page_stage.py: a batch of pages of every layer and part to and from one page-major staging buffer (the
+host tier's copies). The Triton kernel (one launch for every part) against the per-part reference under Triton's
+interpreter and on the GPU, its sm_90a build, and the wrapper's checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_pool import KVPool
+from kernels.page_stage import StagePlan, gather, gather_reference, scatter, scatter_reference
+from tests.triton_interpreter import interpreted_cases
+
+# (kv dtype, page size, kv heads, head_dim): nvfp4 scale pages of 4 bytes and of 1 byte (the uint8 element path)
+GEOMETRIES = [("nvfp4", 16, 8, 128), ("fp8_e4m3", 4, 2, 64), ("bf16", 2, 1, 16), ("nvfp4", 1, 1, 16)]
+
+
+def _parts(kv_dtype: str, page: int, heads: int, dim: int, device: str, seed: int) -> list[torch.Tensor]:
+    pool = KVPool(kv_dtype, num_layers=3, num_pages=9, page_size=page, num_kv_heads=heads, head_dim=dim,
+                  device=device)
+    g = torch.Generator().manual_seed(seed)
+    parts = [t for lkv in pool.layers for t in (lkv.k, lkv.k_sf, lkv.v, lkv.v_sf) if t is not None]
+    for t in parts:
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8).to(device))
+    return parts
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """Bytes (random E4M3 bytes include NaNs, which compare unequal as floats)."""
+    return t.view(torch.uint8)
+
+
+def check_cases(launch, device: str) -> int:
+    """Every geometry: ``launch(plan, ids, stage, gather)`` (the kernel's entry) against the references."""
+    cases = 0
+    for seed, (kv_dtype, page, heads, dim) in enumerate(GEOMETRIES):
+        parts = _parts(kv_dtype, page, heads, dim, device, seed)
+        plan = StagePlan.of(parts)
+        ids = torch.tensor([7, 0, 8, 3], dtype=torch.int64, device=device)
+        got = torch.zeros((4, plan.page_bytes), dtype=torch.uint8, device=device)
+        want = torch.zeros_like(got)
+        launch(plan, ids, got, True)
+        gather_reference(plan, ids, want)
+        assert torch.equal(got, want), kv_dtype
+        assert plan.word_bytes == (1 if (kv_dtype, page * heads * dim) == ("nvfp4", 16) else 4)  # 1-byte scale pages
+        back = [t.clone() for t in parts]
+        ref = [t.clone() for t in parts]
+        dst = torch.tensor([1, 2, 5, 6], dtype=torch.int64, device=device)
+        launch(StagePlan.of(back), dst, got, False)
+        scatter_reference(StagePlan.of(ref), dst, want)
+        assert all(torch.equal(_raw(a), _raw(b)) for a, b in zip(back, ref, strict=True)), kv_dtype
+        cases += 1
+    return cases
+
+
+def test_the_reference_stages_every_part_of_each_page_in_order():
+    parts = _parts("nvfp4", 4, 2, 32, "cpu", 0)
+    plan = StagePlan.of(parts)
+    assert plan.page_bytes == sum(t[0].numel() * t.element_size() for t in parts)
+    ids = torch.tensor([2, 5], dtype=torch.int64)
+    stage = torch.empty((2, plan.page_bytes), dtype=torch.uint8)
+    gather(plan, ids, stage)
+    assert torch.equal(stage[1], torch.cat([t.view(torch.uint8)[5].reshape(-1) for t in parts]))
+    copy = [torch.zeros_like(t) for t in parts]
+    scatter(StagePlan.of(copy), ids, stage)
+    assert all(torch.equal(_raw(c)[i], _raw(t)[i]) for c, t in zip(copy, parts, strict=True) for i in (2, 5))
+    assert all(not _raw(c)[0].any() for c in copy)
+
+
+def test_kernel_in_the_triton_interpreter_matches_the_reference():
+    pytest.importorskip("triton")
+    cases, output = interpreted_cases("kernels.page_stage:_launch", "tests.test_page_stage")
+    assert cases == len(GEOMETRIES), output
+
+
+def test_the_wrapper_refuses_mismatched_stages_and_ids():
+    plan = StagePlan.of(_parts("fp8_e4m3", 4, 2, 64, "cpu", 0))
+    ids = torch.tensor([1], dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"stage must be contiguous uint8 \[1, "):
+        gather(plan, ids, torch.empty((1, plan.page_bytes + 1), dtype=torch.uint8))
+    with pytest.raises(ValueError, match="page ids must be int64"):
+        gather(plan, ids.int(), torch.empty((1, plan.page_bytes), dtype=torch.uint8))
+    with pytest.raises(ValueError, match="one page count"):
+        StagePlan.of([torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(5, 8, dtype=torch.uint8)])
+
+
+def test_kernel_compiles_for_sm90a_without_spills(tmp_path):
+    from kernels.triton.page_stage import page_stage_kernel
+    from tests.test_fused_ops import _sm90a
+
+    sig = {"TABLE": "*i64", "IDS": "*i64", "STAGE": "*i32", "STAGE_PAGE_WORDS": "i64"}
+    regs, sass = _sm90a(page_stage_kernel, sig, {"BLOCK": 1024, "GATHER": True}, 4, tmp_path)
+    assert "STL" not in sass and "LDL" not in sass and regs <= 64
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_on_the_gpu_matches_the_reference_byte_for_byte():
+    from kernels.page_stage import _launch
+
+    assert check_cases(_launch, "cuda") == len(GEOMETRIES)
+
+
+def test_the_host_tier_copy_benchmark_tables_rates_against_the_raw_copy():
+    from benchmarks.engine.bench_host_tier import render
+
+    row = {"kv_dtype": "nvfp4", "batch_pages": 8, "bytes": 8 * 663552, "store_gbps": 40.0, "load_gbps": 30.0,
+           "raw_d2h_gbps": 50.0, "raw_h2d_gbps": 60.0}
+    md = render({"gpu": "GPU", "layers": 36, "rows": [row], "command": "c"})
+    assert "| nvfp4 | 8 | 5.3 | 40.0 | 50.0 | 0.80 | 30.0 | 60.0 | 0.50 |" in md
