@@ -182,7 +182,11 @@ class HostPool:
         bad = [h for h in host_pages if not 0 <= h < self.num_pages or not self._owned[h]]
         if bad:
             raise RuntimeError(f"host tier: {kind} of host pages {bad[:8]} that are not owned")
-        dev_idx = torch.tensor([int(p) for p in device_pages], dtype=torch.int64, device=pool.device)
+        rows = self._plan.views[0].shape[0]  # device pages the parts hold (scratch pages included)
+        off = [int(p) for p in device_pages if not 0 <= int(p) < rows]
+        if off:  # the staging kernel indexes raw addresses: an id past the pool would touch other memory
+            raise ValueError(f"host tier: {kind} of device pages {off[:8]} outside the pool's {rows}")
+        ids_host = torch.tensor([int(p) for p in device_pages], dtype=torch.int64)
         plan = self._stage_plan()
         per_chunk = max(1, STAGE_BYTES // self.page_bytes)
         t0 = time.perf_counter()
@@ -193,6 +197,8 @@ class HostPool:
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             if start is not None:
                 start.record()
+            # from pinned memory on the side stream: a copy from pageable memory would wait for the compute stream
+            dev_idx = ids_host.pin_memory().to(pool.device, non_blocking=True) if self.pinned else ids_host
             for c0 in range(0, n, per_chunk):
                 ids, hosts = dev_idx[c0:c0 + per_chunk], host_pages[c0:c0 + per_chunk]
                 stage = torch.empty((ids.numel(), self.page_bytes), dtype=torch.uint8, device=pool.device)

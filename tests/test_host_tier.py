@@ -110,6 +110,8 @@ def test_a_free_host_page_is_never_read_and_never_freed_twice():
     host = HostPool(make_pool(), 2)
     with pytest.raises(RuntimeError, match="not owned"):
         host.load([1], [0])
+    with pytest.raises(ValueError, match=r"store of device pages \[8\] outside the pool's 8"):
+        host.store([8], host.allocate(1))
     hp = host.allocate(1)
     host.free(hp)
     with pytest.raises(RuntimeError, match="double free"):
