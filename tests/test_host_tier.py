@@ -28,15 +28,15 @@ S = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-def make_pool(kv_dtype: str = "nvfp4", num_pages: int = 8) -> KVPool:
+def make_pool(kv_dtype: str = "nvfp4", num_pages: int = 8, device: str = "cpu") -> KVPool:
     pool = KVPool(kv_dtype, num_layers=2, num_pages=num_pages, page_size=S, num_kv_heads=2, head_dim=32,
-                  k_scales=[0.5, 0.25], v_scales=[1.0, 2.0])
+                  k_scales=[0.5, 0.25], v_scales=[1.0, 2.0], device=device)
     g = torch.Generator().manual_seed(7)
     for lkv in pool.layers:  # random bytes everywhere, scales included (NaN codes too: bytes are bytes)
         for t in (lkv.k, lkv.v, lkv.k_sf, lkv.v_sf):
             if t is not None:
                 raw = t.view(torch.uint8)
-                raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
+                raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8).to(device))
     return pool
 
 
@@ -82,10 +82,13 @@ def test_round_trip_through_the_host_is_bit_exact_with_block_scales(kv_dtype):
     assert st.load_bytes == st.store_bytes == 3 * S * pool.bytes_per_token
 
 
-def test_a_batch_larger_than_the_staging_moves_in_chunks_bit_exactly(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_batch_larger_than_the_staging_moves_in_chunks_bit_exactly(monkeypatch, device):
+    """On CUDA: the staging kernel, pinned host pages and the side stream, every chunk in order."""
     import engine.host_pool
 
-    pool = make_pool("nvfp4", num_pages=8)
+    pool = make_pool("nvfp4", num_pages=8, device=device)
     monkeypatch.setattr(engine.host_pool, "STAGE_BYTES", 3 * S * pool.bytes_per_token)  # 3 pages per chunk
     before = {p: page_bytes(pool, p) for p in range(8)}
     host = HostPool(pool, 8)
@@ -94,6 +97,7 @@ def test_a_batch_larger_than_the_staging_moves_in_chunks_bit_exactly(monkeypatch
     host.store(order, [hp[i] for i in (0, 1, 2, 4, 5, 6, 3, 7)])  # runs broken across chunk boundaries
     pool.poison(0x00)
     host.load([hp[i] for i in (0, 1, 2, 4, 5, 6, 3, 7)], order)
+    host.synchronize()
     assert {p: page_bytes(pool, p) for p in range(8)} == before
 
 
