@@ -37,6 +37,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kv_pool import KVPool
+from engine.pinned_memory import page_locked, release
 from engine.startup_error import StartupError
 from kernels import page_stage
 from kernels.kv_layout import KV_DTYPES, bytes_per_token_per_layer
@@ -112,7 +113,10 @@ class HostPool:
         if self._plan.page_bytes != self.page_bytes:
             raise ValueError(f"host tier: the pool's parts hold {self._plan.page_bytes} bytes per page, its "
                              f"layout says {self.page_bytes}")
-        self.pages = torch.empty((num_pages, self.page_bytes), dtype=torch.uint8, pin_memory=cuda)
+        if cuda:  # page-locked at exactly its size (engine/pinned_memory.py), unregistered in ``close``
+            self.pages, self._registered = page_locked((num_pages, self.page_bytes))
+        else:
+            self.pages, self._registered = torch.empty((num_pages, self.page_bytes), dtype=torch.uint8), False
         self._stream = torch.cuda.Stream(pool.device) if cuda else None
         self._free = list(range(num_pages))  # min-heap: allocation hands out the smallest ids (runs stay long)
         self._owned = [False] * num_pages
@@ -255,6 +259,19 @@ class HostPool:
         """Wait for every issued copy (tests and benchmarks; the engine never needs to)."""
         if self._stream is not None:
             self._stream.synchronize()
+
+    def close(self) -> None:
+        """Wait for the copies, then unlock the host pages (once; copies after it would run synchronously)."""
+        if getattr(self, "_registered", False):
+            self.synchronize()
+            release(self.pages)
+            self._registered = False
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone; the process frees the pages
+            pass
 
 
 def _runs(host_pages: Sequence[int]) -> list[tuple[int, int, int]]:

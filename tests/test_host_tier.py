@@ -101,6 +101,21 @@ def test_a_batch_larger_than_the_staging_moves_in_chunks_bit_exactly(monkeypatch
     assert {p: page_bytes(pool, p) for p in range(8)} == before
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_host_pages_are_page_locked_at_their_exact_size():
+    """engine/pinned_memory.py: registered with cudaHostRegister, not taken from PyTorch's caching host allocator
+    (which rounds to a power of two), and unlocked by ``close``."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    before = stats()["allocated_bytes.current"] if stats else None
+    host = HostPool(make_pool("nvfp4", device="cuda"), 3)
+    assert host.pages.is_pinned() and host._registered
+    if stats:
+        assert stats()["allocated_bytes.current"] == before
+    host.close()
+    assert not host._registered
+
+
 def test_a_pool_whose_global_scales_changed_cannot_read_host_pages():
     pool = make_pool("nvfp4")
     host = HostPool(pool, 2)

@@ -1,0 +1,47 @@
+"""Page-locked host buffers of exactly the size asked for.
+
+``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator, which rounds every allocation
+up to a power of two before it pins it: a 40 GB host tier would pin 64 GB of the machine's memory. A buffer that
+lives as long as its owner needs no caching, so ``page_locked`` allocates plain host memory and page-locks
+exactly that with ``cudaHostRegister``; the owner calls ``release`` before it drops the tensor (freeing
+registered memory would leave its pages locked). Where registering fails, or the result does not read as
+pinned, it falls back to the caching allocator and logs why.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+_REGISTER_DEFAULT = 0  # cudaHostRegisterDefault
+
+
+def _code(err: object) -> int:
+    return int(getattr(err, "value", err))
+
+
+def page_locked(shape: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
+    """(a uint8 host tensor of ``shape`` page-locked for asynchronous GPU copies, whether it is registered and
+    so needs ``release``)."""
+    buf = torch.empty(shape, dtype=torch.uint8)
+    nbytes = buf.numel()
+    if nbytes == 0:
+        return buf, False
+    cudart = torch.cuda.cudart()
+    code = _code(cudart.cudaHostRegister(buf.data_ptr(), nbytes, _REGISTER_DEFAULT))
+    if code == 0 and buf.is_pinned():
+        return buf, True
+    if code == 0:
+        cudart.cudaHostUnregister(buf.data_ptr())
+    log.warning("cudaHostRegister of %d bytes failed (error %d); pinning through PyTorch's caching allocator, "
+                "which rounds the size up to a power of two", nbytes, code)
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=True), False
+
+
+def release(buf: torch.Tensor) -> None:
+    """Unregister a buffer ``page_locked`` registered (call once, before the last reference goes)."""
+    code = _code(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
+    if code != 0:
+        log.warning("cudaHostUnregister failed (error %d)", code)
