@@ -268,10 +268,8 @@ class HostPool:
             self._registered = False
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone; the process frees the pages
             self.close()
-        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone; the process frees the pages
-            pass
 
 
 def _runs(host_pages: Sequence[int]) -> list[tuple[int, int, int]]:
