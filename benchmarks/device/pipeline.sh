@@ -69,7 +69,7 @@ stage issue5 900 python3 -m nvfp4_serve.cli bench experiments --kv-dtypes bf16 f
   --output-len 1024 --point-timeout-s 150 --no-progress --launch-log-dir $R/logs5 \
   --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --mem-fraction-static 0.22 --workspace-tokens 262144 \
   --chunked-prefill-size 8192
-# the iso-capacity point of issue5 alone (fp8 and nvfp4 at the largest concurrency each pool holds, 32K in / 1K out)
+# the serving benchmark's iso-capacity point alone (stage issue5 runs it with the rest; fp8 and nvfp4 at the largest concurrency each pool holds, 32K in / 1K out)
 stage iso_capacity 560 python3 -m nvfp4_serve.cli bench experiments --kv-dtypes fp8_e4m3 nvfp4 \
   --capacity-input-lens 32768 --output-len 1024 --point-timeout-s 150 --no-progress --launch-log-dir $R/logs_cap \
   --out docs/benchmarks/serving_iso_capacity.json --report docs/benchmarks/serving_iso_capacity.md --launch \
