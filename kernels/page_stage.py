@@ -17,9 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import triton
-
-from kernels.triton.page_stage import page_stage_kernel
 
 _BLOCK_BYTES = 4096  # bytes one program moves (1024 int32 words)
 
@@ -81,6 +78,10 @@ def scatter_reference(plan: StagePlan, ids: torch.Tensor, stage: torch.Tensor) -
 
 
 def _launch(plan: StagePlan, ids: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+    import triton  # only where it runs: a CPU install has no triton
+
+    from kernels.triton.page_stage import page_stage_kernel
+
     n = ids.numel()
     if n == 0:
         return
