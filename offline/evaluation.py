@@ -55,6 +55,8 @@ VARIANTS = (
     KVVariant("fp8_e4m3 (scale 1.0)", "fp8_e4m3"),
     KVVariant("fp8_e4m3 calibrated", "fp8_e4m3", calibrated=True),
     KVVariant("nvfp4 (scale 1.0)", "nvfp4"),
+    KVVariant("nvfp4 (scale 1.0) + rotation", "nvfp4", kv_rotation="hadamard"),
+    KVVariant("nvfp4 (scale 1.0) + rotation + block select", "nvfp4", block_select=True, kv_rotation="hadamard"),
     KVVariant("nvfp4 calibrated pool, workspace 1.0", "nvfp4", calibrated=True, pool_only=True),
     KVVariant("nvfp4 calibrated", "nvfp4", calibrated=True),
     KVVariant("nvfp4 calibrated + block select", "nvfp4", calibrated=True, block_select=True),

@@ -90,6 +90,9 @@ def _rotation_findings(context: str, v: dict[str, dict[str, Any]]) -> list[str]:
     lines = []
     nc, nb = v.get("nvfp4 calibrated"), v.get("nvfp4 calibrated + block select")
     nr, nrb = v.get("nvfp4 calibrated + rotation"), v.get("nvfp4 calibrated + rotation + block select")
+    n1, n1r = v.get("nvfp4 (scale 1.0)"), v.get("nvfp4 (scale 1.0) + rotation")
+    if n1 and n1r:
+        lines.append(f"{context} context: rotation moves NVFP4's KL with scale 1.0 {_change(n1, n1r)}.")
     if nc and nr:
         lines.append(f"{context} context: rotation moves calibrated NVFP4's KL {_change(nc, nr)}.")
     if nb and nrb:

@@ -165,6 +165,7 @@ def test_evaluate_reports_every_variant_and_writes_json_and_markdown(tiny_model_
     assert "| nvfp4 calibrated + block select |" in md and "## long context: 60 tokens" in md
     assert "calibration moves NVFP4's KL" in md
     assert "rotation moves calibrated NVFP4's KL" in md and "the best NVFP4 variant" in md
+    assert "rotation moves NVFP4's KL with scale 1.0" in md
     assert "| nvfp4 calibrated + rotation + block select |" in md.split("synthetic outlier-heavy")[1]
     assert "synthetic K/V: rotation moves calibrated NVFP4's attention-output error amax 10: " in md
     assert res["calibration"]["rotated_k_amax"] == list(tiny_rotated_scales.k_amax)
