@@ -93,19 +93,19 @@ def _launch(plan: StagePlan, ids: torch.Tensor, stage: torch.Tensor, gather: boo
         num_warps=4)
 
 
-def gather(plan: StagePlan, ids: torch.Tensor, stage: torch.Tensor) -> None:
-    """MUTATES ``stage`` [n, page_bytes]: the pages ``ids`` of every part (one launch on CUDA)."""
+def _move(plan: StagePlan, ids: torch.Tensor, stage: torch.Tensor, to_stage: bool) -> None:
     _check(plan, ids, stage)
     if plan.device.type == "cuda":
-        _launch(plan, ids, stage, gather=True)
+        _launch(plan, ids, stage, gather=to_stage)
     else:
-        gather_reference(plan, ids, stage)
+        (gather_reference if to_stage else scatter_reference)(plan, ids, stage)
+
+
+def gather(plan: StagePlan, ids: torch.Tensor, stage: torch.Tensor) -> None:
+    """MUTATES ``stage`` [n, page_bytes]: the pages ``ids`` of every part (one launch on CUDA)."""
+    _move(plan, ids, stage, to_stage=True)
 
 
 def scatter(plan: StagePlan, ids: torch.Tensor, stage: torch.Tensor) -> None:
     """MUTATES the parts: pages ``ids`` of every part from ``stage`` (one launch on CUDA). Each id once."""
-    _check(plan, ids, stage)
-    if plan.device.type == "cuda":
-        _launch(plan, ids, stage, gather=False)
-    else:
-        scatter_reference(plan, ids, stage)
+    _move(plan, ids, stage, to_stage=False)
