@@ -22,15 +22,24 @@ def _code(err: object) -> int:
     return int(getattr(err, "value", err))
 
 
+_PAGE = 4096
+
+
 def page_locked(shape: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
     """(a uint8 host tensor of ``shape`` page-locked for asynchronous GPU copies, whether it is registered and
-    so needs ``release``)."""
-    buf = torch.empty(shape, dtype=torch.uint8)
-    nbytes = buf.numel()
+    so needs ``release``). The tensor starts on a page boundary and its registered range is whole pages inside
+    its allocation (a view of a slightly larger buffer, which it keeps alive)."""
+    nbytes = 1
+    for n in shape:
+        nbytes *= n
     if nbytes == 0:
-        return buf, False
+        return torch.empty(shape, dtype=torch.uint8), False
+    locked = -(-nbytes // _PAGE) * _PAGE
+    raw = torch.empty(locked + _PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _PAGE
+    buf = raw[start:start + nbytes].view(shape)
     cudart = torch.cuda.cudart()
-    code = _code(cudart.cudaHostRegister(buf.data_ptr(), nbytes, _REGISTER_DEFAULT))
+    code = _code(cudart.cudaHostRegister(buf.data_ptr(), locked, _REGISTER_DEFAULT))
     if code == 0 and buf.is_pinned():
         return buf, True
     if code == 0:
