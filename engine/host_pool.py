@@ -7,7 +7,8 @@ into a page-major device staging buffer (one launch for every layer and part), o
 of consecutive host pages, and the reverse for a load: a few operations whatever the layer count, so small
 batches also move at copy speed. Staging is done in chunks of at most ``STAGE_BYTES``.
 
-Pinned memory when the device pool is on CUDA (host <-> device copies run asynchronously on one side stream),
+Pinned memory when the device pool is on CUDA, page-locked at its exact size (``engine/pinned_memory.py``;
+host <-> device copies run asynchronously on one side stream),
 plain memory on CPU. A host page is bytes only; the pool is built for ONE device pool and keeps that pool's
 identity (``PoolIdentity``: dtype, geometry and every layer's global K/V scales), checked on every copy, so a
 page can never come back into a pool that would read it with another layout or global scale.
