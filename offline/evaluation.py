@@ -1,7 +1,8 @@
 """Accuracy of the quantized KV cache, measured through the engine's real paths on held-out text.
 
 For each context length and each KV variant (bf16, fp8_e4m3 and nvfp4, each with global scales 1.0 or
-calibrated, and nvfp4 with per-block scale selection), a FRESH ``Engine`` runs windows of held-out
+calibrated, and nvfp4 with per-block scale selection, the Hadamard rotation, or both: ``VARIANTS``), a FRESH
+``Engine`` runs windows of held-out
 tokens (default: the held-out split of the stdlib corpus, see ``offline.corpus``):
 
     window = [ context (C tokens) | continuation (M tokens) ]
