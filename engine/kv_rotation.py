@@ -56,13 +56,3 @@ def head_rotation(kind: str, head_dim: int, device: torch.device | str,
     scale = head_dim ** -0.5
     unit = torch.sign(r)  # R = signs * H / sqrt(D): every entry +-1/sqrt(D)
     return HeadRotation(unit.to(device=device, dtype=dtype).contiguous(), scale)
-
-
-def rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """``x @ r`` over the last dim in fp32, returned in ``x``'s dtype."""
-    return (x.float() @ r).to(x.dtype)
-
-
-def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``rotate``: ``x @ r.T``."""
-    return (x.float() @ r.T).to(x.dtype)

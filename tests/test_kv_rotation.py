@@ -11,8 +11,9 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
-from engine.kv_rotation import rotate, rotation_matrix, unrotate
+from engine.kv_rotation import head_rotation, rotation_matrix
 from engine.sampling import SamplingParams
+from kernels.model_ops import rotate_heads
 from offline.evaluation import teacher_forced_logprobs
 from tests.test_services import (
     gen_request,
@@ -32,7 +33,8 @@ def test_the_hadamard_rotation_is_orthogonal_fixed_and_refuses_other_head_dims()
     assert torch.allclose(r.abs(), torch.full_like(r, 128 ** -0.5))  # every entry +-1/sqrt(D)
     assert rotation_matrix("none", 128) is None
     x = torch.randn(5, 3, 128)
-    assert torch.allclose(unrotate(rotate(x, r), r), x, atol=1e-5)
+    rotated = rotate_heads(x, head_rotation("hadamard", 128, "cpu", torch.float32))
+    assert torch.allclose(rotated, x @ r, atol=1e-5) and torch.allclose(rotated @ r.T, x, atol=1e-5)
     with pytest.raises(ValueError, match="power of two"):
         rotation_matrix("hadamard", 96)
     with pytest.raises(ValueError, match="--kv-rotation must be one of"):
@@ -167,7 +169,6 @@ def test_on_the_gpu_the_fused_rotation_changes_no_prediction_beyond_rounding(tmp
 def test_a_rotated_model_hands_attention_rotated_vectors_and_computes_the_same_logits(tiny_model_dir):
     """``CausalLM.rotate_kv``: q, k, v reach the AttnFn as ``x @ R`` (rotated inside qk_norm_rope) and the folded
     o_proj takes the rotated output back, so the logits are those of the plain model; folding twice is refused."""
-    from engine.kv_rotation import head_rotation
     from engine.loader import load_model
     from engine.model import causal_attention_no_cache
 
@@ -191,7 +192,7 @@ def test_a_rotated_model_hands_attention_rotated_vectors_and_computes_the_same_l
     r = rotation_matrix("hadamard", model.config.head_dim)
     for plain_qkv, rot_qkv in zip(plain_seen, rotated_seen, strict=True):
         for x, xr in zip(plain_qkv, rot_qkv, strict=True):
-            torch.testing.assert_close(xr, rotate(x, r), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(xr, (x.float() @ r).to(x.dtype), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(rotated, plain, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="already rotated"):
         model.rotate_kv(model.kv_rotation)
