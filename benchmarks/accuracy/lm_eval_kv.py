@@ -26,7 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from benchmarks.serving.launch import LaunchedDeployment
+from offline.evaluation_report import mean_se
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "svc_common" / "models" / "default")
 TASK = "nvfp4_kv_rolling"
@@ -102,13 +105,6 @@ def score(base_url: str, model_dir: str, task_dir: str, context: int) -> dict[st
                    f"max_length={context}")
 
 
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    n = len(xs)
-    mean = sum(xs) / n
-    var = sum((x - mean) ** 2 for x in xs) / (n - 1) if n > 1 else float("nan")
-    return mean, math.sqrt(var / n)
-
-
 def summarize(name: str, out: dict[str, Any], docs: list[str]) -> dict[str, Any]:
     """lm-eval's aggregates and bits per byte per document (from its samples, in document order)."""
     samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
@@ -117,7 +113,7 @@ def summarize(name: str, out: dict[str, Any], docs: list[str]) -> dict[str, Any]
     bpb = [-float(s["filtered_resps"][0]) / (len(d.encode()) * math.log(2)) for s, d in zip(samples, docs)]
     agg = out["results"][TASK]
     row = {"variant": name, "bits_per_byte_per_doc": bpb}
-    row["bits_per_byte"], row["bits_per_byte_se"] = mean_se(bpb)
+    row["bits_per_byte"], row["bits_per_byte_se"] = mean_se(torch.tensor(bpb, dtype=torch.float64))
     for key in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
         row[f"lm_eval_{key}"] = float(agg[f"{key},none"])
     return row
@@ -127,7 +123,7 @@ def add_paired(rows: list[dict[str, Any]]) -> None:
     base = rows[0]["bits_per_byte_per_doc"]
     for r in rows:
         r["bpb_delta_vs_bf16"], r["bpb_delta_vs_bf16_se"] = mean_se(
-            [a - b for a, b in zip(r["bits_per_byte_per_doc"], base)])
+            torch.tensor(r["bits_per_byte_per_doc"], dtype=torch.float64) - torch.tensor(base, dtype=torch.float64))
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -174,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="docs/benchmarks/lm_eval.json")
     p.add_argument("--md", default="docs/benchmarks/lm_eval.md")
     a = p.parse_args(argv)
+    for flag, value in (("--docs", a.docs), ("--doc-tokens", a.doc_tokens), ("--chunk", a.chunk)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
     by_name = {v.name: v for v in VARIANTS}
     if a.variants[0] != "bf16" or any(n not in by_name for n in a.variants):
         p.error(f"--variants: names of {list(by_name)}, bf16 first")

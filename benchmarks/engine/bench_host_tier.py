@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="docs/benchmarks/host_tier_copy.json")
     p.add_argument("--md", default="docs/benchmarks/host_tier_copy.md")
     a = p.parse_args(argv)
+    if min(a.batches) < 1 or a.iters < 1 or a.layers < 1:
+        p.error("--batches, --iters and --layers must be >= 1")
     if not torch.cuda.is_available():
         raise SystemExit("bench_host_tier needs a CUDA GPU")
     dev = torch.device("cuda")
