@@ -11,27 +11,24 @@ pinned, it falls back to the caching allocator and logs why.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
 log = logging.getLogger(__name__)
 _REGISTER_DEFAULT = 0  # cudaHostRegisterDefault
+_PAGE = 4096
 
 
 def _code(err: object) -> int:
     return int(getattr(err, "value", err))
 
 
-_PAGE = 4096
-
-
 def page_locked(shape: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
     """(a uint8 host tensor of ``shape`` page-locked for asynchronous GPU copies, whether it is registered and
     so needs ``release``). The tensor starts on a page boundary and its registered range is whole pages inside
     its allocation (a view of a slightly larger buffer, which it keeps alive)."""
-    nbytes = 1
-    for n in shape:
-        nbytes *= n
+    nbytes = math.prod(shape)
     if nbytes == 0:
         return torch.empty(shape, dtype=torch.uint8), False
     locked = -(-nbytes // _PAGE) * _PAGE
