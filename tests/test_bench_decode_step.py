@@ -4,7 +4,8 @@ sorted into the profile's categories, the per-category sums and launch gaps, and
 
 from __future__ import annotations
 
-from benchmarks.engine.bench_decode_step import CATEGORY_NAMES, _write_md, category_ms, kernel_category
+from benchmarks.engine.bench_decode_step import CATEGORY_NAMES, category_ms, kernel_category
+from benchmarks.engine.decode_step_report import write_md
 
 # names as the torch profiler reports them on an H200 (docs/benchmarks/engine_decode.md), by category
 PROFILED = {
@@ -48,7 +49,7 @@ def _row(**extra) -> dict:
 def _render(rows: list[dict], tmp_path) -> str:
     doc = {"gpu": "GPU", "copy_tb_s": 4.27, "layers": 36, "model": "m", "command": "c", "rows": rows}
     path = tmp_path / "out.md"
-    _write_md(doc, str(path))
+    write_md(doc, str(path))
     return path.read_text()
 
 

@@ -1,0 +1,151 @@
+"""bench_decode_step's tables: the markdown of docs/benchmarks/engine_decode*.md (``write_md``, also re-rendered
+from a JSON with ``--render``) and the printed table (``print_table``), from the rows ``run_shape`` measured."""
+
+from __future__ import annotations
+
+CATEGORY_NAMES = {"gemm": "GEMM", "attention": "attention incl. merge", "kv_write": "K/V write",
+                  "norm_rope_act": "norms + rope + activation", "other": "other"}
+
+_COLUMNS_DOC = (
+    "One whole decode step (`ModelRunner.decode_logits`: every layer, K/V write, attention, logits) over B "
+    "sequences of L cached tokens; the pool holds random valid K/V bytes (no prefill). `graph` = the step replayed "
+    "as a CUDA graph, `eager` = the same step without graphs. `attention (graph)` = the decode of all layers alone "
+    "(no model, no K/V write) over the same pages, the loop over layers captured as one CUDA graph on a static plan "
+    "of the step's table width, as the step's graph runs it (TB/s = K/V bytes of the dtype / that time); "
+    "`attention (eager loop)` = the same loop launched from Python layer after layer: at small batches it times "
+    "the host, not the kernels. fp8/bf16 attention is FlashInfer's decode, nvfp4 ours. `rest` = graph - attention "
+    "(graph): everything else in the step (matmuls, norms, activations, RoPE, K/V write, logits, the staging of "
+    "the step's inputs before the replay); `floor` = the weight bytes of one step at the copy bandwidth. `-`: not "
+    "measured in this JSON (earlier runs timed the attention as the eager loop only).")
+_PROFILE_DOC = (
+    "Kernel times of the step (`--profile`: torch profiler, 3 steps averaged) summed by kernel name, in ms per "
+    "step: GEMM = the cuBLAS matmuls incl. their split-K reduces (projections, MLP, logits); attention = the "
+    "decode kernels and their split-KV merge; K/V write = the pool write of the step's token; norms + rope + "
+    "activation = the fused Triton kernels (with --no-fused their PyTorch kernels count as other); other = the "
+    "rest (embedding, the copies of the step's inputs, elementwise ops). `launch gaps` = step ms - kernel sum: "
+    "the time the GPU runs none of the step's kernels (the host's staging before the replay, the gaps between "
+    "kernels). Kernels of a CUDA graph replay, measured against `graph ms`; rows marked eager: the profiler saw no "
+    "kernel inside the replay, so these are the eager step's kernels against `eager ms`.")
+
+
+def write_md(doc: dict, path: str) -> None:
+    rows = doc["rows"]
+    fp8 = _fp8_rows(rows)
+    lines = [
+        f"# Engine decode step ({doc['gpu']}, {doc['model']}, {doc['layers']} layers)", "",
+        (f"Command: `{doc['command']}`. Copy bandwidth measured: {doc['copy_tb_s']:.2f} TB/s. Decoder norms, "
+        f"activation and RoPE: {'fused Triton kernels' if doc.get('fused_ops', True) else 'PyTorch ops'}."
+        + (" NVFP4 pool writes: the per-block scale search (triton-block-select)." if doc.get("block_select") else "")),
+        "", _COLUMNS_DOC, "",
+        ("| B x L | kv | graph ms | eager ms | attention ms (graph) | attention ms (eager loop) | attention TB/s "
+         "| rest ms | floor ms | rest / floor | tok/s | vs fp8 |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        shape = f"{r['batch']} x {r['seq_len']}"
+        if "error" in r:
+            lines.append(f"| {shape} | {_kv(r)} | {r['error']} | | | | | | | | | |")
+            continue
+        c = _cells(r, fp8.get((r["batch"], r["seq_len"])))
+        lines.append(f"| {shape} | {_kv(r)} | {c['graph']} | {c['eager']} | {c['attn']} | {c['attn_eager']} | "
+                     f"{c['tb_s']} | {c['rest']} | {c['floor']} | {c['over']} | {c['tok_s']} | {c['vs_fp8']} |")
+    lines += _rotation_lines(rows)
+    lines += _category_lines(rows)
+    lines += _kernel_lines(rows)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
+def _kv(r: dict) -> str:
+    """The row's cache dtype, with its --kv-rotation where it has one."""
+    rot = r.get("kv_rotation", "none")
+    return r["kv_dtype"] if rot == "none" else f"{r['kv_dtype']} + {rot}"
+
+
+def _fp8_rows(rows: list[dict]) -> dict[tuple[int, int], dict]:
+    return {(r["batch"], r["seq_len"]): r for r in rows
+            if r["kv_dtype"] == "fp8_e4m3" and r.get("kv_rotation", "none") == "none" and "tok_s" in r}
+
+
+def _rotation_lines(rows: list[dict]) -> list[str]:
+    """Each rotated row's step against the unrotated row of its dtype and shape in the same run."""
+    plain = {(r["kv_dtype"], r["batch"], r["seq_len"]): r for r in rows
+             if r.get("kv_rotation", "none") == "none" and "graph_ms" in r}
+    pairs = [(r, plain[(r["kv_dtype"], r["batch"], r["seq_len"])]) for r in rows
+             if r.get("kv_rotation", "none") != "none" and "graph_ms" in r
+             and (r["kv_dtype"], r["batch"], r["seq_len"]) in plain]
+    if not pairs:
+        return []
+    out = ["", "### The rotation's cost per step (same run)", "",
+           ("| B x L | kv | step ms unrotated | step ms rotated | rotated / unrotated | attention ms unrotated "
+            "| attention ms rotated |"), "|---|---|---|---|---|---|---|"]
+    for r, p in pairs:
+        out.append(f"| {r['batch']} x {r['seq_len']} | {_kv(r)} | {p['graph_ms']:.3f} | {r['graph_ms']:.3f} | "
+                   f"{r['graph_ms'] / p['graph_ms']:.3f} | {p['attention_graph_ms']:.3f} | "
+                   f"{r['attention_graph_ms']:.3f} |")
+    return out
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _cells(r: dict, fp8_row: dict | None) -> dict[str, str]:
+    """One measured row's table cells. Rows of older JSONs have ``attention_ms`` (the eager loop) only."""
+    attn = r.get("attention_graph_ms")
+    rest = None if attn is None else r["graph_ms"] - attn
+    floor = r.get("non_attention_floor_ms")
+    return {"graph": _ms(r["graph_ms"]), "eager": _ms(r["eager_ms"]), "attn": _ms(attn),
+            "attn_eager": _ms(r.get("attention_eager_ms", r.get("attention_ms"))),
+            "tb_s": "-" if attn is None else f"{r['kv_read_gb'] / attn:.2f}", "rest": _ms(rest), "floor": _ms(floor),
+            "over": "-" if rest is None or not floor else f"{rest / floor:.2f}x", "tok_s": f"{r['tok_s']:.0f}",
+            "vs_fp8": f"{r['tok_s'] / fp8_row['tok_s']:.2f}x" if fp8_row else "-"}
+
+
+def _category_lines(rows: list[dict]) -> list[str]:
+    """The profiled rows' kernel time per category and launch gaps (``--profile``)."""
+    prof = [r for r in rows if r.get("kernel_ms")]
+    if not prof:
+        return []
+    names = [CATEGORY_NAMES[c] for c in CATEGORY_NAMES]
+    out = ["", "### Where a step's time goes (kernel ms per step)", "", _PROFILE_DOC, "",
+           "| B x L | kv | step ms | " + " | ".join(names) + " | kernel sum | launch gaps |",
+           "|---|---|---|" + "---|" * (len(names) + 2)]
+    for r in prof:
+        cats, eager = r["kernel_ms"], r.get("kernels_from") == "eager"
+        step = f"{r['eager_ms']:.2f} (eager)" if eager else f"{r['graph_ms']:.2f}"
+        out.append(f"| {r['batch']} x {r['seq_len']} | {_kv(r)} | {step} | "
+                   + " | ".join(f"{cats[c]:.2f}" for c in CATEGORY_NAMES)
+                   + f" | {cats['total']:.2f} | {r['launch_gaps_ms']:.2f} |")
+    return out
+
+
+def _kernel_lines(rows: list[dict]) -> list[str]:
+    """Per profiled shape: its top kernels (``--profile``), of a graph replay or, in older JSONs, an eager step."""
+    out = []
+    for r in rows:
+        if not r.get("kernels"):
+            continue
+        source = "CUDA graph replay" if r.get("kernels_from") == "graph" else "eager step"
+        title = f"### Kernels of one step: {r['batch']} x {r['seq_len']}, {_kv(r)} (torch profiler, {source})"
+        out += ["", title, "", "| kernel | us per step | launches per step |", "|---|---|---|"]
+        out += [f"| `{k['kernel']}` | {k['us']:.1f} | {k['launches']:.0f} |" for k in r["kernels"]]
+    return out
+
+
+def print_table(rows: list[dict], layers: int) -> None:
+    print(f"\nengine decode step, Qwen3-8B-shaped, {layers} layers (attention: the decode of all layers in one "
+          "CUDA graph; rest = graph - attention)")
+    heads = ("graph ms", "eager ms", "attn ms", "attn eager", "attn TB/s", "rest ms", "floor ms", "x floor", "tok/s",
+             "vs fp8")
+    print(f"{'shape':>12} {'kv':>9} " + " ".join(f"{h:>10}" for h in heads))
+    fp8 = _fp8_rows(rows)
+    for r in rows:
+        shape = f"{r['batch']}x{r['seq_len']}"
+        if "error" in r:
+            print(f"{shape:>12} {_kv(r):>9}  {r['error']}")
+            continue
+        c = _cells(r, fp8.get((r["batch"], r["seq_len"])))
+        keys = ("graph", "eager", "attn", "attn_eager", "tb_s", "rest", "floor", "over", "tok_s", "vs_fp8")
+        print(f"{shape:>12} {_kv(r):>9} " + " ".join(f"{c[k]:>10}" for k in keys))
