@@ -110,7 +110,10 @@ class HostPool:
         self.page_bytes = pool.page_size * pool.bytes_per_token  # all layers, K + V + block scales
         cuda = pool.device.type == "cuda"
         self.pinned = cuda
-        self._plan = self._stage_plan()
+        # the pool's parts in staging order; KVPool allocates them once, so their addresses (which the staging
+        # kernel reads from the plan's table) hold for the pool's life
+        self._plan = page_stage.StagePlan.of(
+            [getattr(lkv, name) for lkv in pool.layers for name in _PARTS if getattr(lkv, name) is not None])
         if self._plan.page_bytes != self.page_bytes:
             raise ValueError(f"host tier: the pool's parts hold {self._plan.page_bytes} bytes per page, its "
                              f"layout says {self.page_bytes}")
@@ -192,7 +195,7 @@ class HostPool:
         if off:  # the staging kernel indexes raw addresses: an id past the pool would touch other memory
             raise ValueError(f"host tier: {kind} of device pages {off[:8]} outside the pool's {rows}")
         ids_host = torch.tensor([int(p) for p in device_pages], dtype=torch.int64)
-        plan = self._stage_plan()
+        plan = self._plan
         per_chunk = max(1, STAGE_BYTES // self.page_bytes)
         t0 = time.perf_counter()
         start = end = None
@@ -229,14 +232,6 @@ class HostPool:
         else:
             self.num_loads += 1
             self.num_loaded_pages += n
-
-    def _stage_plan(self) -> page_stage.StagePlan:
-        """The pool's parts in staging order; rebuilt if a part tensor moved (the kernel reads their addresses)."""
-        parts = [getattr(lkv, name) for lkv in self.pool.layers for name in _PARTS if getattr(lkv, name) is not None]
-        plan = getattr(self, "_plan", None)
-        if plan is None or [v.data_ptr() for v in plan.views] != [t.data_ptr() for t in parts]:
-            plan = self._plan = page_stage.StagePlan.of(parts)
-        return plan
 
     # -- stats -----------------------------------------------------------------------------------
     def stats(self) -> HostTierStats:
