@@ -4,8 +4,12 @@
 up to a power of two before it pins it: a 40 GB host tier would pin 64 GB of the machine's memory. A buffer that
 lives as long as its owner needs no caching, so ``page_locked`` allocates plain host memory and page-locks
 exactly that with ``cudaHostRegister``; the owner calls ``release`` before it drops the tensor (freeing
-registered memory would leave its pages locked). Where registering fails, or the result does not read as
-pinned, it falls back to the caching allocator and logs why.
+registered memory would leave its pages locked). Where registering fails it falls back to the caching allocator
+and logs why.
+
+``Tensor.is_pinned()`` reads False for registered memory (PyTorch asks its own host allocator), yet copies from
+and to it are asynchronous DMA like those of the allocator's blocks: the CUDA return code is what says it is
+locked (a second registration of the range fails as already registered; the GPU test checks that).
 """
 
 from __future__ import annotations
@@ -37,10 +41,8 @@ def page_locked(shape: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
     buf = raw[start:start + nbytes].view(shape)
     cudart = torch.cuda.cudart()
     code = _code(cudart.cudaHostRegister(buf.data_ptr(), locked, _REGISTER_DEFAULT))
-    if code == 0 and buf.is_pinned():
-        return buf, True
     if code == 0:
-        cudart.cudaHostUnregister(buf.data_ptr())
+        return buf, True
     log.warning("cudaHostRegister of %d bytes failed (error %d); pinning through PyTorch's caching allocator, "
                 "which rounds the size up to a power of two", nbytes, code)
     return torch.empty(shape, dtype=torch.uint8, pin_memory=True), False

@@ -105,15 +105,30 @@ def test_a_batch_larger_than_the_staging_moves_in_chunks_bit_exactly(monkeypatch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_host_pages_are_page_locked_at_their_exact_size():
     """engine/pinned_memory.py: registered with cudaHostRegister, not taken from PyTorch's caching host allocator
-    (which rounds to a power of two), and unlocked by ``close``."""
+    (which rounds to a power of two), and unlocked by ``close``. CUDA itself says whether a range is locked: a
+    second registration of it fails as already registered, an unregistration of an unlocked range fails."""
     stats = getattr(torch.cuda, "host_memory_stats", None)
     before = stats()["allocated_bytes.current"] if stats else None
-    host = HostPool(make_pool("nvfp4", device="cuda"), 3)
-    assert host.pages.is_pinned() and host._registered
+    pool = make_pool("nvfp4", device="cuda")
+    host = HostPool(pool, 3)
+    assert host._registered
+    cudart = torch.cuda.cudart()
+    again = int(getattr(r := cudart.cudaHostRegister(host.pages.data_ptr(), 4096, 0), "value", r))
+    assert again == 712  # cudaErrorHostMemoryAlreadyRegistered
     if stats:
         assert stats()["allocated_bytes.current"] == before
+    want = page_bytes(pool, 1)  # asynchronous copies through the registered pages round-trip exactly
+    hp = host.allocate(1)
+    host.store([1], hp)
+    pool.poison(0x00)
+    host.load(hp, [1])
+    host.synchronize()
+    assert page_bytes(pool, 1) == want
+    ptr = host.pages.data_ptr()
     host.close()
     assert not host._registered
+    gone = int(getattr(r := cudart.cudaHostUnregister(ptr), "value", r))
+    assert gone == 713  # cudaErrorHostMemoryNotRegistered: close unlocked it
 
 
 def test_a_pool_whose_global_scales_changed_cannot_read_host_pages():
