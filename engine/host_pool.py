@@ -2,10 +2,14 @@
 
 Layout: one host tensor ``[H, page_bytes]`` uint8, page-major: host page h holds one device page's raw bytes of
 every layer and part (k, k_sf, v, v_sf: packed E2M1 / E4M3 / bf16 values and the E4M3 block scales), in the
-order of ``kernels.page_stage`` (layer by layer, parts in that order). A batch moves as one gather of its pages
-into a page-major device staging buffer (one launch for every layer and part), one device -> host copy per run
-of consecutive host pages, and the reverse for a load: a few operations whatever the layer count, so small
-batches also move at copy speed. Staging is done in chunks of at most ``STAGE_BYTES``.
+order of ``kernels.page_stage`` (layer by layer, parts in that order). A batch moves as ONE launch of the
+page-stage kernel, whatever the layer count and however scattered its host pages:
+
+- ``CopyPath.DIRECT`` (the default): the kernel reads and writes the pinned host pages themselves over the bus,
+  each program one part of one page (on CPU the same with the reference ops);
+- ``CopyPath.STAGED`` (where the GPU cannot map the host pages, or when asked): a gather into device staging,
+  one device -> host copy per run of consecutive host pages, and the reverse for a load, in chunks of at most
+  ``STAGE_BYTES``.
 
 Pinned memory when the device pool is on CUDA, page-locked at its exact size (``engine/pinned_memory.py``;
 host <-> device copies run asynchronously on one side stream),
@@ -28,6 +32,7 @@ landed. ``load`` refuses a host page that is not owned (free pages hold no data)
 from __future__ import annotations
 
 import contextlib
+import enum
 import heapq
 import logging
 import time
@@ -47,6 +52,13 @@ log = logging.getLogger(__name__)
 
 _PARTS = ("k", "k_sf", "v", "v_sf")
 STAGE_BYTES = 64 << 20  # device staging per chunk of a batch (a large eviction moves in chunks of this size)
+
+
+class CopyPath(enum.Enum):
+    """How a batch crosses between the device pool and the host pages (module docstring)."""
+
+    DIRECT = "direct"
+    STAGED = "staged"
 
 
 class PoolIdentity(NamedTuple):
@@ -100,7 +112,7 @@ class HostTierStats(NamedTuple):
 class HostPool:
     """``num_pages`` host pages shaped like ``pool``'s; batched copies between the two (see module docstring)."""
 
-    def __init__(self, pool: KVPool, num_pages: int) -> None:
+    def __init__(self, pool: KVPool, num_pages: int, path: CopyPath | None = None) -> None:
         if num_pages < 1:
             raise ValueError(f"a host tier needs at least 1 page (got {num_pages}); raise --host-cache-size")
         self.identity = PoolIdentity.of(pool)
@@ -122,6 +134,7 @@ class HostPool:
         else:
             self.pages, self._registered = torch.empty((num_pages, self.page_bytes), dtype=torch.uint8), False
         self._stream = torch.cuda.Stream(pool.device) if cuda else None
+        self.path = path or (self._direct_works() if cuda else CopyPath.DIRECT)
         self._free = list(range(num_pages))  # min-heap: allocation hands out the smallest ids (runs stay long)
         self._owned = [False] * num_pages
         self._pending: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []  # timings not yet read
@@ -190,13 +203,15 @@ class HostPool:
         bad = [h for h in host_pages if not 0 <= h < self.num_pages or not self._owned[h]]
         if bad:
             raise RuntimeError(f"host tier: {kind} of host pages {bad[:8]} that are not owned")
-        rows = self._plan.views[0].shape[0]  # device pages the parts hold (scratch pages included)
-        off = [int(p) for p in device_pages if not 0 <= int(p) < rows]
-        if off:  # the staging kernel indexes raw addresses: an id past the pool would touch other memory
-            raise ValueError(f"host tier: {kind} of device pages {off[:8]} outside the pool's {rows}")
-        ids_host = torch.tensor([int(p) for p in device_pages], dtype=torch.int64)
+        num_rows = self._plan.views[0].shape[0]  # device pages the parts hold (scratch pages included)
+        off = [int(p) for p in device_pages if not 0 <= int(p) < num_rows]
+        if off:  # the page-stage kernel indexes raw addresses: an id past the pool would touch other memory
+            raise ValueError(f"host tier: {kind} of device pages {off[:8]} outside the pool's {num_rows}")
+        # host side first (allocations, pinning): the timed window holds only the GPU's work
+        idx = torch.tensor([[int(p) for p in device_pages], [int(h) for h in host_pages]], dtype=torch.int64)
+        if self.pinned:  # from pinned memory on the side stream: a pageable copy would wait for the compute stream
+            idx = idx.pin_memory()
         plan = self._plan
-        per_chunk = max(1, STAGE_BYTES // self.page_bytes)
         t0 = time.perf_counter()
         start = end = None
         if self._stream is not None:
@@ -205,19 +220,11 @@ class HostPool:
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             if start is not None:
                 start.record()
-            # from pinned memory on the side stream: a copy from pageable memory would wait for the compute stream
-            dev_idx = ids_host.pin_memory().to(pool.device, non_blocking=True) if self.pinned else ids_host
-            for c0 in range(0, n, per_chunk):
-                ids, hosts = dev_idx[c0:c0 + per_chunk], host_pages[c0:c0 + per_chunk]
-                stage = torch.empty((ids.numel(), self.page_bytes), dtype=torch.uint8, device=pool.device)
-                if kind == "store":
-                    page_stage.gather(plan, ids, stage)
-                    for i, a, b in _runs(hosts):
-                        self.pages[a:b].copy_(stage[i:i + b - a], non_blocking=True)
-                else:
-                    for i, a, b in _runs(hosts):
-                        stage[i:i + b - a].copy_(self.pages[a:b], non_blocking=True)
-                    page_stage.scatter(plan, ids, stage)
+            ids, rows = idx.to(pool.device, non_blocking=True)
+            if self.path is CopyPath.DIRECT:
+                (page_stage.gather if kind == "store" else page_stage.scatter)(plan, ids, self.pages, rows)
+            else:
+                self._staged(kind, ids, host_pages)
             if end is not None:
                 end.record()
         if self._stream is not None:
@@ -232,6 +239,39 @@ class HostPool:
         else:
             self.num_loads += 1
             self.num_loaded_pages += n
+
+    def _staged(self, kind: str, ids: torch.Tensor, host_pages: Sequence[int]) -> None:
+        """``CopyPath.STAGED``: device staging in chunks, one device <-> host copy per run of host pages."""
+        per_chunk = max(1, STAGE_BYTES // self.page_bytes)
+        for c0 in range(0, len(host_pages), per_chunk):
+            chunk, hosts = ids[c0:c0 + per_chunk], host_pages[c0:c0 + per_chunk]
+            stage = torch.empty((chunk.numel(), self.page_bytes), dtype=torch.uint8, device=self.pool.device)
+            if kind == "store":
+                page_stage.gather(self._plan, chunk, stage)
+                for i, a, b in _runs(hosts):
+                    self.pages[a:b].copy_(stage[i:i + b - a], non_blocking=True)
+            else:
+                for i, a, b in _runs(hosts):
+                    stage[i:i + b - a].copy_(self.pages[a:b], non_blocking=True)
+                page_stage.scatter(self._plan, chunk, stage)
+
+    def _direct_works(self) -> CopyPath:
+        """DIRECT if a kernel can write these host pages (device page 0 into free host page 0, compared with the
+        reference), else STAGED with a warning: some systems do not map pinned host memory for kernels."""
+        ids = torch.zeros(1, dtype=torch.int64, device=self.pool.device)
+        want = torch.empty((1, self.page_bytes), dtype=torch.uint8, device=self.pool.device)
+        try:
+            page_stage.gather_reference(self._plan, ids, want)
+            page_stage.gather(self._plan, ids, self.pages, ids)
+            torch.cuda.synchronize(self.pool.device)
+            if torch.equal(self.pages[0], want[0].cpu()):
+                return CopyPath.DIRECT
+            why = "it wrote other bytes"
+        except (RuntimeError, ValueError) as e:  # Triton: "Pointer argument ... cannot be accessed"
+            why = f"{type(e).__name__}: {e}"
+        log.warning("host tier: kernels cannot write the pinned host pages (%s); copying through device staging",
+                    why)
+        return CopyPath.STAGED
 
     # -- stats -----------------------------------------------------------------------------------
     def stats(self) -> HostTierStats:
@@ -308,7 +348,7 @@ def make_host_pool(pool: KVPool, config: CacheConfig) -> HostPool | None:
     per_dtype = ", ".join(
         f"{d} {total // (pool.num_layers * bytes_per_token_per_layer(d, pool.num_kv_heads, pool.head_dim))}"
         for d in KV_DTYPES)
-    log.info("host tier: %d pages x %d tokens = %d %s tokens, %.2f GiB %s memory (the same bytes hold, in "
-             "tokens: %s)", num_pages, pool.page_size, num_pages * pool.page_size, pool.kv_dtype, total / 2**30,
-             "pinned" if host.pinned else "host", per_dtype)
+    log.info("host tier: %d pages x %d tokens = %d %s tokens, %.2f GiB %s memory, %s copies (the same bytes hold, "
+             "in tokens: %s)", num_pages, pool.page_size, num_pages * pool.page_size, pool.kv_dtype, total / 2**30,
+             "pinned" if host.pinned else "host", host.path.value, per_dtype)
     return host

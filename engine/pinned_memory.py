@@ -20,7 +20,7 @@ import math
 import torch
 
 log = logging.getLogger(__name__)
-_REGISTER_DEFAULT = 0  # cudaHostRegisterDefault
+_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped: kernels may read and write it
 _PAGE = 4096
 
 
@@ -40,7 +40,7 @@ def page_locked(shape: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
     start = -raw.data_ptr() % _PAGE
     buf = raw[start:start + nbytes].view(shape)
     cudart = torch.cuda.cudart()
-    code = _code(cudart.cudaHostRegister(buf.data_ptr(), locked, _REGISTER_DEFAULT))
+    code = _code(cudart.cudaHostRegister(buf.data_ptr(), locked, _REGISTER_FLAGS))
     if code == 0:
         return buf, True
     log.warning("cudaHostRegister of %d bytes failed (error %d); pinning through PyTorch's caching allocator, "

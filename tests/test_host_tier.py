@@ -7,6 +7,7 @@ against an engine without the tier; integrity of both tiers under seeded random 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.host_cache_size import HostCacheSize, host_cache_size_arg, parse_host_cache_size
-from engine.host_pool import HostPool, make_host_pool
+from engine.host_pool import CopyPath, HostPool, make_host_pool
 from engine.integrity import IntegrityReport, check_integrity
 from engine.kv_pool import KVPool
 from engine.page_allocator import PageAllocator
@@ -65,11 +66,13 @@ def cache_seq(cache: RadixCache, alloc: PageAllocator, tokens: list[int]) -> lis
 
 
 # -- the host pool: bit-exact round trips, identity, ownership --------------------------------------------
+@pytest.mark.parametrize("path", list(CopyPath))
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3", "nvfp4"])
-def test_round_trip_through_the_host_is_bit_exact_with_block_scales(kv_dtype):
+def test_round_trip_through_the_host_is_bit_exact_with_block_scales(kv_dtype, path):
     pool = make_pool(kv_dtype)
     before = {p: page_bytes(pool, p) for p in (3, 5, 6)}
-    host = HostPool(pool, 4)
+    host = HostPool(pool, 4, path)
+    assert host.path is path
     hp = host.allocate(3)
     assert hp == [0, 1, 2]
     host.store([3, 5, 6], [hp[2], hp[0], hp[1]])  # out of order: pairs, not positions
@@ -84,14 +87,18 @@ def test_round_trip_through_the_host_is_bit_exact_with_block_scales(kv_dtype):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_a_batch_larger_than_the_staging_moves_in_chunks_bit_exactly(monkeypatch, device):
-    """On CUDA: the staging kernel, pinned host pages and the side stream, every chunk in order."""
+@pytest.mark.parametrize("path", list(CopyPath))
+def test_a_batch_of_scattered_pages_moves_bit_exactly(monkeypatch, device, path):
+    """Device and host pages in no order; STAGED in chunks smaller than the batch (runs broken across chunk
+    boundaries). On CUDA: the page-stage kernel, pinned host pages (read and written by the kernel itself on the
+    DIRECT path, which CUDA picks by default) and the side stream."""
     import engine.host_pool
 
     pool = make_pool("nvfp4", num_pages=8, device=device)
     monkeypatch.setattr(engine.host_pool, "STAGE_BYTES", 3 * S * pool.bytes_per_token)  # 3 pages per chunk
     before = {p: page_bytes(pool, p) for p in range(8)}
-    host = HostPool(pool, 8)
+    assert HostPool(pool, 8).path is CopyPath.DIRECT
+    host = HostPool(pool, 8, path)
     hp = host.allocate(8)
     order = [6, 1, 7, 0, 3, 2, 5, 4]
     host.store(order, [hp[i] for i in (0, 1, 2, 4, 5, 6, 3, 7)])  # runs broken across chunk boundaries
@@ -114,6 +121,7 @@ def test_on_cuda_the_host_pages_are_page_locked_at_their_exact_size():
     assert host._registered
     cudart = torch.cuda.cudart()
     again = int(getattr(r := cudart.cudaHostRegister(host.pages.data_ptr(), 4096, 0), "value", r))
+    _consume_cuda_error()
     assert again == 712  # cudaErrorHostMemoryAlreadyRegistered
     if stats:
         assert stats()["allocated_bytes.current"] == before
@@ -128,7 +136,16 @@ def test_on_cuda_the_host_pages_are_page_locked_at_their_exact_size():
     host.close()
     assert not host._registered
     gone = int(getattr(r := cudart.cudaHostUnregister(ptr), "value", r))
+    _consume_cuda_error()
     assert gone == 713  # cudaErrorHostMemoryNotRegistered: close unlocked it
+
+
+def _consume_cuda_error() -> None:
+    """A failed runtime call leaves its error for the next launch check, which would fail an unrelated kernel
+    later: a launch here reports (and so clears) it."""
+    with contextlib.suppress(RuntimeError):
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
 
 
 def test_a_pool_whose_global_scales_changed_cannot_read_host_pages():

@@ -1,6 +1,7 @@
-"""kernels/page_stage.py: a batch of pages of every layer and part to and from one page-major staging buffer (the
-host tier's copies). The Triton kernel (one launch for every part) against the per-part reference under Triton's
-interpreter and on the GPU, its sm_90a build, and the wrapper's checks."""
+"""kernels/page_stage.py: a batch of pages of every layer and part to and from page-major rows (the host tier's
+copies), in order or into given rows. The Triton kernel (one launch for every part) against the per-part reference
+under Triton's interpreter and on the GPU (also with pinned host rows, as the host tier runs it), its sm_90a
+build, and the wrapper's checks."""
 
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def check_cases(launch, device: str) -> int:
-    """Every geometry: ``launch(plan, ids, stage, gather)`` (the kernel's entry) against the references."""
+def check_cases(launch, device: str, stage_device: str | None = None) -> int:
+    """Every geometry: ``launch(plan, ids, stage, gather[, rows])`` (the kernel's entry) against the references,
+    rows in order and scattered (``stage_device``: where the rows live; pinned host memory with a CUDA plan)."""
     cases = 0
+    pin = stage_device == "cpu" and device == "cuda"
     for seed, (kv_dtype, page, heads, dim) in enumerate(GEOMETRIES):
         parts = _parts(kv_dtype, page, heads, dim, device, seed)
         plan = StagePlan.of(parts)
@@ -50,6 +53,22 @@ def check_cases(launch, device: str) -> int:
         launch(StagePlan.of(back), dst, got, False)
         scatter_reference(StagePlan.of(ref), dst, want)
         assert all(torch.equal(_raw(a), _raw(b)) for a, b in zip(back, ref, strict=True)), kv_dtype
+        rows = torch.tensor([4, 1, 0, 6], dtype=torch.int64, device=device)  # into rows of a larger buffer
+        got = torch.zeros((7, plan.page_bytes), dtype=torch.uint8, device=stage_device or device, pin_memory=pin)
+        want = torch.zeros((7, plan.page_bytes), dtype=torch.uint8, device=device)
+        launch(plan, ids, got, True, rows)
+        gather_reference(plan, ids, want, rows)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(got.to(device), want) and not want[[2, 3, 5]].any(), kv_dtype
+        back, ref = [t.clone() for t in parts], [t.clone() for t in parts]
+        launch(StagePlan.of(back), dst, got, False, rows)
+        scatter_reference(StagePlan.of(ref), dst, want, rows)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert all(torch.equal(_raw(a), _raw(b)) for a, b in zip(back, ref, strict=True)), kv_dtype
+        assert all(torch.equal(_raw(a)[i], _raw(t)[j]) for a, t in zip(back, parts, strict=True)
+                   for i, j in zip(dst.tolist(), ids.tolist(), strict=True)), kv_dtype
         cases += 1
     return cases
 
@@ -81,6 +100,10 @@ def test_the_wrapper_refuses_mismatched_stages_and_ids():
         gather(plan, ids, torch.empty((1, plan.page_bytes + 1), dtype=torch.uint8))
     with pytest.raises(ValueError, match="page ids must be int64"):
         gather(plan, ids.int(), torch.empty((1, plan.page_bytes), dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"rows must be int64 \[1\]"):
+        gather(plan, ids, torch.empty((3, plan.page_bytes), dtype=torch.uint8), ids.int())
+    with pytest.raises(ValueError, match=r"stage must be contiguous uint8 \[R, "):
+        gather(plan, ids, torch.empty((3, plan.page_bytes - 1), dtype=torch.uint8), ids)
     with pytest.raises(ValueError, match="one page count"):
         StagePlan.of([torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(5, 8, dtype=torch.uint8)])
 
@@ -89,9 +112,12 @@ def test_kernel_compiles_for_sm90a_without_spills(tmp_path):
     from kernels.triton.page_stage import page_stage_kernel
     from tests.test_fused_ops import _sm90a
 
-    sig = {"TABLE": "*i64", "IDS": "*i64", "STAGE": "*i32", "STAGE_PAGE_WORDS": "i64"}
-    regs, sass = _sm90a(page_stage_kernel, sig, {"BLOCK": 1024, "GATHER": True}, 4, tmp_path)
-    assert "STL" not in sass and "LDL" not in sass and regs <= 64
+    sig = {"TABLE": "*i64", "IDS": "*i64", "ROWS": "*i64", "STAGE": "*i32", "STAGE_PAGE_WORDS": "i64"}
+    for gather_, rows in ((True, True), (False, True), (True, False)):
+        out = tmp_path / f"{gather_}{rows}"
+        out.mkdir()
+        regs, sass = _sm90a(page_stage_kernel, sig, {"BLOCK": 1024, "GATHER": gather_, "HAS_ROWS": rows}, 4, out)
+        assert "STL" not in sass and "LDL" not in sass and regs <= 64
 
 
 @pytest.mark.gpu
@@ -102,10 +128,19 @@ def test_kernel_on_the_gpu_matches_the_reference_byte_for_byte():
     assert check_cases(_launch, "cuda") == len(GEOMETRIES)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_reads_and_writes_pinned_host_rows_directly():
+    """The host tier's direct path: the kernel's loads and stores cross the bus into pinned host memory."""
+    from kernels.page_stage import _launch
+
+    assert check_cases(_launch, "cuda", stage_device="cpu") == len(GEOMETRIES)
+
+
 def test_the_host_tier_copy_benchmark_tables_rates_against_the_raw_copy():
     from benchmarks.engine.bench_host_tier import render
 
-    row = {"kv_dtype": "nvfp4", "batch_pages": 8, "bytes": 8 * 663552, "store_gbps": 40.0, "load_gbps": 30.0,
-           "raw_d2h_gbps": 50.0, "raw_h2d_gbps": 60.0}
+    row = {"kv_dtype": "nvfp4", "path": "direct", "host_pages": "scattered", "batch_pages": 8, "bytes": 8 * 663552,
+           "store_gbps": 40.0, "load_gbps": 30.0, "raw_d2h_gbps": 50.0, "raw_h2d_gbps": 60.0}
     md = render({"gpu": "GPU", "layers": 36, "rows": [row], "command": "c"})
-    assert "| nvfp4 | 8 | 5.3 | 40.0 | 50.0 | 0.80 | 30.0 | 60.0 | 0.50 |" in md
+    assert "| nvfp4 | direct | scattered | 8 | 5.3 | 40.0 | 50.0 | 0.80 | 30.0 | 60.0 | 0.50 |" in md

@@ -6,8 +6,11 @@ scales) against a raw pinned copy of the same bytes, for each KV dtype and batch
 
 A pool of Qwen3-8B's KV geometry (8 KV heads x 128, page 16) and a host tier of the same pages; each row times
 the host tier's own measurement (CUDA events around its copies on its side stream, ``HostTierStats``) of a
-store and a load of ``batch`` pages at scattered device ids into consecutive host pages, the median of
-``--iters``, and the raw anchor: ``torch`` D2H / H2D of one contiguous pinned buffer of the same bytes.
+store and a load of ``batch`` pages at scattered device ids, the median of ``--iters``, for each copy path
+(``direct``: the page-stage kernel reads and writes the pinned host pages; ``staged``: device staging and one copy
+per run of consecutive host pages) and each order of host pages (``consecutive``, as in a fresh tier;
+``scattered``, as after the tier has evicted and reused pages), and the raw anchor: ``torch`` D2H / H2D of one
+contiguous pinned buffer of the same bytes.
 """
 
 from __future__ import annotations
@@ -60,33 +63,42 @@ def _tier_gbps(host, device_pages: list[int], host_pages: list[int], iters: int)
 
 
 def run(kv_dtype: str, layers: int, batches: list[int], iters: int, device: torch.device) -> list[dict]:
-    from engine.host_pool import HostPool
+    from engine.host_pool import CopyPath, HostPool
     from engine.kv_pool import KVPool
 
     most = max(batches)
     pool = KVPool(kv_dtype, layers, 2 * most + 1, device=device, **LAYOUT)
-    host = HostPool(pool, most)
-    host_pages = host.allocate(most)
     g = torch.Generator().manual_seed(0)
     scattered = torch.randperm(2 * most, generator=g)[:most].tolist()  # device ids in no order, as evictions are
     rows = []
-    for b in batches:
-        nbytes = b * host.page_bytes
-        store, load = _tier_gbps(host, scattered[:b], host_pages[:b], iters)
-        d2h, h2d = _raw_gbps(nbytes, iters, device)
-        rows.append({"kv_dtype": kv_dtype, "batch_pages": b, "bytes": nbytes, "store_gbps": store,
-                     "load_gbps": load, "raw_d2h_gbps": d2h, "raw_h2d_gbps": h2d})
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    for path in CopyPath:
+        host = HostPool(pool, 2 * most, path)
+        if host.path is not path:
+            raise SystemExit(f"the {path.value} copy path cannot run on this GPU (the tier chose {host.path.value})")
+        owned = host.allocate(2 * most)
+        orders = {"consecutive": owned[:most],
+                  "scattered": [owned[i] for i in torch.randperm(2 * most, generator=g)[:most].tolist()]}
+        for order, host_pages in orders.items():
+            for b in batches:
+                nbytes = b * host.page_bytes
+                store, load = _tier_gbps(host, scattered[:b], host_pages[:b], iters)
+                d2h, h2d = _raw_gbps(nbytes, iters, device)
+                rows.append({"kv_dtype": kv_dtype, "path": path.value, "host_pages": order, "batch_pages": b,
+                             "bytes": nbytes, "store_gbps": store, "load_gbps": load, "raw_d2h_gbps": d2h,
+                             "raw_h2d_gbps": h2d})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        host.close()
     return rows
 
 
 def render(doc: dict) -> str:
     lines = [f"# Host-tier page movement ({doc['gpu']}, {doc['layers']} layers)", "",
              f"Command: `{doc['command']}`. " + __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), "",
-             ("| kv | batch (pages) | MB | store GB/s | raw D2H GB/s | store / raw | load GB/s | raw H2D GB/s "
-             "| load / raw |"), "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             ("| kv | path | host pages | batch (pages) | MB | store GB/s | raw D2H GB/s | store / raw | load GB/s "
+              "| raw H2D GB/s | load / raw |"), "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in doc["rows"]:
-        lines.append(f"| {r['kv_dtype']} | {r['batch_pages']} | {r['bytes'] / 1e6:.1f} | {r['store_gbps']:.1f} | "
+        lines.append(f"| {r['kv_dtype']} | {r.get('path', 'staged')} | {r.get('host_pages', 'consecutive')} | "
+                     f"{r['batch_pages']} | {r['bytes'] / 1e6:.1f} | {r['store_gbps']:.1f} | "
                      f"{r['raw_d2h_gbps']:.1f} | {r['store_gbps'] / r['raw_d2h_gbps']:.2f} | {r['load_gbps']:.1f} | "
                      f"{r['raw_h2d_gbps']:.1f} | {r['load_gbps'] / r['raw_h2d_gbps']:.2f} |")
     return "\n".join(lines) + "\n"

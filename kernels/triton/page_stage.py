@@ -6,12 +6,14 @@ one launch: @triton.jit code only (wrapper: kernels/page_stage.py).
 
     segment s = one part tensor of one layer (k, k_sf, v, v_sf), row TABLE[s] = (base address, words per page,
                 offset in a staged page), its page q at base + q * words
-    staged page p = STAGE[p * STAGE_PAGE_WORDS :][: STAGE_PAGE_WORDS] = every segment's page IDS[p], at its offset
+    staged page p = row r of STAGE, STAGE[r * STAGE_PAGE_WORDS :][: STAGE_PAGE_WORDS] = every segment's page
+                    IDS[p], at its offset; r = ROWS[p] (HAS_ROWS) or p
 
     GATHER: STAGE <- pool pages;   else: pool pages <- STAGE
 
 Words are the wrapper's element (int32 where every segment's page is a multiple of 4 bytes, else uint8). The
-base addresses are loaded from TABLE and cast to pointers: the segments are separate allocations.
+base addresses are loaded from TABLE and cast to pointers: the segments are separate allocations. STAGE may be
+pinned host memory the GPU maps (the host tier's pages): the loads or stores then cross the bus directly.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import triton.language as tl
 
 
 @triton.jit
-def page_stage_kernel(TABLE, IDS, STAGE, STAGE_PAGE_WORDS, BLOCK: tl.constexpr, GATHER: tl.constexpr):
+def page_stage_kernel(TABLE, IDS, ROWS, STAGE, STAGE_PAGE_WORDS, BLOCK: tl.constexpr, GATHER: tl.constexpr,
+                      HAS_ROWS: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     c = tl.program_id(2)
@@ -33,7 +36,8 @@ def page_stage_kernel(TABLE, IDS, STAGE, STAGE_PAGE_WORDS, BLOCK: tl.constexpr, 
         offs = c * BLOCK + tl.arange(0, BLOCK)
         m = offs < words
         pool_ptr = base + page * words + offs
-        stage_ptr = STAGE + p * STAGE_PAGE_WORDS + offset + offs
+        row = tl.load(ROWS + p).to(tl.int64) if HAS_ROWS else p
+        stage_ptr = STAGE + row * STAGE_PAGE_WORDS + offset + offs
         if GATHER:
             tl.store(stage_ptr, tl.load(pool_ptr, mask=m), mask=m)
         else:
