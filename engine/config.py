@@ -57,7 +57,7 @@ def _attention_backends() -> tuple[str, ...]:
 
 
 def _nvfp4_decode_kernels() -> tuple[str, ...]:
-    from kernels.backends.registry import NVFP4_DECODE_KERNELS  # as _attention_backends
+    from kernels.backends.decode_kernels import NVFP4_DECODE_KERNELS
 
     return NVFP4_DECODE_KERNELS
 

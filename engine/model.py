@@ -30,7 +30,8 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
-from kernels.model_ops import HeadRotation, ModelOps, model_ops, rms_norm
+from kernels.model_ops import HeadRotation, ModelOps, rms_norm
+from kernels.op_select import model_ops
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

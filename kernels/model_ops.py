@@ -2,8 +2,8 @@
 
 ``ModelOps`` names the four ops ``engine.model`` calls; ``REFERENCE_OPS`` is their pure-PyTorch form, the
 numerics the model always had (HF order: normalise in fp32, round, times the weight) and the CPU path;
-``model_ops(device, fused)`` picks the fused Triton kernels (kernels/fused_ops.py) for CUDA tensors unless
-``fused`` is off, and the reference otherwise. Shapes (T tokens, model dtype throughout):
+``kernels.op_select.model_ops(device, fused)`` picks between them and the fused Triton kernels
+(kernels/fused_ops.py), which take this module's types. Shapes (T tokens, model dtype throughout):
 
     rms_norm(x [T, N], w [N], eps) -> out [T, N]
     add_rms_norm(x, residual [T, N], w, eps) -> (rms_norm(x + residual), x + residual)
@@ -106,12 +106,3 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
 
 
 REFERENCE_OPS = ModelOps("reference", rms_norm, add_rms_norm, silu_mul, qk_norm_rope)
-
-
-def model_ops(device: torch.device | str, fused: bool = True) -> ModelOps:
-    """The fused Triton ops for tensors on CUDA when ``fused``, else the PyTorch reference."""
-    if fused and torch.device(device).type == "cuda":
-        from kernels.fused_ops import TRITON_OPS  # triton is imported only where it runs
-
-        return TRITON_OPS
-    return REFERENCE_OPS

@@ -141,7 +141,7 @@ def plan_from_args(a: argparse.Namespace) -> WarmPlan:
     from engine.decode_graphs import max_width_pages
     from engine.engine import served_context_len
     from engine.startup_error import StartupError
-    from kernels.backends.registry import GLUON_HEAD_DIMS
+    from kernels.backends.decode_kernels import GLUON_HEAD_DIMS
 
     capability = parse_arch(a.arch)
     if a.num_sms < 1:

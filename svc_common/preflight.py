@@ -65,7 +65,7 @@ def check_decode_kernel(kernel: str, attention_backend: str, device: str, head_d
     if kernel == "gluon":
         import torch
 
-        from kernels.backends.registry import GLUON_HEAD_DIMS
+        from kernels.backends.decode_kernels import GLUON_HEAD_DIMS
 
         if head_dim not in GLUON_HEAD_DIMS:
             raise ValueError(f"--nvfp4-decode-kernel gluon has tilings for head_dim {GLUON_HEAD_DIMS}, the model has "

@@ -10,9 +10,10 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.serving.__main__ import main, split_launch
+from benchmarks.serving.__main__ import main
 from benchmarks.serving.client import RequestResult
 from benchmarks.serving.dataset import WARMUP_STREAM, candidate_token_ids, random_prompts
+from benchmarks.serving.launch_args import split_launch
 from benchmarks.serving.stats import full_batch_intervals, peak_batch_decode, summarize
 
 STEP = 0.125  # exact in binary: window sums below are exact

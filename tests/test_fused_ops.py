@@ -29,7 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_model_ops_choose_triton_for_cuda_tensors_only():
-    from kernels.model_ops import REFERENCE_OPS, model_ops
+    from kernels.model_ops import REFERENCE_OPS
+    from kernels.op_select import model_ops
 
     assert model_ops("cpu") is REFERENCE_OPS and model_ops(torch.device("cpu"), fused=True) is REFERENCE_OPS
     assert model_ops("cuda", fused=False) is REFERENCE_OPS
@@ -73,7 +74,7 @@ def test_cpu_model_with_reference_ops_equals_the_unfused_layer_bit_for_bit(tmp_p
 _INTERPRETED = textwrap.dedent("""
     import torch
     from engine.rope import rope_tables
-    from kernels import fused_ops, model_ops as ref
+    from kernels import fused_ops, model_ops as ref, op_select
 
     torch.manual_seed(0)
     BF = torch.bfloat16
@@ -163,7 +164,7 @@ _INTERPRETED = textwrap.dedent("""
             expect = model.compute_logits(model(ids, pos, attn))
             engine.model.model_ops = lambda device, fused=True: fused_ops.TRITON_OPS
             got = model.compute_logits(model(ids, pos, attn))
-            engine.model.model_ops = ref.model_ops
+            engine.model.model_ops = op_select.model_ops
         rel = float((got - expect).norm() / expect.norm())
         assert rel < 2e-2, (kind, rel)
         assert float((got.argmax(-1) == expect.argmax(-1)).float().mean()) >= 0.9, kind

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,13 +34,13 @@ from benchmarks.agentic import trace as trace_format
 from benchmarks.agentic.prompts import PromptBuilder
 from benchmarks.agentic.replay import PointConfig, replay_sessions, run_point
 from benchmarks.agentic.trace import SessionTrace, Trace, TraceError
-from benchmarks.serving.__main__ import _KEY_ENVS, LAUNCH_FLAG, split_launch
 from benchmarks.serving.client import make_http_client
 from benchmarks.serving.config import Target
 from benchmarks.serving.launch import LaunchedDeployment
+from benchmarks.serving.launch_args import KEY_ENVS, LAUNCH_FLAG, flag_value, resolve_api_key, split_launch
 from benchmarks.serving.report import write_json
 from benchmarks.serving.runner import BenchError, Session, run_benchmark
-from benchmarks.serving.server import describe_deployment, flag_value, gpu_name
+from benchmarks.serving.server import describe_deployment, gpu_name
 from svc_common.cli_help import HelpFormatter
 
 SCHEMA = "nvfp4-serve/bench-agentic/1"
@@ -80,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="", help="model id to request (default: the router's)")
     d.add_argument("--tokenizer", default="", help="tokenizer dir (default: the router's --model-dir)")
     d.add_argument("--api-key", default="",
-                   help=f"bearer token (default: ${_KEY_ENVS[0]} or ${_KEY_ENVS[1]})")
+                   help=f"bearer token (default: ${KEY_ENVS[0]} or ${KEY_ENVS[1]})")
     m = p.add_argument_group("measurement and output")
     m.add_argument("--request-timeout-s", type=float, default=3600.0, help="HTTP read timeout of one turn")
     m.add_argument("--sample-interval-s", type=float, default=0.5, help="/server_info pool sampling period")
@@ -248,8 +247,7 @@ def main(argv: list[str]) -> int:
     except (TraceError, ValueError) as exc:
         parser.error(str(exc))
     doc = new_document(list(argv), a.trace, trace)
-    api_key = a.api_key or next((os.environ[k] for k in _KEY_ENVS if os.environ.get(k)), "") or \
-        (flag_value(launch_args or [], "--api-key") or "")
+    api_key = resolve_api_key(a.api_key, launch_args)
     def body() -> None:
         for label, args in plan:
             if args is None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 from benchmarks.serving.config import BenchConfig, Target
 from benchmarks.serving.experiments import add_experiment_args
 from benchmarks.serving.launch import LaunchedDeployment
+from benchmarks.serving.launch_args import KEY_ENVS, LAUNCH_FLAG, resolve_api_key, split_launch
 from benchmarks.serving.report import point_table, sweep_table, write_json
 from benchmarks.serving.runner import (
     BenchError,
@@ -40,11 +40,8 @@ from benchmarks.serving.runner import (
     run_point,
     sweep_configs,
 )
-from benchmarks.serving.server import describe_deployment, flag_value, max_concurrency
+from benchmarks.serving.server import describe_deployment, max_concurrency
 from svc_common.cli_help import HelpFormatter
-
-LAUNCH_FLAG = "--launch"
-_KEY_ENVS = ("NVFP4_SERVE_API_KEY", "OPENAI_API_KEY")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -58,7 +55,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     where.add_argument("--model", default="", help="model id to request (default: the one the router serves)")
     where.add_argument("--tokenizer", default="", help="tokenizer dir (default: the router's --model-dir)")
     where.add_argument("--api-key", default="",
-                       help=f"bearer token (default: ${_KEY_ENVS[0]} or ${_KEY_ENVS[1]}, "
+                       help=f"bearer token (default: ${KEY_ENVS[0]} or ${KEY_ENVS[1]}, "
                             "or the launch args' --api-key)")
     where.add_argument("--token-ids", action=argparse.BooleanOptionalAction, default=True,
                        help="ask for return_token_ids and time chunks per token (nvfp4-serve, vLLM); "
@@ -110,14 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def split_launch(argv: list[str]) -> tuple[list[str], list[str] | None]:
-    """(benchmark args, launcher args or None): everything after ``--launch`` belongs to the launcher."""
-    if LAUNCH_FLAG not in argv:
-        return argv, None
-    i = argv.index(LAUNCH_FLAG)
-    return argv[:i], argv[i + 1:]
-
-
 def _concurrency(text: str) -> int | str:
     if text == "max":
         return text
@@ -145,9 +134,7 @@ def _configs(a: argparse.Namespace, max_c: int) -> list[BenchConfig]:
 
 def _drive(a: argparse.Namespace, argv: list[str], base_url: str,
            launch_args: list[str] | None) -> dict[str, Any]:
-    api_key = a.api_key or next((os.environ[k] for k in _KEY_ENVS if os.environ.get(k)), "") or \
-        (flag_value(launch_args or [], "--api-key") or "")
-    target = Target(base_url, a.model, a.tokenizer, api_key, a.token_ids)
+    target = Target(base_url, a.model, a.tokenizer, resolve_api_key(a.api_key, launch_args), a.token_ids)
 
     async def go() -> dict[str, Any]:
         session = await Session.connect(target)

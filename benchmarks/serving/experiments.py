@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shlex
 import sys
 import time
@@ -37,9 +36,10 @@ from typing import Any, NamedTuple
 
 from benchmarks.serving.config import BenchConfig, Target
 from benchmarks.serving.launch import LaunchedDeployment
+from benchmarks.serving.launch_args import KEY_ENVS, flag_value, resolve_api_key
 from benchmarks.serving.report import write_json
 from benchmarks.serving.runner import Session, run_point
-from benchmarks.serving.server import describe_deployment, flag_value, gpu_name
+from benchmarks.serving.server import describe_deployment, gpu_name
 from svc_common.cli_help import HelpFormatter
 
 SCHEMA = "nvfp4-serve/bench-experiments/1"
@@ -47,7 +47,6 @@ KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4")  # kernels.kv_layout.KV_DTYPES (not im
 EXPERIMENTS = ("iso_concurrency", "iso_capacity", "sweep")
 DEFAULT_MAX_RUNNING_REQUESTS = 256  # engine.config.SchedulerConfig's (tests pin the two together)
 DEFAULT_OUT = "docs/benchmarks/serving.json"
-_KEY_ENVS = ("NVFP4_SERVE_API_KEY", "OPENAI_API_KEY")
 
 
 class PointSpec(NamedTuple):
@@ -156,7 +155,7 @@ def add_experiment_args(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("deployment and output")
     o.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for each deployment")
     o.add_argument("--launch-log-dir", default=None, help="launcher logs (default: OUT without .json + -logs)")
-    o.add_argument("--api-key", default="", help=f"bearer token (default: ${_KEY_ENVS[0]}, the launch args')")
+    o.add_argument("--api-key", default="", help=f"bearer token (default: ${KEY_ENVS[0]}, the launch args')")
     o.add_argument("--out", default=DEFAULT_OUT, help="the results JSON")
     o.add_argument("--report", default=None, help="markdown report (default: README.md beside --out)")
     o.add_argument("--no-report", dest="write_report", action="store_false", help="JSON only")
@@ -285,8 +284,7 @@ def run_experiments(plan: ExperimentPlan, launch_args: list[str], argv: list[str
         raise ValueError("the launch args must not set --kv-cache-dtype: experiments sets it per --kv-dtypes")
     out = Path(out)
     log_dir = Path(log_dir) if log_dir else out.with_name(out.stem + "-logs")
-    api_key = api_key or next((os.environ[k] for k in _KEY_ENVS if os.environ.get(k)), "") or \
-        (flag_value(launch_args, "--api-key") or "")
+    api_key = resolve_api_key(api_key, launch_args)
     doc: dict[str, Any] = {
         "schema": SCHEMA, "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "nvfp4-serve bench " + shlex.join(argv), "argv": list(argv), "launch_args": list(launch_args),

@@ -20,6 +20,8 @@ from urllib.parse import urlparse
 
 import httpx
 
+from benchmarks.serving.launch_args import flag_value
+
 _GPU_KEYS = ("gpu_name", "device_name", "gpu")
 # "since start" gauges: their differences are meaningful
 _GAUGES_KEPT = ("evicted_pages", "evicted_tokens", "flushed_pages", "retractions", "host_hit_tokens", "host_loads",
@@ -202,15 +204,6 @@ def gpu_name(info: dict[str, Any], base_url: str, launch_args: list[str] | None)
     if flag_value(args, "--device") == "cpu":
         return "cpu"
     return _local_gpu_name() or "cpu"
-
-
-def flag_value(args: list[str], flag: str) -> str | None:
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
 
 
 def max_concurrency(info: dict[str, Any], input_len: int, output_len: int) -> int:

@@ -7,6 +7,7 @@ import importlib
 import torch
 
 from kernels.backends.base import AttentionBackend
+from kernels.backends.decode_kernels import NVFP4_DECODE_KERNELS, DecodeKernel
 
 _BACKENDS: dict[str, str] = {
     "reference": "kernels.backends.reference:ReferenceBackend",
@@ -19,9 +20,6 @@ _BACKENDS: dict[str, str] = {
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
-
-NVFP4_DECODE_KERNELS = ("auto", "gluon", "triton")
-GLUON_HEAD_DIMS = (64, 128, 256)  # the head dims the Gluon NVFP4 decode has tilings for (one list, no triton import)
 
 
 def get_backend(name: str = "auto", device: torch.device | str | None = None,
@@ -47,6 +45,4 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None,
     if not name.startswith("triton"):
         raise ValueError(f"--nvfp4-decode-kernel {nvfp4_decode_kernel} picks a kernel of the triton backends; the "
                          f"{name!r} backend has one NVFP4 decode (use auto)")
-    from kernels.backends.triton_decode import DecodeKernel
-
     return cls(decode_kernel=DecodeKernel(nvfp4_decode_kernel))

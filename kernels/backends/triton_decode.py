@@ -13,7 +13,6 @@ lengths <= max_pages * page_size; there is no host-side refresh.
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 
@@ -22,20 +21,13 @@ import torch
 import triton
 
 from kernels.backends.base import DecodeOptions, DecodePlan
-from kernels.backends.registry import GLUON_HEAD_DIMS
+from kernels.backends.decode_kernels import GLUON_HEAD_DIMS, DecodeKernel
 from kernels.backends.triton_nvfp4 import check_nvfp4_layer, u8
 from kernels.kv_layout import LayerKV
 from kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
 
 _LOG2E = math.log2(math.e)
 _MIN_SPLIT_TOKENS = 256
-
-
-class DecodeKernel(enum.Enum):
-    """Which NVFP4 decode kernel a config launches."""
-
-    TRITON = "triton"  # kernels/triton/nvfp4_decode.py: any target, also the CPU interpreter
-    GLUON = "gluon"  # kernels/triton/nvfp4_decode_gluon.py: explicit layouts, one warp, CUDA sm_89+ only
 
 
 _GLUON_HEAD_DIMS = GLUON_HEAD_DIMS
