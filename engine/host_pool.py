@@ -207,20 +207,21 @@ class HostPool:
         off = [int(p) for p in device_pages if not 0 <= int(p) < num_rows]
         if off:  # the page-stage kernel indexes raw addresses: an id past the pool would touch other memory
             raise ValueError(f"host tier: {kind} of device pages {off[:8]} outside the pool's {num_rows}")
-        # host side first (allocations, pinning): the timed window holds only the GPU's work
+        # host side first (allocations, pinning): the timed window holds the GPU's copy, not the host's set-up
         idx = torch.tensor([[int(p) for p in device_pages], [int(h) for h in host_pages]], dtype=torch.int64)
         if self.pinned:  # from pinned memory on the side stream: a pageable copy would wait for the compute stream
             idx = idx.pin_memory()
         plan = self._plan
         t0 = time.perf_counter()
         start = end = None
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(pool.device))  # device pages written
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            if start is not None:
-                start.record()
+            # the ids first, outside the timed window: every torch call lets other threads take the GIL, and a
+            # window open on the GPU while this thread waits for it would time the wait, not the copy
             ids, rows = idx.to(pool.device, non_blocking=True)
+            if self._stream is not None:
+                self._stream.wait_stream(torch.cuda.current_stream(pool.device))  # device pages written
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
             if self.path is CopyPath.DIRECT:
                 (page_stage.gather if kind == "store" else page_stage.scatter)(plan, ids, self.pages, rows)
             else:
