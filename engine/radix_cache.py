@@ -30,7 +30,7 @@ each host page of a node (one owner per host page, checked by ``engine.integrity
 device then works per LRU device leaf (a node with no child on the device): it splits off the evictable
 tail of the node, copies that tail to the host in one batch per ``evict`` call (pages already on the host
 are not copied again) and frees the device pages; only when the host cannot take them (full of nodes a
-load holds) is the node dropped. The host evicts LRU too: a node's host copy whose node is also on the
+load holds) or the store fails (its host pages then hold nothing to trust) is the node dropped. The host evicts LRU too: a node's host copy whose node is also on the
 device, or a host-only leaf. ``load_from_host`` brings the host part of a prefix back into fresh device
 pages (one batch) before a request matches it; a host page is read only by that copy, never while a store
 into it is pending (``HostPool`` orders them on one stream).
@@ -326,6 +326,7 @@ class RadixCache:
         freed: list[int] = []
         to_dev: list[int] = []
         to_host: list[int] = []
+        stored: list[Node] = []  # nodes whose host pages this call's store writes
         while leaves and len(freed) < num_pages:
             _, _, node = heapq.heappop(leaves)
             k = 0
@@ -344,6 +345,7 @@ class RadixCache:
                     node.host_pages = hp
                     to_dev += pages
                     to_host += hp
+                    stored.append(node)
             node.pages = []
             if not node.host_pages:  # nowhere to keep it: drop it with its host-only subtree
                 self._remove_subtree(node)
@@ -352,7 +354,14 @@ class RadixCache:
                 heapq.heappush(leaves, (parent.last_access, parent.seq, parent))
         if to_dev:
             assert self.host is not None
-            self.host.store(to_dev, to_host)  # issued before any freed page can be reallocated and rewritten
+            try:
+                self.host.store(to_dev, to_host)  # issued before any freed page can be reallocated and rewritten
+            except Exception as e:  # noqa: BLE001 - the pages are dropped as without a tier; nothing may leak
+                log.warning("host tier: storing %d pages failed, dropping them: %s: %s", len(to_dev),
+                            type(e).__name__, e)
+                for node in stored:  # their host pages were never (fully) written: never read them
+                    if node.parent is not None and not node.pages:
+                        self._remove_subtree(node)
         self._cached.difference_update(freed)
         self.allocator.decref(freed)
         self.num_evictions += len(freed)

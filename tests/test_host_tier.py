@@ -249,6 +249,30 @@ def test_a_failed_load_frees_the_new_pages_and_drops_the_host_copy(monkeypatch):
     assert check_integrity(alloc, cache, []) == IntegrityReport(4, 4, 0, 0, 4, 4, 0)
 
 
+def test_a_failed_store_drops_the_pages_as_without_a_tier_and_frees_everything(monkeypatch):
+    """A store that fails (a CUDA fault, an identity refused) must not leave host pages that claim bytes they never
+    got: the evicted nodes go, their device pages are freed, their host pages free, and later requests recompute."""
+    _pool, alloc, host, cache = tiered_cache(num_pages=4, num_host_pages=4)
+    a, b = seq(0, 2), seq(100, 1)
+    cache_seq(cache, alloc, a)
+    cache.evict(1)  # a's last page on the host (a good store)
+    cache_seq(cache, alloc, b)
+
+    def broken(*_a, **_k):
+        raise RuntimeError("copy engine fault")
+
+    monkeypatch.setattr(host, "store", broken)
+    assert cache.evict(1) == [0]  # a's first page (least recent): a's node and its host-only child go
+    assert cache.residency(a) == [] and cache.residency(b) == ["device"]
+    assert alloc.num_free == 3 and host.num_free == 4
+    assert check_integrity(alloc, cache, []) == IntegrityReport(4, 3, 1, 0, 4, 4, 0)
+    monkeypatch.undo()
+    cache_seq(cache, alloc, a)  # recomputed: cached again, and stored again on the next eviction
+    assert len(cache.evict(3)) == 3
+    assert cache.residency(a) == ["host", "host"] and cache.residency(b) == ["host"] and host.num_free == 1
+    check_integrity(alloc, cache, [])
+
+
 def test_flush_empties_both_tiers():
     _pool, alloc, _host, cache = tiered_cache(num_pages=4, num_host_pages=4)
     cache_seq(cache, alloc, seq(0, 2))
