@@ -138,7 +138,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., pool_pages_total: _Optional[int] = ..., pool_pages_free: _Optional[int] = ..., pool_pages_cached: _Optional[int] = ..., pool_pages_in_use: _Optional[int] = ..., page_size: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_path: _Optional[str] = ..., host_cache: _Optional[_Union[HostCacheStats, _Mapping]] = ..., attention_backend: _Optional[str] = ..., decode_kernel: _Optional[str] = ...) -> None: ...
 
 class HostCacheStats(_message.Message):
-    __slots__ = ("num_pages", "num_used_pages", "max_tokens", "total_bytes", "hit_tokens", "num_loads", "num_stores", "load_bytes", "store_bytes", "load_gbps", "store_gbps")
+    __slots__ = ("num_pages", "num_used_pages", "max_tokens", "total_bytes", "hit_tokens", "num_loads", "num_stores", "load_bytes", "store_bytes", "load_gbps", "store_gbps", "copy_path")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class HostCacheStats(_message.Message):
     STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_GBPS_FIELD_NUMBER: _ClassVar[int]
     STORE_GBPS_FIELD_NUMBER: _ClassVar[int]
+    COPY_PATH_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     num_used_pages: int
     max_tokens: int
@@ -161,7 +162,8 @@ class HostCacheStats(_message.Message):
     store_bytes: int
     load_gbps: float
     store_gbps: float
-    def __init__(self, num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., max_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_loads: _Optional[int] = ..., num_stores: _Optional[int] = ..., load_bytes: _Optional[int] = ..., store_bytes: _Optional[int] = ..., load_gbps: _Optional[float] = ..., store_gbps: _Optional[float] = ...) -> None: ...
+    copy_path: str
+    def __init__(self, num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., max_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_loads: _Optional[int] = ..., num_stores: _Optional[int] = ..., load_bytes: _Optional[int] = ..., store_bytes: _Optional[int] = ..., load_gbps: _Optional[float] = ..., store_gbps: _Optional[float] = ..., copy_path: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

@@ -452,7 +452,7 @@ def test_a_decode_service_with_a_host_tier_serves_an_evicted_prefix_from_it(tiny
     assert again[0] == first[0]
     hc = load.host_cache
     assert hc.num_pages == 16_000 and hc.max_tokens == 64_000 and hc.hit_tokens >= 8 and hc.num_loads >= 1
-    assert hc.num_stores >= 1 and hc.store_bytes > 0 and hc.load_bytes > 0
+    assert hc.num_stores >= 1 and hc.store_bytes > 0 and hc.load_bytes > 0 and hc.copy_path == "direct"
     assert "nvfp4_decode_host_hit_tokens " in text and report.ok and report.num_in_use == 0
 
 
