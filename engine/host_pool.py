@@ -95,7 +95,7 @@ class HostTierStats(NamedTuple):
     store_bytes: int
     load_seconds: float  # copy time (CUDA events on GPU, wall time on CPU)
     store_seconds: float
-    copy_path: str = CopyPath.DIRECT.value  # how batches cross (CopyPath)
+    copy_path: CopyPath = CopyPath.DIRECT  # how batches cross
 
     @property
     def max_tokens(self) -> int:
@@ -291,7 +291,7 @@ class HostPool:
             hit_tokens=self.hit_tokens, num_loads=self.num_loads, num_loaded_pages=self.num_loaded_pages,
             num_stores=self.num_stores, num_stored_pages=self.num_stored_pages, load_bytes=self._bytes["load"],
             store_bytes=self._bytes["store"], load_seconds=self._seconds["load"],
-            store_seconds=self._seconds["store"], copy_path=self.path.value)
+            store_seconds=self._seconds["store"], copy_path=self.path)
 
     def synchronize(self) -> None:
         """Wait for every issued copy (tests and benchmarks; the engine never needs to)."""

@@ -98,4 +98,4 @@ def _host_cache(st: HostTierStats | None) -> common_pb2.HostCacheStats | None:
         num_pages=st.num_pages, num_used_pages=st.num_used_pages, max_tokens=st.max_tokens,
         total_bytes=st.total_bytes, hit_tokens=st.hit_tokens, num_loads=st.num_loads, num_stores=st.num_stores,
         load_bytes=st.load_bytes, store_bytes=st.store_bytes, load_gbps=st.load_gbps, store_gbps=st.store_gbps,
-        copy_path=st.copy_path)
+        copy_path=st.copy_path.value)
