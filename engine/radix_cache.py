@@ -30,8 +30,9 @@ each host page of a node (one owner per host page, checked by ``engine.integrity
 device then works per LRU device leaf (a node with no child on the device): it splits off the evictable
 tail of the node, copies that tail to the host in one batch per ``evict`` call (pages already on the host
 are not copied again) and frees the device pages; only when the host cannot take them (full of nodes a
-load holds) or the store fails (its host pages then hold nothing to trust) is the node dropped. The host evicts LRU too: a node's host copy whose node is also on the
-device, or a host-only leaf. ``load_from_host`` brings the host part of a prefix back into fresh device
+load holds) or the store fails (its host pages then hold nothing to trust) is the node dropped. The host
+evicts LRU too: a node's host copy whose node is also on the device, or a host-only leaf, never one the same
+eviction is storing (each host page is written once per store). ``load_from_host`` brings the host part of a prefix back into fresh device
 pages (one batch) before a request matches it; a host page is read only by that copy, never while a store
 into it is pending (``HostPool`` orders them on one stream).
 """
@@ -42,6 +43,7 @@ import heapq
 import itertools
 import logging
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, NamedTuple
 
 from engine.page_allocator import PageAllocator
@@ -326,7 +328,8 @@ class RadixCache:
         freed: list[int] = []
         to_dev: list[int] = []
         to_host: list[int] = []
-        stored: list[Node] = []  # nodes whose host pages this call's store writes
+        stored: list[Node] = []  # nodes whose host pages this call's store writes: never host-evicted by it
+        keep: set[int] = set()  # their seqs (a host page handed out twice in one store would be written twice)
         while leaves and len(freed) < num_pages:
             _, _, node = heapq.heappop(leaves)
             k = 0
@@ -340,12 +343,13 @@ class RadixCache:
             pages, parent = node.pages, node.parent
             assert parent is not None
             if store and not node.host_pages:
-                hp = self._host_room(len(pages))
+                hp = self._host_room(len(pages), keep)
                 if hp is not None:
                     node.host_pages = hp
                     to_dev += pages
                     to_host += hp
                     stored.append(node)
+                    keep.add(node.seq)
             node.pages = []
             if not node.host_pages:  # nowhere to keep it: drop it with its host-only subtree
                 self._remove_subtree(node)
@@ -368,31 +372,33 @@ class RadixCache:
         self.num_evicted_tokens += len(freed) * S
         return freed
 
-    def _host_room(self, n: int) -> list[int] | None:
-        """MUTATES: ``n`` host pages for a store, evicting LRU host copies to make room; None if impossible."""
+    def _host_room(self, n: int, keep: AbstractSet[int] = frozenset()) -> list[int] | None:
+        """MUTATES: ``n`` host pages for a store, evicting LRU host copies (not those of nodes in ``keep``) to
+        make room; None if impossible."""
         host = self.host
         assert host is not None
         if n > host.num_pages:
             return None
         if host.num_free < n:
-            cands = [(x.last_access, x.seq, x) for x in walk(self._root) if self._host_evictable(x)]
+            cands = [(x.last_access, x.seq, x) for x in walk(self._root) if self._host_evictable(x, keep)]
             heapq.heapify(cands)
             while cands and host.num_free < n:
                 _, _, x = heapq.heappop(cands)
-                if not self._host_evictable(x):
+                if not self._host_evictable(x, keep):
                     continue
                 parent = x.parent
                 self._drop_host_copy(x)
-                if parent is not None and self._host_evictable(parent):
+                if parent is not None and self._host_evictable(parent, keep):
                     heapq.heappush(cands, (parent.last_access, parent.seq, parent))
             if host.num_free < n:
                 return None
         return host.allocate(n)
 
-    def _host_evictable(self, x: Node) -> bool:
-        """A host copy may go when no load reads it and the node stays reachable: it is on the device
-        too, or it is a host-only leaf."""
-        return bool(x.host_pages) and x.seq not in self._locked and (bool(x.pages) or not x.children)
+    def _host_evictable(self, x: Node, keep: AbstractSet[int] = frozenset()) -> bool:
+        """A host copy may go when no load reads it, no store of the current eviction writes it (``keep``),
+        and the node stays reachable: it is on the device too, or it is a host-only leaf."""
+        return bool(x.host_pages) and x.seq not in self._locked and x.seq not in keep and \
+            (bool(x.pages) or not x.children)
 
     def _drop_host_copy(self, x: Node) -> None:
         if x.pages:

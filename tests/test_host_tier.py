@@ -249,6 +249,33 @@ def test_a_failed_load_frees_the_new_pages_and_drops_the_host_copy(monkeypatch):
     assert check_integrity(alloc, cache, []) == IntegrityReport(4, 4, 0, 0, 4, 4, 0)
 
 
+def test_one_eviction_never_hands_a_host_page_to_two_of_its_stores(monkeypatch):
+    """A full host tier makes room for each node an eviction stores; the nodes that same eviction already stored
+    are host-only leaves with old access times, yet giving one's host page to a later node would have the one
+    store write two device pages into it (one kernel launch on CUDA: either may land)."""
+    _pool, alloc, host, cache = tiered_cache(num_pages=4, num_host_pages=2)
+    a, b, c, d = seq(0, 1), seq(100, 1), seq(200, 1), seq(300, 1)
+    cache_seq(cache, alloc, a)
+    cache_seq(cache, alloc, b)
+    cache.evict(2)  # the host holds a and b: full
+    cache_seq(cache, alloc, c)
+    assert cache.load_from_host(b) == S  # b is used again after c was cached: c is now the older one
+    cache_seq(cache, alloc, d)
+    stores = []
+    real = host.store
+
+    def recorded(dev, hosts):
+        stores.append((list(dev), list(hosts)))
+        real(dev, hosts)
+
+    monkeypatch.setattr(host, "store", recorded)
+    assert len(cache.evict(3)) == 3  # c (room: a's host copy goes), b (already on the host), d (room: b's goes)
+    assert len(stores) == 1 and len(set(stores[0][1])) == len(stores[0][1]) == 2
+    assert (cache.residency(a), cache.residency(b), cache.residency(c), cache.residency(d)) == \
+        ([], [], ["host"], ["host"])
+    check_integrity(alloc, cache, [])
+
+
 def test_a_failed_store_drops_the_pages_as_without_a_tier_and_frees_everything(monkeypatch):
     """A store that fails (a CUDA fault, an identity refused) must not leave host pages that claim bytes they never
     got: the evicted nodes go, their device pages are freed, their host pages free, and later requests recompute."""
