@@ -95,7 +95,7 @@ class HostTierStats(NamedTuple):
     store_bytes: int
     load_seconds: float  # copy time (CUDA events on GPU, wall time on CPU)
     store_seconds: float
-    copy_path: CopyPath = CopyPath.DIRECT  # how batches cross
+    copy_path: CopyPath  # how batches cross
 
     @property
     def max_tokens(self) -> int:

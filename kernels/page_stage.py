@@ -64,9 +64,9 @@ def _check(plan: StagePlan, ids: torch.Tensor, stage: torch.Tensor, rows: torch.
     if rows is not None and (rows.dtype != torch.int64 or rows.shape != ids.shape or rows.device != plan.device):
         raise ValueError(f"rows must be int64 [{ids.numel()}] on {plan.device}, got {rows.dtype} "
                          f"{tuple(rows.shape)} on {rows.device}")
-    want = f"[{ids.numel()}, {plan.page_bytes}]" if rows is None else f"[R, {plan.page_bytes}]"
     if stage.dtype != torch.uint8 or stage.dim() != 2 or stage.shape[1] != plan.page_bytes or \
             (rows is None and stage.shape[0] != ids.numel()) or not stage.is_contiguous():
+        want = f"[{ids.numel()}, {plan.page_bytes}]" if rows is None else f"[R, {plan.page_bytes}]"
         raise ValueError(f"stage must be contiguous uint8 {want}, got {stage.dtype} {tuple(stage.shape)}")
     # host memory with a CUDA plan: the kernel reads or writes it over the bus (Triton refuses a pointer the GPU
     # does not map; Tensor.is_pinned() cannot tell, as it reads False for cudaHostRegister'ed memory)
