@@ -1,8 +1,11 @@
-"""One nixl transfer's reads into this decode's pool: one NIXL READ per batch of KVPageRefs messages (a run of
-pages of a chunk, every layer: the prefill sends them back to back), of the runs of consecutive pages of
-every part of each message's layer, waited for on the writer thread, then the written rows checked as
-``PageImporter.copy_from`` checks its copies (NaN/inf scales and values; ``finish`` raises). A READ's set-up
-and completion cost about 0.6 ms whatever its size, so a batch of a chunk's 8-36 layers costs one of them.
+"""One nixl transfer's reads into this decode's pool: per batch of KVPageRefs messages (a run of pages of a
+chunk, every layer: the prefill sends them back to back), the runs of consecutive pages of every part of each
+message's layer as NIXL READs of ``DESCS_PER_READ`` descriptors, all posted at once and waited for on the
+writer thread, then the written rows checked as ``PageImporter.copy_from`` checks its copies (NaN/inf scales
+and values; ``finish`` raises). A READ's set-up and completion cost about 0.6 ms whatever its size, so a
+batch of a chunk's 8-36 layers costs a few of them, not one per layer; and one READ of 100+ descriptors ran
+at a third of the speed of the same bytes in READs of 4 (docs/benchmarks/nixl_probe.json has the split's
+measurements).
 
 Invariant: ``read`` returns (or raises) only once NIXL no longer writes the destination pages (its handle is
 released), so once every posted read returned the pull may free or hand over the pages. ``stop`` makes reads
@@ -20,6 +23,8 @@ from decode_svc.page_refs import MAX_BATCH, PageRead
 from svc_common.kv_copy import PageImporter
 from svc_common.kv_transfer_nixl import NixlAgent, NixlTransferError, NixlView, read_descs
 
+DESCS_PER_READ = 32  # descriptors (part x run of pages x layer) per NIXL READ of a batch
+
 
 class NixlReads:
     def __init__(self, agent: NixlAgent, view: NixlView, importer: PageImporter, timeout_s: float):
@@ -33,8 +38,8 @@ class NixlReads:
         self._stop = threading.Event()
 
     def read(self, batch: Sequence[PageRead]) -> None:
-        """MUTATES the pool: every read of ``batch`` (at most ``MAX_BATCH``) in one NIXL READ, then each one's
-        rows checked. Blocks (call on a writer thread); ValueError when the read fails (the caller fails the
+        """MUTATES the pool: every read of ``batch`` (at most ``MAX_BATCH``) in READs of ``DESCS_PER_READ``
+        descriptors posted together, then each one's rows checked. Blocks (call on a writer thread); ValueError when the read fails (the caller fails the
         transfer)."""
         if not 0 < len(batch) <= MAX_BATCH:
             raise ValueError(f"a NIXL read batch holds 1..{MAX_BATCH} page reads, got {len(batch)}")
@@ -42,10 +47,11 @@ class NixlReads:
                  for r in batch]
         local, remote = (np.concatenate([d[i] for d in descs]) for i in (0, 1))
         with self._count:
-            self.num_reads += 1
+            self.num_reads += -(-len(local) // DESCS_PER_READ)
             self.num_descriptors += len(local)
         try:
-            self.agent.read(self.view.remote, local, remote, self.view.mem_type, self.timeout_s, self._stop)
+            self.agent.read(self.view.remote, local, remote, self.view.mem_type, self.timeout_s, self._stop,
+                            descs_per_read=DESCS_PER_READ)
         except NixlTransferError as e:
             raise ValueError(str(e)) from None
         for r in batch:

@@ -11,7 +11,7 @@ message is received while this one is checked:
     cuda-ipc  KVPageRefs -> PageImporter.copy_from the prefill's pool (opened once, decode_svc/kv_ipc.py), a run of
               pages of every layer in one writer task (decode_svc/page_refs.py); after PrefillDone: writes
               complete -> ReleaseTransfer -> the stream ends
-    nixl      KVPageRefs -> one NIXL READ per run of pages, every layer's refs of it together
+    nixl      KVPageRefs -> NIXL READs per run of pages, every layer's refs of it together, posted at once
               (decode_svc/kv_nixl_reads.py), then the rows checked; after PrefillDone: as cuda-ipc
 
 Every value the peer sends is checked before it touches the pool or the engine: request id, layer, page

@@ -38,14 +38,17 @@ from svc_common.kv_transfer_ipc import check_share, describe_tensors, page_runs,
 log = logging.getLogger(__name__)
 
 PARTS = ("k", "k_sf", "v", "v_sf")
-_POLL_S = 0.0002  # between two checks of a transfer's state (writer threads only, never the event loop)
+POLL_S = 0.00005  # between two checks of a transfer's state (writer threads only, never the event loop): each
+# check progresses UCX, which picks up at most UCX_CUDA_IPC_MAX_POLL copy completions per progress
 _SERVE_POLL_S = 0.0005  # the prefill's UCX progress interval while transfers are open
 _STUCK_LOG_S = 10.0  # a handle NIXL cannot cancel is waited for; logged at this interval
 # UCX defaults this to "auto", which turns cuda_ipc reads (a NIXL READ is a UCX get) off unless NVML reports an
 # active NVLink: two processes on one GPU, or GPUs joined over PCIe, then move VRAM through host memory at well
 # under 1 GB/s (UCX's cuda_ipc_iface.c; NIXL's later releases set it themselves). Set before UCX starts, unless
 # the environment already says otherwise.
-_UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+# UCX_CUDA_IPC_MAX_POLL (default 16) caps the copy completions one progress picks up, and one READ of a run of
+# pages of every part and layer is 100+ copies (each descriptor may go out on two rails).
+_UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y", "UCX_CUDA_IPC_MAX_POLL": "1024"}
 
 
 class NixlUnavailable(RuntimeError):
@@ -166,37 +169,69 @@ class NixlAgent:
                 self.agent.remove_remote_agent(name)
 
     def read(self, remote: str, local: np.ndarray, remote_descs: np.ndarray, remote_mem_type: str,
-             timeout_s: float, stop: threading.Event) -> None:
-        """MUTATES local memory: one READ of ``remote_descs`` (rows: address, bytes, device id on ``remote``)
-        into ``local`` (rows of this process's registered memory), waited for up to ``timeout_s`` or until
-        ``stop`` is set. Raises NixlTransferError; always releases the handle first (see the module's invariant)."""
-        ldl = self.agent.get_xfer_descs(local, self.mem_type)
-        rdl = self.agent.get_xfer_descs(remote_descs, remote_mem_type)
+             timeout_s: float, stop: threading.Event, descs_per_read: int = 0, poll_s: float = POLL_S) -> None:
+        """MUTATES local memory: READs of ``remote_descs`` (rows: address, bytes, device id on ``remote``) into
+        ``local`` (rows of this process's registered memory), ``descs_per_read`` rows each (0: one READ), all
+        posted before any is waited for; polled every ``poll_s`` (0: no sleep) for up to ``timeout_s`` or
+        until ``stop`` is set. Raises NixlTransferError; every handle made is released before it returns or
+        raises (see the module's invariant)."""
+        n = len(local)
+        if n != len(remote_descs) or n == 0:
+            raise NixlTransferError(f"a read needs as many local as remote descriptors (>= 1): {n} and "
+                                    f"{len(remote_descs)}")
+        if descs_per_read < 0 or poll_s < 0:
+            raise ValueError(f"descs_per_read and poll_s must be >= 0, got {descs_per_read} and {poll_s}")
+        step = descs_per_read or n
+        handles, error = [], ""
         try:
-            handle = self.agent.initialize_xfer("READ", ldl, rdl, remote)
-        except Exception as e:  # noqa: BLE001 - e.g. addresses outside what the remote registered
-            raise NixlTransferError(f"NIXL cannot set up the read: {type(e).__name__}: {e}") from None
-        state, error = "ERR", ""
-        try:
-            state = self.agent.transfer(handle)
-            deadline = time.monotonic() + timeout_s
-            while state == "PROC":
-                if stop.is_set():
-                    error = "stopped (the transfer failed or was cancelled)"
-                    break
-                if time.monotonic() > deadline:
-                    error = f"not complete within {timeout_s:g} s"
-                    break
-                time.sleep(_POLL_S)
-                state = self.agent.check_xfer_state(handle)
-            if not error and state != "DONE":
-                error = f"ended in state {state}"
-        except Exception as e:  # noqa: BLE001
-            error = f"{type(e).__name__}: {e}"
+            for i in range(0, n, step):
+                ldl = self.agent.get_xfer_descs(local[i:i + step], self.mem_type)
+                rdl = self.agent.get_xfer_descs(remote_descs[i:i + step], remote_mem_type)
+                try:
+                    handles.append(self.agent.initialize_xfer("READ", ldl, rdl, remote))
+                except Exception as e:  # noqa: BLE001 - e.g. addresses outside what the remote registered
+                    raise NixlTransferError(f"NIXL cannot set up the read: {type(e).__name__}: {e}") from None
+            error = self._post_and_wait(handles, timeout_s, stop, poll_s)
         finally:
-            self._release(handle)
+            first: NixlTransferError | None = None
+            for handle in handles:
+                try:
+                    self._release(handle)
+                except NixlTransferError as e:  # the others are still released
+                    first = first or e
+            if first is not None and not error:
+                raise first
         if error:
             raise NixlTransferError(f"NIXL read from {remote[:40]}: {error}")
+
+    def _post_and_wait(self, handles: list, timeout_s: float, stop: threading.Event, poll_s: float) -> str:
+        """Post every handle's READ, then poll until all are DONE. Returns '' or why they are not."""
+        try:
+            pending = []
+            for h in handles:
+                state = self.agent.transfer(h)
+                if state == "PROC":
+                    pending.append(h)
+                elif state != "DONE":
+                    return f"ended in state {state}"
+            deadline = time.monotonic() + timeout_s
+            while pending:
+                if stop.is_set():
+                    return "stopped (the transfer failed or was cancelled)"
+                if time.monotonic() > deadline:
+                    return f"not complete within {timeout_s:g} s"
+                time.sleep(poll_s)
+                still = []
+                for h in pending:
+                    state = self.agent.check_xfer_state(h)  # each check progresses the UCX worker
+                    if state == "PROC":
+                        still.append(h)
+                    elif state != "DONE":
+                        return f"ended in state {state}"
+                pending = still
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return ""
 
     def _release(self, handle) -> None:
         """Release ``handle``; one NIXL cannot cancel yet is waited for (it may still write local pages)."""

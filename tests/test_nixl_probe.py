@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from benchmarks.transfer.nixl_probe import pages_for, parse_setting, selected, ucx_lines
+from benchmarks.transfer.nixl_probe import page_order, pages_for, parse_setting, probe_args, selected, ucx_lines
 
 _PROBE = """
 from nixl._api import nixl_agent, nixl_agent_config
@@ -55,6 +55,20 @@ def test_settings_are_default_or_key_value_words():
         parse_setting("UCX_TLS")
     with pytest.raises(ValueError, match="READ or WRITE"):
         parse_setting("NIXL_PROBE_OP=PUSH")
+    split = parse_setting("NIXL_PROBE_RUNS=4 NIXL_PROBE_LAYERS=8 NIXL_PROBE_DESCS=32 NIXL_PROBE_POLL_S=0")
+    assert probe_args(split) == {"op": "READ", "runs": 4, "layers_per_xfer": 8, "descs_per_read": 32, "poll_s": 0.0}
+    for bad in ("NIXL_PROBE_RUNS=0", "NIXL_PROBE_LAYERS=9", "NIXL_PROBE_DESCS=-1", "NIXL_PROBE_POLL_S=soon"):
+        with pytest.raises(ValueError, match="must be"):
+            parse_setting(bad)
+    with pytest.raises(ValueError, match="READs only"):
+        parse_setting("NIXL_PROBE_OP=WRITE NIXL_PROBE_DESCS=8")
+
+
+def test_page_order_moves_every_page_once_in_runs_of_consecutive_pages():
+    order = page_order(10, 3)
+    assert sorted(order) == list(range(10))
+    assert order == [7, 8, 9, 3, 4, 5, 6, 0, 1, 2]  # blocks [0..2], [3..6], [7..9] land in reverse block order
+    assert page_order(5, 1) == list(range(5))
 
 
 def test_302_mb_is_2048_pages_of_the_8_layer_nvfp4_pool():
@@ -80,7 +94,9 @@ def cpu_report(tmp_path_factory):
     out = d / "probe.json"
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.transfer.nixl_probe", "--device", "cpu", "--mb", "8", "--iters", "2",
-         "--timeout-s", "90", "--settings", "default", "UCX_TLS=tcp,self", "--out", str(out),
+         "--timeout-s", "90", "--settings", "default", "UCX_TLS=tcp,self",
+         "NIXL_PROBE_RUNS=3 NIXL_PROBE_LAYERS=8 NIXL_PROBE_DESCS=5 NIXL_PROBE_POLL_S=0",
+         "NIXL_PROBE_OP=WRITE NIXL_PROBE_RUNS=3 NIXL_PROBE_LAYERS=4", "--out", str(out),
          "--log-dir", str(d / "logs")],
         check=False, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -89,15 +105,21 @@ def cpu_report(tmp_path_factory):
 
 def test_cpu_run_gives_one_verified_row_per_setting(cpu_report):
     report, out, stdout = cpu_report
-    assert [r["setting"] for r in report["rows"]] == ["default", "UCX_TLS=tcp,self"]
+    assert [r["setting"] for r in report["rows"]][:2] == ["default", "UCX_TLS=tcp,self"]
     assert report["pages"] == pages_for(8) and report["bytes"] == pages_for(8) * 8 * 18432
-    for r in report["rows"]:
+    plain, split, write = report["rows"][:2], report["rows"][2], report["rows"][3]
+    for r in report["rows"]:  # every page verified where the setting's order puts it
         assert r["status"] == "ok", r["status"]
-        assert r["op"] == "READ" and r["verified"] and r["verified_each"] == [True, True, True]
-        assert r["gbps"] > 0 and len(r["transfer_ms"]) == 2 and len(r["xfer_ms"]) == 2 * 8
+        assert r["verified"] and r["verified_each"] == [True, True, True]
+        assert r["gbps"] > 0 and len(r["transfer_ms"]) == 2
+        assert r["sys"]["initiator"]["ucx_version"][0].isdigit()
+    for r in plain:
+        assert r["op"] == "READ" and len(r["xfer_ms"]) == 2 * 8
         assert r["descs_per_xfer"] == 4  # one per part: every page is one run
         assert "get(host)" in r["selected"], r["selected"]
-        assert r["sys"]["initiator"]["ucx_version"][0].isdigit()
     assert "tcp" in report["rows"][1]["selected"]
-    assert out.with_suffix(".ucx.txt").read_text().count("=== ") == 2
+    # 3 runs x 4 parts x 8 layers in one xfer, read as READs of 5 descriptors posted together
+    assert split["op"] == "READ" and split["descs_per_xfer"] == 96 and len(split["xfer_ms"]) == 2
+    assert write["op"] == "WRITE" and write["descs_per_xfer"] == 48 and len(write["xfer_ms"]) == 2 * 2
+    assert out.with_suffix(".ucx.txt").read_text().count("=== ") == 4
     assert "default" in stdout and "GB/s" in stdout

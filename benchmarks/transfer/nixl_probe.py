@@ -10,12 +10,23 @@ For each setting (``default``, or space-separated ``KEY=VALUE`` words) it spawns
 (the decode's role: an empty pool of the same geometry, the share opened). The setting's variables are in the
 environment before nixl is loaded (UCX reads it at init; NIXL's own defaults, e.g. UCX_RNDV_THRESH=inf and
 UCX_MAX_RMA_RAILS=2, yield to variables already set), and every setting runs with ``UCX_PROTO_INFO=y
-UCX_LOG_LEVEL=info`` (a setting may override them). ``NIXL_PROBE_OP=WRITE`` is the probe's own word: the
-initiator writes its pool into the target's (the push direction) instead of reading.
+UCX_LOG_LEVEL=info`` (a setting may override them). Words ``NIXL_PROBE_*`` are the probe's own, not passed
+to UCX:
 
-A transfer is one xfer per layer (8 layers x ``--mb`` bytes in all; 302 MB = 2048 pages of the nvfp4 pool
-``KVPool("nvfp4", 8, pages, 16, 8, 128)``), each one descriptor per part and run of consecutive pages (4 here),
-as the decode issues them. After a warm-up (IPC handles opened, protocols selected) it times ``--iters``
+- ``NIXL_PROBE_OP=WRITE``: the initiator writes its pool into the target's (the push direction) instead of
+  reading;
+- ``NIXL_PROBE_RUNS=R`` (1): each layer's pages land in R runs of consecutive pages (the destination's blocks
+  in reverse order), so a layer is 4R descriptors, as a fragmented pool gives;
+- ``NIXL_PROBE_LAYERS=L`` (1): the descriptors of L layers in one xfer (8: one xfer of every layer, as the
+  decode batches a run of pages of every layer);
+- ``NIXL_PROBE_DESCS=K`` (0, READ only): an xfer split into READs of K descriptors, all posted before any is
+  waited for (``NixlAgent.read``'s ``descs_per_read``, as the decode reads);
+- ``NIXL_PROBE_POLL_S=S`` (READ only): the interval between two progress-and-check rounds of the READs
+  (``NixlAgent.read``'s ``poll_s``; the services' default otherwise).
+
+A transfer is 8 layers x ``--mb`` bytes in all (302 MB = 2048 pages of the nvfp4 pool
+``KVPool("nvfp4", 8, pages, 16, 8, 128)``), by default one xfer per layer of one descriptor per part and run
+of consecutive pages (4). After a warm-up (IPC handles opened, protocols selected) it times ``--iters``
 transfers, the destination zeroed before each and its checksum compared with the source's after each. Rows:
 GB/s (median, best), per-xfer latency, the warm-up transfer, bytes verified, and what UCX selected (the
 ``ucp_get``/``ucp_put`` protocol tables UCX_PROTO_INFO prints, lanes, warnings), kept in the JSON and in a
@@ -78,17 +89,30 @@ from engine.kv_pool import KVPool
 
 LAYERS, PAGE_SIZE, KV_HEADS, HEAD_DIM = 8, 16, 8, 128  # the 8-layer Qwen3-8B nvfp4 pool of bench_transfer
 BASE_ENV = {"UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info"}
-OP_KEY = "NIXL_PROBE_OP"  # the probe's own word, not passed to UCX
+OP_KEY = "NIXL_PROBE_OP"  # the probe's own words, not passed to UCX
+RUNS_KEY, LAYERS_KEY, DESCS_KEY, POLL_KEY = "NIXL_PROBE_RUNS", "NIXL_PROBE_LAYERS", "NIXL_PROBE_DESCS", "NIXL_PROBE_POLL_S"
+PROBE_KEYS = (OP_KEY, RUNS_KEY, LAYERS_KEY, DESCS_KEY, POLL_KEY)
 # most telling first: when --budget-s runs out, the last ones are skipped. "default" is what the services run
-# (NixlAgent sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y unless the environment says otherwise); =auto is UCX's own default.
+# (NixlAgent sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y and UCX_CUDA_IPC_MAX_POLL unless the environment says
+# otherwise). The split rows read a fragmented pool's pages (4 runs per layer) of every layer in one batch, as
+# the decode does: first as it did before READs were split (one READ of 128 descriptors, UCX's MAX_POLL, a
+# 0.2 ms poll), then each change alone and together.
+_FRAGMENTED = f"{RUNS_KEY}=4 {LAYERS_KEY}=8"
 DEFAULT_SETTINGS = (
-    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto",
     "default",
+    f"{_FRAGMENTED} UCX_CUDA_IPC_MAX_POLL=16 {POLL_KEY}=0.0002",
+    f"{_FRAGMENTED} {POLL_KEY}=0.0002",
+    f"{_FRAGMENTED} UCX_CUDA_IPC_MAX_POLL=16",
+    f"{_FRAGMENTED}",
+    f"{_FRAGMENTED} {DESCS_KEY}=32",
+    f"{_FRAGMENTED} {DESCS_KEY}=8",
+    f"{_FRAGMENTED} {DESCS_KEY}=32 UCX_MAX_RMA_RAILS=1",
+    f"{RUNS_KEY}=4",
+    f"{OP_KEY}=WRITE {_FRAGMENTED}",
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto",
     f"{OP_KEY}=WRITE",
     "UCX_TLS=cuda_ipc,cuda_copy,tcp,self UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y UCX_LOG_LEVEL=debug",
-    "UCX_TLS=cuda_ipc,cuda_copy,tcp,self",
     "UCX_RMA_PPLN_ENABLE=y UCX_RNDV_THRESH=0",
-    "UCX_TLS=tcp,cuda_copy,self UCX_RMA_PPLN_ENABLE=y",
     "UCX_TLS=tcp,cuda_copy",
 )
 _KEEP = re.compile(r"cuda_ipc|nvlink|cfg#|reachable|WARN|ERROR|Fatal|failed|version", re.IGNORECASE)
@@ -108,7 +132,39 @@ def parse_setting(text: str) -> dict[str, str]:
     op = env.get(OP_KEY, "READ")
     if op not in ("READ", "WRITE"):
         raise ValueError(f"setting {text!r}: {OP_KEY} must be READ or WRITE, not {op!r}")
+    for key, lo, hi in ((RUNS_KEY, 1, None), (LAYERS_KEY, 1, LAYERS), (DESCS_KEY, 0, None)):
+        if key in env and not (env[key].isdigit() and lo <= int(env[key]) and (hi is None or int(env[key]) <= hi)):
+            raise ValueError(f"setting {text!r}: {key} must be an integer in [{lo}, {hi or 'inf'}], not {env[key]!r}")
+    if POLL_KEY in env:
+        try:
+            ok = float(env[POLL_KEY]) >= 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"setting {text!r}: {POLL_KEY} must be seconds >= 0, not {env[POLL_KEY]!r}")
+    if op == "WRITE" and (DESCS_KEY in env or POLL_KEY in env):
+        raise ValueError(f"setting {text!r}: {DESCS_KEY} and {POLL_KEY} apply to READs only")
     return env
+
+
+def probe_args(env: dict[str, str]) -> dict[str, Any]:
+    """The probe words of a parsed setting, with their defaults."""
+    from svc_common.kv_transfer_nixl import POLL_S
+    return {"op": env.get(OP_KEY, "READ"), "runs": int(env.get(RUNS_KEY, 1)), "layers_per_xfer":
+            int(env.get(LAYERS_KEY, 1)), "descs_per_read": int(env.get(DESCS_KEY, 0)),
+            "poll_s": float(env.get(POLL_KEY, POLL_S))}
+
+
+def page_order(pages: int, runs: int) -> list[int]:
+    """Destination page of each source page: ``runs`` blocks of consecutive pages, the blocks in reverse order
+    (one run per block)."""
+    bounds = [round(i * pages / runs) for i in range(runs + 1)]
+    blocks = [list(range(bounds[i], bounds[i + 1])) for i in range(runs)]
+    dst = [p for b in reversed(blocks) for p in b]
+    order = [0] * pages
+    for src, d in zip(range(pages), dst, strict=True):
+        order[src] = d
+    return order
 
 
 def pages_for(mb: float) -> int:
@@ -136,10 +192,18 @@ def _zero(pool: KVPool) -> None:
         torch.cuda.synchronize(pool.device)
 
 
-def checksum(pool: KVPool) -> list[int]:
-    """Per tensor: the byte sum and a position-weighted byte sum (catches moved pages), on the pool's device."""
+def checksum(pool: KVPool, dst_of: list[int] | None = None) -> list[int]:
+    """Per tensor: the byte sum and a position-weighted byte sum (catches moved pages), on the pool's device;
+    with ``dst_of``, of the pool as its pages would stand after each page ``i`` moved to page ``dst_of[i]``."""
     out = []
-    for t in _tensors(pool):
+    tensors = _tensors(pool)
+    if dst_of is not None:  # rows past the allocator's pages (scratch) stay where they are
+        rows = pool.layers[0].k.shape[0]
+        src_at = torch.arange(rows, dtype=torch.int64)
+        src_at[torch.tensor(dst_of)] = torch.arange(len(dst_of))
+        src_at = src_at.to(pool.device)
+        tensors = [t.view(rows, -1).index_select(0, src_at).reshape(-1) for t in tensors]
+    for t in tensors:
         w = (torch.arange(t.numel(), device=t.device, dtype=torch.int64) % 65521 + 1).to(torch.int32)
         out += [int(t.sum(dtype=torch.int64)), int((t.to(torch.int32) * w).sum(dtype=torch.int64))]
     return out
@@ -195,7 +259,8 @@ def _run_target(conn, args: dict) -> dict:
     else:
         _zero(pool)
     share = export_nixl_share(pool, agent)
-    conn.send({"share": share.SerializeToString(), "sums": checksum(pool) if source else None})
+    dst_of = page_order(args["pages"], args["runs"])
+    conn.send({"share": share.SerializeToString(), "sums": checksum(pool, dst_of) if source else None})
     agent.serve_begin()
     try:
         while True:
@@ -211,12 +276,13 @@ def _run_target(conn, args: dict) -> dict:
         agent.serve_end()
 
 
-def _xfer(agent, op: str, remote: str, local, remote_descs, mem_type: str, timeout_s: float) -> None:
-    """One xfer of ``op``: READ through ``NixlAgent.read`` (the decode's code); WRITE, which the project's
-    wrapper does not offer, through the same raw nixl_agent calls."""
+def _xfer(agent, args: dict, remote: str, local, remote_descs, mem_type: str, timeout_s: float) -> None:
+    """One xfer of ``args['op']``: READ through ``NixlAgent.read`` (the decode's code, with the setting's split
+    and poll interval); WRITE, which the project's wrapper does not offer, through the same raw nixl_agent calls."""
     import threading
-    if op == "READ":
-        agent.read(remote, local, remote_descs, mem_type, timeout_s, threading.Event())
+    if args["op"] == "READ":
+        agent.read(remote, local, remote_descs, mem_type, timeout_s, threading.Event(),
+                   descs_per_read=args["descs_per_read"], poll_s=args["poll_s"])
         return
     a = agent.agent
     handle = a.initialize_xfer("WRITE", a.get_xfer_descs(local, agent.mem_type),
@@ -232,22 +298,36 @@ def _xfer(agent, op: str, remote: str, local, remote_descs, mem_type: str, timeo
         agent._release(handle)
 
 
+def xfer_descs(pool: KVPool, view, device_id: int, args: dict) -> list:
+    """(local, remote) descriptor rows of each xfer: ``layers_per_xfer`` layers each, every page of a layer
+    moved to ``page_order``'s place (READ: remote page i into local page order[i]; WRITE: local i into remote
+    order[i])."""
+    import numpy as np
+
+    from svc_common.kv_transfer_nixl import read_descs
+    src, dst = list(range(args["pages"])), page_order(args["pages"], args["runs"])
+    per_layer = [read_descs(pool, view, layer, src, dst, device_id) if args["op"] == "READ" else
+                 read_descs(pool, view, layer, dst, src, device_id) for layer in range(LAYERS)]
+    step = args["layers_per_xfer"]
+    return [tuple(np.concatenate([d[i] for d in per_layer[b:b + step]]) for i in (0, 1))
+            for b in range(0, LAYERS, step)]
+
+
 def _run_initiator(conn, args: dict) -> dict:
     """The decode's role: open the target's share and time transfers of every page of every layer."""
     from nvfp4_serve_proto import prefill_pb2
-    from svc_common.kv_transfer_nixl import open_nixl_share, read_descs
+    from svc_common.kv_transfer_nixl import open_nixl_share
     pool, agent, info = _setup("initiator", args)
     first = conn.recv()
     op = args["op"]
     if op == "WRITE":
         _fill(pool, seed=1)
-        want = checksum(pool)
+        want = checksum(pool, page_order(args["pages"], args["runs"]))
     else:
         _zero(pool)
         want = first["sums"]
     view = open_nixl_share(prefill_pb2.KVShare.FromString(first["share"]), pool, agent)
-    ids = list(range(args["pages"]))
-    descs = [read_descs(pool, view, layer, ids, ids, agent.device_id) for layer in range(LAYERS)]
+    descs = xfer_descs(pool, view, agent.device_id, args)
     row: dict[str, Any] = {"sys": info, "descs_per_xfer": len(descs[0][0]), "transfer_ms": [], "xfer_ms": [],
                            "warmup_ms": [], "verified": []}
     for i in range(args["warmup"] + args["iters"]):
@@ -260,7 +340,7 @@ def _run_initiator(conn, args: dict) -> dict:
         t0 = time.perf_counter()
         for local, remote in descs:
             t1 = time.perf_counter()
-            _xfer(agent, op, view.remote, local, remote, view.mem_type, args["xfer_timeout_s"])
+            _xfer(agent, args, view.remote, local, remote, view.mem_type, args["xfer_timeout_s"])
             lat.append((time.perf_counter() - t1) * 1e3)
         ms = (time.perf_counter() - t0) * 1e3
         if op == "READ":
@@ -346,7 +426,7 @@ def selected(lines: list[str]) -> str:
 
 def _child_env(setting: dict[str, str]) -> dict[str, str]:
     """The child's UCX variables: BASE_ENV, then the setting's (``_child`` drops inherited UCX_* first)."""
-    return BASE_ENV | {k: v for k, v in setting.items() if k != OP_KEY}
+    return BASE_ENV | {k: v for k, v in setting.items() if k not in PROBE_KEYS}
 
 
 def _collect(procs: dict, results: dict, timeout_s: float) -> tuple[dict, str]:
@@ -377,9 +457,10 @@ def _collect(procs: dict, results: dict, timeout_s: float) -> tuple[dict, str]:
 def run_setting(text: str, args, log_dir: Path, timeout_s: float) -> dict[str, Any]:
     """One row: ``text``'s two fresh processes, a warm-up and ``args.iters`` timed transfers."""
     setting = parse_setting(text)
-    op = setting.get(OP_KEY, "READ")
-    child_args = {"device": args.device, "pages": args.pages, "op": op, "warmup": args.warmup,
-                  "iters": args.iters, "xfer_timeout_s": max(1.0, timeout_s / 2)}
+    words = probe_args(setting)
+    op = words["op"]
+    child_args = {"device": args.device, "pages": args.pages, "warmup": args.warmup, "iters": args.iters,
+                  "xfer_timeout_s": max(1.0, timeout_s / 2), **words}
     env = _child_env(setting)
     ctx = mp.get_context("spawn")
     peer_t, peer_i = ctx.Pipe()
