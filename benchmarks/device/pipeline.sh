@@ -93,10 +93,10 @@ fi
 # the agentic trace with and without a host tier (HOSTTIER_SIZES; 32 GB is about 5x the GPU pool, and the
 # trace's 48 sessions need ~34 GB of FP8 pages), at two concurrencies of the sweep (HOSTTIER_CONCURRENCY); a
 # point lasts HOSTTIER_POINT_S (at 40 s some 50-270 turns of C=40 are never sent, so the sessions stop short of
-# their full context: NVFP4's pool then still holds every session)
-stage hosttier 600 python3 -m nvfp4_serve.cli bench --trace docs/benchmarks/agentic_trace_h200.jsonl \
+# their full context: NVFP4's pool then still holds every session); HOSTTIER_DTYPES, HOSTTIER_TIMEOUT_S
+stage hosttier ${HOSTTIER_TIMEOUT_S:-600} python3 -m nvfp4_serve.cli bench --trace docs/benchmarks/agentic_trace_h200.jsonl \
   --concurrency ${HOSTTIER_CONCURRENCY:-24 40} --sessions-per-concurrency 1 --max-point-duration-s ${HOSTTIER_POINT_S:-40} \
-  --kv-dtypes fp8_e4m3 nvfp4 --equal-pool-bytes 393216 --host-cache-sizes ${HOSTTIER_SIZES:-0 32GB} --no-progress \
+  --kv-dtypes ${HOSTTIER_DTYPES:-fp8_e4m3 nvfp4} --equal-pool-bytes 393216 --host-cache-sizes ${HOSTTIER_SIZES:-0 32GB} --no-progress \
   --out docs/benchmarks/${HOSTTIER_OUT:-agentic_host_tier}.json --report docs/benchmarks/${HOSTTIER_OUT:-agentic_host_tier}.md \
   --launch-log $R/agentic_host.launch.log --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --page-size 16
 # 1M input (+1,024 output = the model's 1,048,576 context) at concurrency 1: the workspace must hold the whole
