@@ -90,6 +90,21 @@ if want issue7; then
     --report docs/benchmarks/agentic.md --launch-log $R/agentic.launch.log \
     --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --page-size 16
 fi
+# NIXL between two processes on the H200 (UCX's CUDA transports): the probe of UCX settings, the transfer paths
+# side by side, and (NIXL_PD=1, the default) PD serving over cuda-ipc vs nixl.
+if [ "$NIXL_OK" = 1 ]; then
+  stage nixl_probe 300 python3 -m benchmarks.transfer.nixl_probe --device cuda --out docs/benchmarks/nixl_probe.json \
+    --log-dir $R/logs_nixl_probe ${NIXL_PROBE_ARGS:-}
+  # every path of stage transfer plus nixl, into the same report (run one of the two stages)
+  stage nixl 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
+    --num-layers 8 --lengths 32768 --paths grpc grpc-lanes cuda-ipc nixl --log-dir $R/logs_nixl
+  if [ "${NIXL_PD:-1}" = 1 ]; then
+    stage nixl 600 python3 -m nvfp4_serve.cli bench pd --input-len 32768 --output-len 256 --concurrency 16 \
+      --num-prompts 32 --deployments pd-ipc pd-nixl --out docs/benchmarks/pd_nixl.json \
+      --report docs/benchmarks/pd_nixl.md --log-dir $R/logs_pd_nixl --launch --model /tmp/q8b --num-layers 8 \
+      --max-total-tokens 1048576 --workspace-tokens 262144 --chunked-prefill-size 8192
+  fi
+fi
 # the agentic trace with and without a host tier (HOSTTIER_SIZES; 32 GB is about 5x the GPU pool, and the
 # trace's 48 sessions need ~34 GB of FP8 pages), at two concurrencies of the sweep (HOSTTIER_CONCURRENCY); a
 # point lasts HOSTTIER_POINT_S (at 40 s some 50-270 turns of C=40 are never sent, so the sessions stop short of
@@ -131,20 +146,5 @@ stage issue9x2 400 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0
 stage issue9x2 600 python3 -m nvfp4_serve.cli bench run --input-len 32768 --output-len 256 --concurrency 8 \
   --num-prompts 16 --no-progress --out docs/benchmarks/serving_two_gpu.json --launch-log $R/two_gpu.launch.log \
   --launch --model /tmp/q8b --num-layers 8 --prefill-gpus 0 --decode-gpus 1 --mem-fraction-static 0.5
-# NIXL between two processes on the H200 (UCX's CUDA transports): the probe of UCX settings, the transfer paths
-# side by side, and (NIXL_PD=1, the default) PD serving over cuda-ipc vs nixl.
-if [ "$NIXL_OK" = 1 ]; then
-  stage nixl_probe 300 python3 -m benchmarks.transfer.nixl_probe --device cuda --out docs/benchmarks/nixl_probe.json \
-    --log-dir $R/logs_nixl_probe ${NIXL_PROBE_ARGS:-}
-  # every path of stage transfer plus nixl, into the same report (run one of the two stages)
-  stage nixl 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
-    --num-layers 8 --lengths 32768 --paths grpc grpc-lanes cuda-ipc nixl --log-dir $R/logs_nixl
-  if [ "${NIXL_PD:-1}" = 1 ]; then
-    stage nixl 600 python3 -m nvfp4_serve.cli bench pd --input-len 32768 --output-len 256 --concurrency 16 \
-      --num-prompts 32 --deployments pd-ipc pd-nixl --out docs/benchmarks/pd_nixl.json \
-      --report docs/benchmarks/pd_nixl.md --log-dir $R/logs_pd_nixl --launch --model /tmp/q8b --num-layers 8 \
-      --max-total-tokens 1048576 --workspace-tokens 262144 --chunked-prefill-size 8192
-  fi
-fi
 echo "=== ALL DONE $(date +%T)"
 touch $R/DONE
