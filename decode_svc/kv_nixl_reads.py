@@ -15,13 +15,14 @@ still waiting give up (their handles are cancelled and released) when the transf
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from decode_svc.page_refs import MAX_BATCH, PageRead
 from svc_common.kv_copy import PageImporter
-from svc_common.kv_transfer_nixl import NixlAgent, NixlTransferError, NixlView, read_descs
+from svc_common.kv_transfer_nixl import NixlAgent, NixlTransferError, NixlView, read_descs, run_array
 
 DESCS_PER_READ = 32  # descriptors (part x run of pages x layer) per NIXL READ of a batch
 
@@ -31,6 +32,8 @@ class NixlReads:
         self.agent = agent
         self.num_reads = 0  # READs issued, and their descriptors (one per part and run of consecutive pages)
         self.num_descriptors = 0
+        self.read_s = self.check_s = 0.0  # time in READs (posted to DONE) and in the checks of their rows
+        self.num_rounds = 0  # rounds of state checks the READs took (each progresses UCX)
         self._count = threading.Lock()  # batches of one transfer may read on two writer threads at once
         self.view = view
         self.importer = importer
@@ -43,19 +46,36 @@ class NixlReads:
         transfer)."""
         if not 0 < len(batch) <= MAX_BATCH:
             raise ValueError(f"a NIXL read batch holds 1..{MAX_BATCH} page reads, got {len(batch)}")
-        descs = [read_descs(self.importer.pool, self.view, r.layer, r.src_ids, r.dst_ids, self.agent.device_id)
-                 for r in batch]
+        runs: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}  # every layer names the same pages
+        descs = []
+        for r in batch:
+            key = (tuple(r.src_ids), tuple(r.dst_ids))
+            if key not in runs:
+                runs[key] = run_array(r.src_ids, r.dst_ids)
+            descs.append(read_descs(self.importer.pool, self.view, r.layer, r.src_ids, r.dst_ids,
+                                    self.agent.device_id, runs[key]))
         local, remote = (np.concatenate([d[i] for d in descs]) for i in (0, 1))
         with self._count:
             self.num_reads += -(-len(local) // DESCS_PER_READ)
             self.num_descriptors += len(local)
+        t0 = time.perf_counter()
         try:
-            self.agent.read(self.view.remote, local, remote, self.view.mem_type, self.timeout_s, self._stop,
-                            descs_per_read=DESCS_PER_READ)
+            rounds = self.agent.read(self.view.remote, local, remote, self.view.mem_type, self.timeout_s,
+                                     self._stop, descs_per_read=DESCS_PER_READ)
         except NixlTransferError as e:
             raise ValueError(str(e)) from None
+        t1 = time.perf_counter()
         for r in batch:
             self.importer.check_written(r.layer, r.dst_ids, r.num_tokens)
+        with self._count:
+            self.read_s += t1 - t0
+            self.check_s += time.perf_counter() - t1
+            self.num_rounds += rounds
+
+    def summary(self) -> str:
+        """For the transfer's log line: READs, descriptors, their time and the checks'."""
+        return (f" in {self.num_reads} READs of {self.num_descriptors} descriptors ({self.read_s * 1e3:.1f} ms "
+                f"reading in {self.num_rounds} rounds of checks, {self.check_s * 1e3:.1f} ms checking rows)")
 
     def stop(self) -> None:
         """Reads still waiting give up: their handles are released (NIXL cancels them) before they return."""

@@ -169,12 +169,12 @@ class NixlAgent:
                 self.agent.remove_remote_agent(name)
 
     def read(self, remote: str, local: np.ndarray, remote_descs: np.ndarray, remote_mem_type: str,
-             timeout_s: float, stop: threading.Event, descs_per_read: int = 0, poll_s: float = POLL_S) -> None:
+             timeout_s: float, stop: threading.Event, descs_per_read: int = 0, poll_s: float = POLL_S) -> int:
         """MUTATES local memory: READs of ``remote_descs`` (rows: address, bytes, device id on ``remote``) into
         ``local`` (rows of this process's registered memory), ``descs_per_read`` rows each (0: one READ), all
         posted before any is waited for; polled every ``poll_s`` (0: no sleep) for up to ``timeout_s`` or
-        until ``stop`` is set. Raises NixlTransferError; every handle made is released before it returns or
-        raises (see the module's invariant)."""
+        until ``stop`` is set. Returns the rounds of checks it took. Raises NixlTransferError; every handle
+        made is released before it returns or raises (see the module's invariant)."""
         n = len(local)
         if n != len(remote_descs) or n == 0:
             raise NixlTransferError(f"a read needs as many local as remote descriptors (>= 1): {n} and "
@@ -182,7 +182,7 @@ class NixlAgent:
         if descs_per_read < 0 or poll_s < 0:
             raise ValueError(f"descs_per_read and poll_s must be >= 0, got {descs_per_read} and {poll_s}")
         step = descs_per_read or n
-        handles, error = [], ""
+        handles, error, rounds = [], "", 0
         try:
             for i in range(0, n, step):
                 ldl = self.agent.get_xfer_descs(local[i:i + step], self.mem_type)
@@ -191,7 +191,7 @@ class NixlAgent:
                     handles.append(self.agent.initialize_xfer("READ", ldl, rdl, remote))
                 except Exception as e:  # noqa: BLE001 - e.g. addresses outside what the remote registered
                     raise NixlTransferError(f"NIXL cannot set up the read: {type(e).__name__}: {e}") from None
-            error = self._post_and_wait(handles, timeout_s, stop, poll_s)
+            error, rounds = self._post_and_wait(handles, timeout_s, stop, poll_s)
         finally:
             first: NixlTransferError | None = None
             for handle in handles:
@@ -203,9 +203,13 @@ class NixlAgent:
                 raise first
         if error:
             raise NixlTransferError(f"NIXL read from {remote[:40]}: {error}")
+        return rounds
 
-    def _post_and_wait(self, handles: list, timeout_s: float, stop: threading.Event, poll_s: float) -> str:
-        """Post every handle's READ, then poll until all are DONE. Returns '' or why they are not."""
+    def _post_and_wait(self, handles: list, timeout_s: float, stop: threading.Event,
+                       poll_s: float) -> tuple[str, int]:
+        """Post every handle's READ, then poll until all are DONE. Returns ('' or why they are not, the rounds
+        of checks)."""
+        rounds = 0
         try:
             pending = []
             for h in handles:
@@ -213,25 +217,26 @@ class NixlAgent:
                 if state == "PROC":
                     pending.append(h)
                 elif state != "DONE":
-                    return f"ended in state {state}"
+                    return f"ended in state {state}", rounds
             deadline = time.monotonic() + timeout_s
             while pending:
                 if stop.is_set():
-                    return "stopped (the transfer failed or was cancelled)"
+                    return "stopped (the transfer failed or was cancelled)", rounds
                 if time.monotonic() > deadline:
-                    return f"not complete within {timeout_s:g} s"
+                    return f"not complete within {timeout_s:g} s", rounds
                 time.sleep(poll_s)
+                rounds += 1
                 still = []
                 for h in pending:
                     state = self.agent.check_xfer_state(h)  # each check progresses the UCX worker
                     if state == "PROC":
                         still.append(h)
                     elif state != "DONE":
-                        return f"ended in state {state}"
+                        return f"ended in state {state}", rounds
                 pending = still
         except Exception as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {e}"
-        return ""
+            return f"{type(e).__name__}: {e}", rounds
+        return "", rounds
 
     def _release(self, handle) -> None:
         """Release ``handle``; one NIXL cannot cancel yet is waited for (it may still write local pages)."""
@@ -327,20 +332,26 @@ def open_nixl_share(share: prefill_pb2.KVShare, pool: KVPool, agent: NixlAgent) 
 
 
 def read_descs(pool: KVPool, view: NixlView, layer: int, src_ids: Sequence[int], dst_ids: Sequence[int],
-               device_id: int) -> tuple[np.ndarray, np.ndarray]:
+               device_id: int, runs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(local, remote) descriptor rows (address, bytes, device id) of pages ``src_ids`` of ``view``'s ``layer``
-    into ``dst_ids`` of ``pool``'s: one row per part and run of consecutive pages. Ids must be checked
-    against both pools by the caller."""
-    runs = np.asarray(page_runs([int(p) for p in src_ids], [int(p) for p in dst_ids]), dtype=np.int64).reshape(-1, 3)
+    into ``dst_ids`` of ``pool``'s: one row per part and run of consecutive pages (``runs``: ``run_array`` of
+    the ids, when the caller has it already). Ids must be checked against both pools by the caller."""
+    if runs is None:
+        runs = run_array(src_ids, dst_ids)
     local, remote = [], []
     lkv = pool.layers[layer]
+    s0, d0, m = runs[:, 0], runs[:, 1], runs[:, 2]
     for part in PARTS:
         t = getattr(lkv, part)
         if t is None:
             continue
         r = view.layers[layer][part]
-        s0, d0, m = runs[:, 0], runs[:, 1], runs[:, 2]
         n = m * r.page_bytes
         local.append(np.stack([t.data_ptr() + d0 * r.page_bytes, n, np.full_like(n, device_id)], axis=1))
         remote.append(np.stack([r.address + s0 * r.page_bytes, n, np.full_like(n, view.device_id)], axis=1))
     return np.concatenate(local).astype(np.uint64), np.concatenate(remote).astype(np.uint64)
+
+
+def run_array(src_ids: Sequence[int], dst_ids: Sequence[int]) -> np.ndarray:
+    """``page_runs`` of the ids as an int64 array of rows (src_start, dst_start, length)."""
+    return np.asarray(page_runs([int(p) for p in src_ids], [int(p) for p in dst_ids]), dtype=np.int64).reshape(-1, 3)

@@ -56,8 +56,9 @@ def test_settings_are_default_or_key_value_words():
     with pytest.raises(ValueError, match="READ or WRITE"):
         parse_setting("NIXL_PROBE_OP=PUSH")
     split = parse_setting("NIXL_PROBE_RUNS=4 NIXL_PROBE_LAYERS=8 NIXL_PROBE_DESCS=32 NIXL_PROBE_POLL_S=0")
-    assert probe_args(split) == {"op": "READ", "runs": 4, "layers_per_xfer": 8, "descs_per_read": 32, "poll_s": 0.0}
-    for bad in ("NIXL_PROBE_RUNS=0", "NIXL_PROBE_LAYERS=9", "NIXL_PROBE_DESCS=-1", "NIXL_PROBE_POLL_S=soon"):
+    assert probe_args(split) == {"op": "READ", "runs": 4, "layers_per_xfer": 8, "descs_per_read": 32, "poll_s": 0.0,
+                                 "busy": False}
+    for bad in ("NIXL_PROBE_RUNS=0", "NIXL_PROBE_LAYERS=9", "NIXL_PROBE_DESCS=-1", "NIXL_PROBE_POLL_S=soon", "NIXL_PROBE_BUSY=2"):
         with pytest.raises(ValueError, match="must be"):
             parse_setting(bad)
     with pytest.raises(ValueError, match="READs only"):
@@ -95,7 +96,7 @@ def cpu_report(tmp_path_factory):
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.transfer.nixl_probe", "--device", "cpu", "--mb", "8", "--iters", "2",
          "--timeout-s", "90", "--settings", "default", "UCX_TLS=tcp,self",
-         "NIXL_PROBE_RUNS=3 NIXL_PROBE_LAYERS=8 NIXL_PROBE_DESCS=5 NIXL_PROBE_POLL_S=0",
+         "NIXL_PROBE_RUNS=3 NIXL_PROBE_LAYERS=8 NIXL_PROBE_DESCS=5 NIXL_PROBE_POLL_S=0 NIXL_PROBE_BUSY=1",
          "NIXL_PROBE_OP=WRITE NIXL_PROBE_RUNS=3 NIXL_PROBE_LAYERS=4", "--out", str(out),
          "--log-dir", str(d / "logs")],
         check=False, capture_output=True, text=True, timeout=300)
@@ -120,6 +121,7 @@ def test_cpu_run_gives_one_verified_row_per_setting(cpu_report):
     assert "tcp" in report["rows"][1]["selected"]
     # 3 runs x 4 parts x 8 layers in one xfer, read as READs of 5 descriptors posted together
     assert split["op"] == "READ" and split["descs_per_xfer"] == 96 and len(split["xfer_ms"]) == 2
+    assert len(split["rounds"]) == 2 and write["rounds"] == [0] * 4
     assert write["op"] == "WRITE" and write["descs_per_xfer"] == 48 and len(write["xfer_ms"]) == 2 * 2
     assert out.with_suffix(".ucx.txt").read_text().count("=== ") == 4
     assert "default" in stdout and "GB/s" in stdout

@@ -22,7 +22,9 @@ to UCX:
 - ``NIXL_PROBE_DESCS=K`` (0, READ only): an xfer split into READs of K descriptors, all posted before any is
   waited for (``NixlAgent.read``'s ``descs_per_read``, as the decode reads);
 - ``NIXL_PROBE_POLL_S=S`` (READ only): the interval between two progress-and-check rounds of the READs
-  (``NixlAgent.read``'s ``poll_s``; the services' default otherwise).
+  (``NixlAgent.read``'s ``poll_s``; the services' default otherwise);
+- ``NIXL_PROBE_BUSY=1``: a second Python thread runs pure-Python work while the initiator transfers, with the
+  services' GIL switch interval: the GIL contention a service's event loop gives its copy threads.
 
 A transfer is 8 layers x ``--mb`` bytes in all (302 MB = 2048 pages of the nvfp4 pool
 ``KVPool("nvfp4", 8, pages, 16, 8, 128)``), by default one xfer per layer of one descriptor per part and run
@@ -78,6 +80,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -91,20 +94,25 @@ LAYERS, PAGE_SIZE, KV_HEADS, HEAD_DIM = 8, 16, 8, 128  # the 8-layer Qwen3-8B nv
 BASE_ENV = {"UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info"}
 OP_KEY = "NIXL_PROBE_OP"  # the probe's own words, not passed to UCX
 RUNS_KEY, LAYERS_KEY, DESCS_KEY, POLL_KEY = "NIXL_PROBE_RUNS", "NIXL_PROBE_LAYERS", "NIXL_PROBE_DESCS", "NIXL_PROBE_POLL_S"
-PROBE_KEYS = (OP_KEY, RUNS_KEY, LAYERS_KEY, DESCS_KEY, POLL_KEY)
+BUSY_KEY = "NIXL_PROBE_BUSY"
+PROBE_KEYS = (OP_KEY, RUNS_KEY, LAYERS_KEY, DESCS_KEY, POLL_KEY, BUSY_KEY)
 # most telling first: when --budget-s runs out, the last ones are skipped. "default" is what the services run
 # (NixlAgent sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y and UCX_CUDA_IPC_MAX_POLL unless the environment says
-# otherwise). The split rows read a fragmented pool's pages (4 runs per layer) of every layer in one batch, as
-# the decode does: first as it did before READs were split (one READ of 128 descriptors, UCX's MAX_POLL, a
-# 0.2 ms poll), then each change alone and together.
+# otherwise). The fragmented rows read a fragmented pool's pages (4 runs per layer) of every layer in one batch,
+# as the decode does: as it reads now (READs of 32 descriptors), then with a busy Python thread beside it (a
+# service's GIL contention), as one READ, and as it read before (one READ of 128 descriptors, UCX's
+# MAX_POLL, a 0.2 ms poll), then each change alone.
 _FRAGMENTED = f"{RUNS_KEY}=4 {LAYERS_KEY}=8"
 DEFAULT_SETTINGS = (
     "default",
+    f"{_FRAGMENTED} {DESCS_KEY}=32",
+    f"{_FRAGMENTED} {DESCS_KEY}=32 {BUSY_KEY}=1",
+    f"{_FRAGMENTED}",
+    f"{_FRAGMENTED} {BUSY_KEY}=1",
     f"{_FRAGMENTED} UCX_CUDA_IPC_MAX_POLL=16 {POLL_KEY}=0.0002",
+    f"{_FRAGMENTED} UCX_CUDA_IPC_MAX_POLL=16 {POLL_KEY}=0.0002 {BUSY_KEY}=1",
     f"{_FRAGMENTED} {POLL_KEY}=0.0002",
     f"{_FRAGMENTED} UCX_CUDA_IPC_MAX_POLL=16",
-    f"{_FRAGMENTED}",
-    f"{_FRAGMENTED} {DESCS_KEY}=32",
     f"{_FRAGMENTED} {DESCS_KEY}=8",
     f"{_FRAGMENTED} {DESCS_KEY}=32 UCX_MAX_RMA_RAILS=1",
     f"{RUNS_KEY}=4",
@@ -132,7 +140,7 @@ def parse_setting(text: str) -> dict[str, str]:
     op = env.get(OP_KEY, "READ")
     if op not in ("READ", "WRITE"):
         raise ValueError(f"setting {text!r}: {OP_KEY} must be READ or WRITE, not {op!r}")
-    for key, lo, hi in ((RUNS_KEY, 1, None), (LAYERS_KEY, 1, LAYERS), (DESCS_KEY, 0, None)):
+    for key, lo, hi in ((RUNS_KEY, 1, None), (LAYERS_KEY, 1, LAYERS), (DESCS_KEY, 0, None), (BUSY_KEY, 0, 1)):
         if key in env and not (env[key].isdigit() and lo <= int(env[key]) and (hi is None or int(env[key]) <= hi)):
             raise ValueError(f"setting {text!r}: {key} must be an integer in [{lo}, {hi or 'inf'}], not {env[key]!r}")
     if POLL_KEY in env:
@@ -152,7 +160,7 @@ def probe_args(env: dict[str, str]) -> dict[str, Any]:
     from svc_common.kv_transfer_nixl import POLL_S
     return {"op": env.get(OP_KEY, "READ"), "runs": int(env.get(RUNS_KEY, 1)), "layers_per_xfer":
             int(env.get(LAYERS_KEY, 1)), "descs_per_read": int(env.get(DESCS_KEY, 0)),
-            "poll_s": float(env.get(POLL_KEY, POLL_S))}
+            "poll_s": float(env.get(POLL_KEY, POLL_S)), "busy": env.get(BUSY_KEY, "0") == "1"}
 
 
 def page_order(pages: int, runs: int) -> list[int]:
@@ -276,14 +284,13 @@ def _run_target(conn, args: dict) -> dict:
         agent.serve_end()
 
 
-def _xfer(agent, args: dict, remote: str, local, remote_descs, mem_type: str, timeout_s: float) -> None:
+def _xfer(agent, args: dict, remote: str, local, remote_descs, mem_type: str, timeout_s: float) -> int:
     """One xfer of ``args['op']``: READ through ``NixlAgent.read`` (the decode's code, with the setting's split
-    and poll interval); WRITE, which the project's wrapper does not offer, through the same raw nixl_agent calls."""
-    import threading
+    and poll interval); WRITE, which the project's wrapper does not offer, through the same raw nixl_agent calls.
+    Returns the READ's rounds of state checks (0 for a WRITE)."""
     if args["op"] == "READ":
-        agent.read(remote, local, remote_descs, mem_type, timeout_s, threading.Event(),
-                   descs_per_read=args["descs_per_read"], poll_s=args["poll_s"])
-        return
+        return agent.read(remote, local, remote_descs, mem_type, timeout_s, threading.Event(),
+                          descs_per_read=args["descs_per_read"], poll_s=args["poll_s"])
     a = agent.agent
     handle = a.initialize_xfer("WRITE", a.get_xfer_descs(local, agent.mem_type),
                                a.get_xfer_descs(remote_descs, mem_type), remote)
@@ -296,6 +303,15 @@ def _xfer(agent, args: dict, remote: str, local, remote_descs, mem_type: str, ti
             raise RuntimeError(f"NIXL WRITE ended in state {state}")
     finally:
         agent._release(handle)
+    return 0
+
+
+def _busy(stop) -> None:
+    """Pure-Python work until ``stop`` is set (holds the GIL between switch intervals)."""
+    x = 0
+    while not stop.is_set():
+        for i in range(2000):
+            x ^= i
 
 
 def xfer_descs(pool: KVPool, view, device_id: int, args: dict) -> list:
@@ -329,7 +345,12 @@ def _run_initiator(conn, args: dict) -> dict:
     view = open_nixl_share(prefill_pb2.KVShare.FromString(first["share"]), pool, agent)
     descs = xfer_descs(pool, view, agent.device_id, args)
     row: dict[str, Any] = {"sys": info, "descs_per_xfer": len(descs[0][0]), "transfer_ms": [], "xfer_ms": [],
-                           "warmup_ms": [], "verified": []}
+                           "warmup_ms": [], "verified": [], "rounds": []}
+    stop_busy = threading.Event()
+    if args["busy"]:
+        from engine.engine_loop import favour_engine_thread
+        favour_engine_thread()
+        threading.Thread(target=_busy, args=(stop_busy,), daemon=True).start()
     for i in range(args["warmup"] + args["iters"]):
         if op == "READ":
             _zero(pool)
@@ -340,8 +361,10 @@ def _run_initiator(conn, args: dict) -> dict:
         t0 = time.perf_counter()
         for local, remote in descs:
             t1 = time.perf_counter()
-            _xfer(agent, args, view.remote, local, remote, view.mem_type, args["xfer_timeout_s"])
+            rounds = _xfer(agent, args, view.remote, local, remote, view.mem_type, args["xfer_timeout_s"])
             lat.append((time.perf_counter() - t1) * 1e3)
+            if i >= args["warmup"]:
+                row["rounds"].append(rounds)
         ms = (time.perf_counter() - t0) * 1e3
         if op == "READ":
             got = checksum(pool)
@@ -354,6 +377,7 @@ def _run_initiator(conn, args: dict) -> dict:
             row["transfer_ms"].append(round(ms, 3))
             row["xfer_ms"] += [round(x, 3) for x in lat]
         row["verified"].append(got == want)
+    stop_busy.set()
     conn.send("done")
     return row
 
@@ -497,7 +521,7 @@ def _row(text: str, op: str, setting: dict, args, got: dict, why: str, logs: dic
         row.update(gbps=round(nbytes / statistics.median(ms) / 1e6, 3), gbps_best=round(nbytes / min(ms) / 1e6, 3),
                    transfer_ms=ms, xfer_ms=ini["xfer_ms"], xfer_ms_median=round(statistics.median(ini["xfer_ms"]), 3),
                    xfer_ms_max=max(ini["xfer_ms"]), warmup_ms=ini["warmup_ms"],
-                   descs_per_xfer=ini["descs_per_xfer"], verified=all(ini["verified"]),
+                   descs_per_xfer=ini["descs_per_xfer"], rounds=ini["rounds"], verified=all(ini["verified"]),
                    verified_each=ini["verified"])
     row["status"] = "ok" if ms and row["verified"] and not row["error"] else (
         "WRONG BYTES" if ms and not row["verified"] else f"failed: {row['error'] or 'no timings'}")
