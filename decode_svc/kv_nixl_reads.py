@@ -1,11 +1,13 @@
 """One nixl transfer's reads into this decode's pool: per batch of KVPageRefs messages (a run of pages of a
-chunk, every layer: the prefill sends them back to back), the runs of consecutive pages of every part of each
-message's layer as NIXL READs of ``DESCS_PER_READ`` descriptors, all posted at once and waited for on the
-writer thread, then the written rows checked as ``PageImporter.copy_from`` checks its copies (NaN/inf scales
-and values; ``finish`` raises). A READ's set-up and completion cost about 0.6 ms whatever its size, so a
-batch of a chunk's 8-36 layers costs a few of them, not one per layer; and one READ of 100+ descriptors ran
-at a third of the speed of the same bytes in READs of 4 (docs/benchmarks/nixl_probe.json has the split's
-measurements).
+chunk, every layer: the prefill sends them back to back), one NIXL READ of the runs of consecutive pages of
+every part of each message's layer, waited for on the writer thread, then the written rows checked as
+``PageImporter.copy_from`` checks its copies (NaN/inf scales and values; ``finish`` raises).
+
+One READ per batch, not one per layer nor several smaller ones: every NIXL call releases the GIL and must win
+it back, which costs up to the switch interval while the service's other threads run Python. The probe
+(docs/benchmarks/nixl_probe.json, a fragmented pool's 128 descriptors with a busy Python thread beside) moved
+125 GB/s as one READ and 56 GB/s as READs of 32; idle, both ran at 320-330 GB/s. The descriptors of a batch are
+built in numpy over its layers at once, for the same reason.
 
 Invariant: ``read`` returns (or raises) only once NIXL no longer writes the destination pages (its handle is
 released), so once every posted read returned the pull may free or hand over the pages. ``stop`` makes reads
@@ -22,9 +24,7 @@ import numpy as np
 
 from decode_svc.page_refs import MAX_BATCH, PageRead
 from svc_common.kv_copy import PageImporter
-from svc_common.kv_transfer_nixl import NixlAgent, NixlTransferError, NixlView, read_descs, run_array
-
-DESCS_PER_READ = 32  # descriptors (part x run of pages x layer) per NIXL READ of a batch
+from svc_common.kv_transfer_nixl import NixlAgent, NixlTransferError, NixlView, read_descs
 
 
 class NixlReads:
@@ -41,27 +41,24 @@ class NixlReads:
         self._stop = threading.Event()
 
     def read(self, batch: Sequence[PageRead]) -> None:
-        """MUTATES the pool: every read of ``batch`` (at most ``MAX_BATCH``) in READs of ``DESCS_PER_READ``
-        descriptors posted together, then each one's rows checked. Blocks (call on a writer thread); ValueError when the read fails (the caller fails the
+        """MUTATES the pool: every read of ``batch`` (at most ``MAX_BATCH``) in one NIXL READ, then each one's
+        rows checked. Blocks (call on a writer thread); ValueError when the read fails (the caller fails the
         transfer)."""
         if not 0 < len(batch) <= MAX_BATCH:
             raise ValueError(f"a NIXL read batch holds 1..{MAX_BATCH} page reads, got {len(batch)}")
-        runs: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}  # every layer names the same pages
-        descs = []
+        groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[PageRead]] = {}  # every layer names the same pages
         for r in batch:
-            key = (tuple(r.src_ids), tuple(r.dst_ids))
-            if key not in runs:
-                runs[key] = run_array(r.src_ids, r.dst_ids)
-            descs.append(read_descs(self.importer.pool, self.view, r.layer, r.src_ids, r.dst_ids,
-                                    self.agent.device_id, runs[key]))
+            groups.setdefault((tuple(r.src_ids), tuple(r.dst_ids)), []).append(r)
+        descs = [read_descs(self.importer.pool, self.view, [r.layer for r in g], g[0].src_ids, g[0].dst_ids,
+                            self.agent.device_id) for g in groups.values()]
         local, remote = (np.concatenate([d[i] for d in descs]) for i in (0, 1))
         with self._count:
-            self.num_reads += -(-len(local) // DESCS_PER_READ)
+            self.num_reads += 1
             self.num_descriptors += len(local)
         t0 = time.perf_counter()
         try:
             rounds = self.agent.read(self.view.remote, local, remote, self.view.mem_type, self.timeout_s,
-                                     self._stop, descs_per_read=DESCS_PER_READ)
+                                     self._stop)
         except NixlTransferError as e:
             raise ValueError(str(e)) from None
         t1 = time.perf_counter()

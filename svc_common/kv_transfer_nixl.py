@@ -331,27 +331,23 @@ def open_nixl_share(share: prefill_pb2.KVShare, pool: KVPool, agent: NixlAgent) 
     return NixlView(int(share.num_pages), remote, share.nixl_mem_type, share.nixl_device_id, layers)
 
 
-def read_descs(pool: KVPool, view: NixlView, layer: int, src_ids: Sequence[int], dst_ids: Sequence[int],
-               device_id: int, runs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(local, remote) descriptor rows (address, bytes, device id) of pages ``src_ids`` of ``view``'s ``layer``
-    into ``dst_ids`` of ``pool``'s: one row per part and run of consecutive pages (``runs``: ``run_array`` of
-    the ids, when the caller has it already). Ids must be checked against both pools by the caller."""
-    if runs is None:
-        runs = run_array(src_ids, dst_ids)
-    local, remote = [], []
-    lkv = pool.layers[layer]
+def read_descs(pool: KVPool, view: NixlView, layers: Sequence[int], src_ids: Sequence[int],
+               dst_ids: Sequence[int], device_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(local, remote) descriptor rows (address, bytes, device id) of pages ``src_ids`` of ``view``'s ``layers``
+    into ``dst_ids`` of ``pool``'s: one row per layer, part and run of consecutive pages, in numpy over all
+    layers at once. Ids must be checked against both pools by the caller."""
+    runs = np.asarray(page_runs([int(p) for p in src_ids], [int(p) for p in dst_ids]), dtype=np.int64).reshape(-1, 3)
     s0, d0, m = runs[:, 0], runs[:, 1], runs[:, 2]
+    local, remote = [], []
     for part in PARTS:
-        t = getattr(lkv, part)
-        if t is None:
+        tensors = [getattr(pool.layers[i], part) for i in layers]
+        if tensors[0] is None:
             continue
-        r = view.layers[layer][part]
-        n = m * r.page_bytes
-        local.append(np.stack([t.data_ptr() + d0 * r.page_bytes, n, np.full_like(n, device_id)], axis=1))
-        remote.append(np.stack([r.address + s0 * r.page_bytes, n, np.full_like(n, view.device_id)], axis=1))
+        rts = [view.layers[i][part] for i in layers]
+        pb = np.array([r.page_bytes for r in rts], dtype=np.int64)[:, None]  # [layers, 1]
+        lbase = np.array([t.data_ptr() for t in tensors], dtype=np.int64)[:, None]
+        rbase = np.array([r.address for r in rts], dtype=np.int64)[:, None]
+        n = (m[None, :] * pb).reshape(-1)
+        local.append(np.stack([(lbase + d0[None, :] * pb).reshape(-1), n, np.full_like(n, device_id)], axis=1))
+        remote.append(np.stack([(rbase + s0[None, :] * pb).reshape(-1), n, np.full_like(n, view.device_id)], axis=1))
     return np.concatenate(local).astype(np.uint64), np.concatenate(remote).astype(np.uint64)
-
-
-def run_array(src_ids: Sequence[int], dst_ids: Sequence[int]) -> np.ndarray:
-    """``page_runs`` of the ids as an int64 array of rows (src_start, dst_start, length)."""
-    return np.asarray(page_runs([int(p) for p in src_ids], [int(p) for p in dst_ids]), dtype=np.int64).reshape(-1, 3)

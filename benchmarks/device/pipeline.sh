@@ -95,9 +95,10 @@ fi
 if [ "$NIXL_OK" = 1 ]; then
   stage nixl_probe 300 python3 -m benchmarks.transfer.nixl_probe --device cuda --out docs/benchmarks/nixl_probe.json \
     --log-dir $R/logs_nixl_probe ${NIXL_PROBE_ARGS:-}
-  # every path of stage transfer plus nixl, into the same report (run one of the two stages)
+  # every path of stage transfer plus nixl, into the same report (run one of the two stages); NIXL_TRANSFER_ARGS
+  # adds to or overrides its flags (e.g. "--paths cuda-ipc nixl --out-json ... --out-md ...")
   stage nixl 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
-    --num-layers 8 --lengths 32768 --paths grpc grpc-lanes cuda-ipc nixl --log-dir $R/logs_nixl
+    --num-layers 8 --lengths 32768 --paths grpc grpc-lanes cuda-ipc nixl --log-dir $R/logs_nixl ${NIXL_TRANSFER_ARGS:-}
   if [ "${NIXL_PD:-1}" = 1 ]; then
     stage nixl 600 python3 -m nvfp4_serve.cli bench pd --input-len 32768 --output-len 256 --concurrency 16 \
       --num-prompts 32 --deployments pd-ipc pd-nixl --out docs/benchmarks/pd_nixl.json \

@@ -322,8 +322,8 @@ def xfer_descs(pool: KVPool, view, device_id: int, args: dict) -> list:
 
     from svc_common.kv_transfer_nixl import read_descs
     src, dst = list(range(args["pages"])), page_order(args["pages"], args["runs"])
-    per_layer = [read_descs(pool, view, layer, src, dst, device_id) if args["op"] == "READ" else
-                 read_descs(pool, view, layer, dst, src, device_id) for layer in range(LAYERS)]
+    per_layer = [read_descs(pool, view, [layer], src, dst, device_id) if args["op"] == "READ" else
+                 read_descs(pool, view, [layer], dst, src, device_id) for layer in range(LAYERS)]
     step = args["layers_per_xfer"]
     return [tuple(np.concatenate([d[i] for d in per_layer[b:b + step]]) for i in (0, 1))
             for b in range(0, LAYERS, step)]
