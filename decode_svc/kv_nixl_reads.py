@@ -1,7 +1,8 @@
 """One nixl transfer's reads into this decode's pool: per batch of KVPageRefs messages (a run of pages of a
 chunk, every layer: the prefill sends them back to back), one NIXL READ of the runs of consecutive pages of
 every part of each message's layer, waited for on the writer thread, then the written rows checked as
-``PageImporter.copy_from`` checks its copies (NaN/inf scales and values; ``finish`` raises).
+``PageImporter.copy_from`` checks its copies (NaN/inf scales and values; ``finish`` raises), one check launch
+per run of pages for all of its layers.
 
 One READ per batch, not one per layer nor several smaller ones: every NIXL call releases the GIL and must win
 it back, which costs up to the switch interval while the service's other threads run Python. The probe
@@ -46,9 +47,9 @@ class NixlReads:
         transfer)."""
         if not 0 < len(batch) <= MAX_BATCH:
             raise ValueError(f"a NIXL read batch holds 1..{MAX_BATCH} page reads, got {len(batch)}")
-        groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[PageRead]] = {}  # every layer names the same pages
+        groups: dict[tuple, list[PageRead]] = {}  # every layer of a run names the same pages and prompt slots
         for r in batch:
-            groups.setdefault((tuple(r.src_ids), tuple(r.dst_ids)), []).append(r)
+            groups.setdefault((tuple(r.src_ids), tuple(r.dst_ids), r.num_tokens), []).append(r)
         descs = [read_descs(self.importer.pool, self.view, [r.layer for r in g], g[0].src_ids, g[0].dst_ids,
                             self.agent.device_id) for g in groups.values()]
         local, remote = (np.concatenate([d[i] for d in descs]) for i in (0, 1))
@@ -62,8 +63,8 @@ class NixlReads:
         except NixlTransferError as e:
             raise ValueError(str(e)) from None
         t1 = time.perf_counter()
-        for r in batch:
-            self.importer.check_written(r.layer, r.dst_ids, r.num_tokens)
+        for g in groups.values():
+            self.importer.check_written([r.layer for r in g], g[0].dst_ids, g[0].num_tokens)
         with self._count:
             self.read_s += t1 - t0
             self.check_s += time.perf_counter() - t1

@@ -1,4 +1,5 @@
-"""The typed launch of ``kernels.triton.page_copy.page_copy_kernel``: one layer's pages, every part, one launch.
+"""The typed launches of ``kernels.triton.page_copy``: ``copy_pages``, one layer's pages, every part, one
+launch; ``check_pages``, the check alone over the same pages of several layers, one launch.
 
 ``copy_pages`` computes ``kernels.page_copy.copy_pages_reference`` byte for byte (copies and flag), with the
 host work of one kernel launch instead of a gather, a scatter and a check per part: the cuda-ipc transfer's
@@ -15,7 +16,7 @@ import torch
 import triton
 
 from kernels.page_copy import check_kind
-from kernels.triton.page_copy import page_copy_kernel
+from kernels.triton.page_copy import page_check_kernel, page_copy_kernel
 
 ACCESS_BYTES = 16  # every page of every part is moved in whole accesses of this many bytes
 _MAX_BLOCK_WORDS = 2048  # int32 words per program and iteration: 8 KiB, 4 16-byte accesses per thread
@@ -83,6 +84,46 @@ def copy_pages(src: Sequence[torch.Tensor | None], dst: Sequence[torch.Tensor | 
         ks, kd, vs, vd, kss, ksd, vss, vsd, src_ids, dst_ids, flag, int(num_tokens), PAGE_SIZE=g.page_size,
         VAL_WORDS=g.val_words, VAL_BLOCK=_block(g.val_words), VAL_CHECK=g.val_check, SF_WORDS=g.sf_words,
         SF_BLOCK=_block(g.sf_words), COPY=copy, num_warps=4)
+
+
+def check_table(layers: Sequence[Sequence[torch.Tensor | None]]) -> tuple[torch.Tensor, int, int, int]:
+    """(device int64 table of the checked parts' base addresses, their words per page, their check kind, page
+    size) for ``check_pages``: every layer's parts checked as ``page_geometry`` checks one layer's, all layers
+    of one geometry. An empty table where no part is checked (nothing can be NaN). The table addresses the
+    parts' memory: keep them alive while it is used."""
+    if not layers:
+        raise ValueError("check_pages needs at least one layer")
+    g = page_geometry(layers[0], layers[0])
+    for parts in layers[1:]:
+        if page_geometry(parts, parts) != g or parts[0].device != layers[0][0].device:
+            raise ValueError("check_pages needs every layer of one page geometry on one device")
+    if g.sf_words:  # nvfp4: the E4M3 block scales; the E2M1 codes cannot be NaN
+        segments, words, kind = [(parts[1], parts[3]) for parts in layers], g.sf_words, 1
+    elif g.val_check:
+        segments, words, kind = [(parts[0], parts[2]) for parts in layers], g.val_words, g.val_check
+    else:
+        segments, words, kind = [], 0, 0
+    addresses = [t.data_ptr() for pair in segments for t in pair]
+    table = torch.tensor(addresses, dtype=torch.int64).to(layers[0][0].device)
+    return table, words, kind, g.page_size
+
+
+def check_pages(table: tuple[torch.Tensor, int, int, int], ids: torch.Tensor, num_tokens: int,
+                flag: torch.Tensor) -> None:
+    """``kernels.page_copy.check_pages_reference`` of the layers ``table`` (``check_table``) names, in one
+    launch on the current stream: ``flag |= NaN/inf among the first num_tokens token slots`` of pages ``ids``
+    of every layer. ids: 1-D int32/int64 on the parts' device, each < the pool's pages (checked by the caller).
+    MUTATES ``flag``."""
+    addresses, words, kind, page_size = table
+    device = addresses.device
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != device:
+        raise ValueError(f"ids must be 1-D int32/int64 on {device}, got {tuple(ids.shape)} {ids.dtype} on {ids.device}")
+    if flag.dtype != torch.int32 or flag.numel() != 1 or flag.device != device:
+        raise ValueError(f"flag must be one int32 on {device}, got {tuple(flag.shape)} {flag.dtype}")
+    if ids.numel() == 0 or addresses.numel() == 0:
+        return
+    page_check_kernel[(ids.numel(), addresses.numel())](addresses, ids, flag, int(num_tokens), PAGE_SIZE=page_size,
+                                                        WORDS=words, BLOCK=_block(words), CHECK=kind, num_warps=4)
 
 
 def _block(words: int) -> int:

@@ -32,7 +32,7 @@ import torch
 
 from engine.fence import Fence
 from engine.kv_pool import KVPool
-from kernels.page_copy import check_kind, copy_pages_reference
+from kernels.page_copy import check_kind, check_pages_reference, copy_pages_reference
 from svc_common.kv_transfer_ipc import page_runs
 from svc_common.kv_wire import Frame, PageRunView, encode_page_run, frame_page_run
 
@@ -137,10 +137,13 @@ class PageImporter:
         self._bad: torch.Tensor | None = None  # device int32 flag: a written value or scale is NaN/inf
         self._arange: torch.Tensor | None = None  # see _first_ids
         self._copy_pages = copy_pages_reference
-        if pool.device.type == "cuda":
-            from kernels.page_copy_triton import ACCESS_BYTES, copy_pages  # triton: a GPU install's
+        self._check_table = None  # with the kernels: kernels.page_copy_triton.check_table (see check_written)
+        self._tables: dict[tuple[int, ...], tuple] = {}  # layers -> their check table (the pool's parts live on)
+        if pool.device.type == "cuda":  # triton: a GPU install's
+            from kernels.page_copy_triton import ACCESS_BYTES, check_table, copy_pages
             if all(b % ACCESS_BYTES == 0 for b in self.page_bytes):  # else (tiny pages x heads) the reference
                 self._copy_pages = copy_pages
+                self._check_table = check_table
         # What each part's values are checked as (kernels.page_copy.check_kind: E4M3, bf16 or not at all)
         self._kinds = [None if t is None else check_kind(t) for t in _parts(pool, 0)]
 
@@ -212,17 +215,24 @@ class PageImporter:
         self._last_ids = (src_ids, dst_ids, made)
         return made
 
-    def check_written(self, layer: int, page_ids: Sequence[int], num_tokens: int) -> None:
-        """The checks ``copy_from`` makes, for pages ``page_ids`` of ``layer`` that another agent wrote into
-        the pool (nixl: NIXL's READ, complete before this call): the values of the first ``num_tokens`` token
-        slots flagged on the device (``finish`` raises). Reads only: the page-copy launch without its copy."""
-        if len(page_ids) == 0:
+    def check_written(self, layers: Sequence[int], page_ids: Sequence[int], num_tokens: int) -> None:
+        """The checks ``copy_from`` makes, for pages ``page_ids`` of each of ``layers`` that another agent wrote
+        into the pool (nixl: NIXL's READ, complete before this call): the values of the first ``num_tokens``
+        token slots flagged on the device (``finish`` raises). Reads only; on a GPU one check launch for every
+        layer (``kernels.page_copy_triton.check_pages``), else the reference per layer."""
+        if len(page_ids) == 0 or len(layers) == 0:
             return
         ids = list(page_ids)
         with self._lock, _on(self.stream):
             idx, _ = self._indices(ids, ids)
-            parts = _parts(self.pool, layer)
-            self._copy_pages(parts, parts, idx, idx, num_tokens, self._flag(), copy=False)
+            if self._check_table is None:
+                check_pages_reference([_parts(self.pool, i) for i in layers], idx, num_tokens, self._flag())
+                return
+            from kernels.page_copy_triton import check_pages
+            key = tuple(layers)
+            if key not in self._tables:
+                self._tables[key] = self._check_table([_parts(self.pool, i) for i in key])
+            check_pages(self._tables[key], idx, num_tokens, self._flag())
 
     def _flag(self) -> torch.Tensor:
         """The device int32 flag the checks OR into (made on first use, on the side stream; no sync)."""

@@ -98,18 +98,22 @@ def test_a_share_with_wrong_geometry_or_addresses_is_refused(exported, change, w
         check_nixl_share(bent(share, **change), cpu_pool())
 
 
-def test_pages_written_by_a_nixl_read_are_checked_like_copies_a_nan_scale_fails_the_transfer():
-    pool = cpu_pool()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_pages_written_by_a_nixl_read_are_checked_like_copies_a_nan_scale_fails_the_transfer(device):
+    """On the CPU the reference check per layer; on a GPU one check launch for every layer of a run."""
+    pool = KVPool("nvfp4", num_layers=2, num_pages=12, page_size=16, num_kv_heads=2, head_dim=32, device=device)
     for lkv in pool.layers:
         lkv.k_sf.view(torch.uint8).fill_(0x38)  # 1.0
         lkv.v_sf.view(torch.uint8).fill_(0x38)
     pool.layers[1].k_sf.view(torch.uint8)[5, 0] = 0x7F  # an E4M3 NaN scale in token slot 0 of page 5
     pool.layers[0].v_sf.view(torch.uint8)[7, 3] = 0xFF  # a NaN in slot 3 of page 7: past the prompt's 3 tokens
     clean = PageImporter(pool)
-    clean.check_written(1, [3, 4], 8)
-    clean.check_written(0, [7], 3)
+    assert (clean._check_table is not None) == (device == "cuda")  # the one-launch check where it runs
+    clean.check_written([1], [3, 4], 32)
+    clean.check_written([0, 1], [7], 3)
     clean.finish()  # nothing flagged
     poisoned = PageImporter(pool)
-    poisoned.check_written(1, [4, 5], 5)  # page 5 holds the prompt's 5th token
+    poisoned.check_written([0, 1], [4, 5], 17)  # page 5 holds the prompt's 17th token
     with pytest.raises(ValueError, match="NaN or inf"):
         poisoned.finish()

@@ -14,7 +14,14 @@ import sys
 
 import pytest
 
-from benchmarks.transfer.nixl_probe import page_order, pages_for, parse_setting, probe_args, selected, ucx_lines
+from benchmarks.transfer.nixl_probe import (
+    page_order,
+    pages_for,
+    parse_setting,
+    probe_args,
+    selected,
+    ucx_lines,
+)
 
 _PROBE = """
 from nixl._api import nixl_agent, nixl_agent_config
