@@ -195,27 +195,53 @@ def test_greedy_through_nixl_service_processes_equals_the_engine_bf16(tiny_model
         check_greedy_over_nixl(tiny_model_dir, "bf16", p, d)
 
 
-def test_a_nixl_transfer_cancelled_mid_stream_frees_every_page_on_both_sides(tiny_model_dir):
-    async def scenario(p, d):
-        task = asyncio.ensure_future(generate(d.address, "c", prompt(300), p.address, 4))
-        for _ in range(600):  # until the header is out (the path is counted right before it)
-            if metric(await prefill_metrics(p.address), 'nvfp4_prefill_kv_transfer_path_total{path="nixl"}') == 2:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1.5)  # layer 0's page refs were due 1 s after the header, layer 1's are due at 2 s
+# seconds after the prefill counted the nixl path (right before the header) at which the request is cancelled.
+# The 300-token prompt runs as 3 chunks of 128 tokens; each chunk's page refs go out layer by layer (2 layers),
+# each message 1 s after the one before (--debug-transfer-delay-s), and the decode reads a chunk's pages once
+# its last layer's refs are in: chunk 0's layer 0 at 1 s, its layer 1 (then its READ) at 2 s, chunk 1's at 3 s.
+NIXL_STAGES = {
+    "as soon as the request is out (before or while the prefill computes)": None,
+    "after the header, before any page refs": 0.3,
+    "mid-stream, a chunk's layer 0 refs in, its READ not yet issued": 1.5,
+    "a chunk's READ done, the next chunk's refs not yet sent": 2.5,
+}
+
+
+def test_a_nixl_transfer_cancelled_at_every_stage_frees_every_page_on_both_sides(tiny_model_dir):
+    path_metric = 'nvfp4_prefill_kv_transfer_path_total{path="nixl"}'
+
+    async def cancel_at(p, d, i: int, after_header_s: float | None):
+        paths = metric(await prefill_metrics(p.address), path_metric)
+        task = asyncio.ensure_future(generate(d.address, f"c{i}", prompt(300, offset=37 * i), p.address, 4))
+        if after_header_s is not None:
+            for _ in range(600):  # until the header is out
+                if metric(await prefill_metrics(p.address), path_metric) == paths + 1:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(after_header_s)
         assert not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         return await state(p.address, d.address)
 
-    with nixl_pair(tiny_model_dir, prefill_args=("--debug-transfer-delay-s", "1.0")) as (p, d):
+    async def scenario(p, d):
+        out = [await cancel_at(p, d, i, at) for i, at in enumerate(NIXL_STAGES.values())]
+        later = await generate(d.address, "after", prompt(23, offset=11), p.address, 6)
+        return out, later
+
+    with nixl_pair(tiny_model_dir, prefill_args=("--debug-transfer-delay-s", "1.0", "--chunked-prefill-size",
+                                                  "128")) as (p, d):
         asyncio.run(generate(d.address, "warm", prompt(20, offset=3), p.address, 2))  # opens the share
-        load, rep, ptext, dtext = asyncio.run(scenario(p, d))
-    assert load.pool_pages_in_use == 0
-    assert metric(ptext, 'nvfp4_prefill_kv_holds_total{outcome="stream_ended"}') == 1
-    assert metric(dtext, 'nvfp4_decode_kv_transfer_path_total{path="nixl"}') == 2
-    assert rep.ok and rep.num_in_use == 0
+        results, later = asyncio.run(scenario(p, d))
+    for stage, (load, rep, _, _) in zip(NIXL_STAGES, results, strict=True):
+        assert load.pool_pages_in_use == 0, stage
+        assert rep.ok and rep.num_in_use == 0, stage
+    ptext, dtext = results[-1][2], results[-1][3]
+    # the three stages after the header each ended a hold when the stream closed (the first may have too)
+    assert metric(ptext, 'nvfp4_prefill_kv_holds_total{outcome="stream_ended"}') in (3, 4)
+    assert metric(dtext, 'nvfp4_decode_kv_transfer_path_total{path="nixl"}') >= 4
+    assert later == reference(tiny_model_dir, "nvfp4", prompt(23, offset=11))  # the services keep serving
 
 
 def test_the_transfer_benchmark_runs_the_nixl_path_beside_grpc(tiny_model_dir, tmp_path):
