@@ -1,7 +1,7 @@
 """The nixl KV transfer path on the CPU: NIXL (UCX backend) reads the prefill's pool pages into the decode's.
 
 Real prefill and decode service processes with --kv-transfer nixl on both ends give the engine's own greedy
-output for nvfp4 and bf16 pools, take the nixl path (metrics), and a transfer cancelled mid-stream leaves no
+output for nvfp4 and bf16 pools, take the nixl path (metrics), and a transfer cancelled at every stage leaves no
 page held on either side; a share the decode refuses sends that prefill's transfers over gRPC (counted). The
 path rule and the share checks, which need no NIXL, are in tests/test_kv_transfer_nixl_rules.py.
 
