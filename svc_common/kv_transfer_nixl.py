@@ -1,12 +1,13 @@
 """The nixl transfer path's NIXL side: one agent per process, its pool registered once, a prefill's pool
-opened from its share, and one READ per page-refs message of runs of consecutive pages.
+opened from its share, and READs of descriptor lists (one row per layer, part and run of consecutive pages).
 
     prefill process                                    decode process
     NixlAgent(name); export_nixl_share(pool, agent)    NixlAgent(name); register the pool (once)
         --KVShare: metadata, address + size per tensor (gRPC, once)-->
                                                        open_nixl_share(share, pool, agent) -> NixlView
-    pool writes; Fence.wait()  --KVPageRefs-->         read_pages(...): one READ of every part's runs of that
-                                                       layer, polled to DONE on a writer thread
+    pool writes; Fence.wait()  --KVPageRefs-->         NixlAgent.read: one READ of a batch's descriptors
+                                                       (decode_svc/kv_nixl_reads.py), polled to DONE on a
+                                                       writer thread
                                <--ReleaseTransfer--    after every READ completed (and was checked)
 
 The decode addresses remote pages only through a ``NixlView``: every tensor of the share checked for this
@@ -182,7 +183,7 @@ class NixlAgent:
         if descs_per_read < 0 or poll_s < 0:
             raise ValueError(f"descs_per_read and poll_s must be >= 0, got {descs_per_read} and {poll_s}")
         step = descs_per_read or n
-        handles, error, rounds = [], "", 0
+        handles: list = []
         try:
             for i in range(0, n, step):
                 ldl = self.agent.get_xfer_descs(local[i:i + step], self.mem_type)
@@ -193,17 +194,20 @@ class NixlAgent:
                     raise NixlTransferError(f"NIXL cannot set up the read: {type(e).__name__}: {e}") from None
             error, rounds = self._post_and_wait(handles, timeout_s, stop, poll_s)
         finally:
-            first: NixlTransferError | None = None
-            for handle in handles:
-                try:
-                    self._release(handle)
-                except NixlTransferError as e:  # the others are still released
-                    first = first or e
-            if first is not None and not error:
-                raise first
-        if error:
-            raise NixlTransferError(f"NIXL read from {remote[:40]}: {error}")
+            released = self._release_all(handles)  # before any error leaves: NIXL writes no page after this
+        if error or released:
+            raise NixlTransferError(f"NIXL read from {remote[:40]}: {error}" if error else released)
         return rounds
+
+    def _release_all(self, handles: list) -> str:
+        """Release every handle (each waited for where NIXL cannot cancel it). Returns '' or the first failure."""
+        first = ""
+        for handle in handles:
+            try:
+                self._release(handle)
+            except NixlTransferError as e:  # the others are still released
+                first = first or str(e)
+        return first
 
     def _post_and_wait(self, handles: list, timeout_s: float, stop: threading.Event,
                        poll_s: float) -> tuple[str, int]:
