@@ -27,8 +27,8 @@ import torch
 
 from engine.kv_pool import KVPool
 from engine.model import AttnFn
-from kernels import fp8
-from kernels.backends.base import AttentionBackend, DecodeOptions, DecodePlan
+from nvfp4_kernels import fp8
+from nvfp4_kernels.backends.base import AttentionBackend, DecodeOptions, DecodePlan
 
 
 @dataclass(frozen=True)

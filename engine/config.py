@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.host_cache_size import HostCacheSize, host_cache_size_arg
 from engine.kv_rotation import KV_ROTATIONS
-from kernels.kv_layout import KV_DTYPES
+from nvfp4_kernels.kv_layout import KV_DTYPES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_DEFAULT_TOKENS = 65536
@@ -51,13 +51,13 @@ def flag(help_text: str, **kw: Any) -> dict[str, Flag]:
 
 
 def _attention_backends() -> tuple[str, ...]:
-    from kernels.backends.registry import available_backends  # torch: asked only when a parser is built
+    from nvfp4_kernels.backends.registry import available_backends  # torch: asked only when a parser is built
 
     return ("auto", *available_backends())
 
 
 def _nvfp4_decode_kernels() -> tuple[str, ...]:
-    from kernels.backends.decode_kernels import NVFP4_DECODE_KERNELS
+    from nvfp4_kernels.backends.decode_kernels import NVFP4_DECODE_KERNELS
 
     return NVFP4_DECODE_KERNELS
 
@@ -201,7 +201,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = field(default=256, metadata=flag(
         "largest decode batch run under a CUDA graph; larger batches run eagerly"))
     # The decoder's RMSNorms (with the residual adds), SiLU-and-multiply and q/k norm + RoPE as fused Triton
-    # kernels on CUDA (kernels/model_ops.py); the switch keeps the PyTorch ops, for comparisons.
+    # kernels on CUDA (nvfp4_kernels/model_ops.py); the switch keeps the PyTorch ops, for comparisons.
     disable_fused_ops: bool = field(default=False, metadata=flag(
         "run RMSNorm, SiLU-and-multiply and q/k norm + RoPE as PyTorch ops on CUDA too (default: fused Triton "
         "kernels on CUDA; CPU always uses the PyTorch ops)"))

@@ -37,7 +37,7 @@ import torch
 
 from engine.attention_paths import AttentionPaths
 from engine.model import CausalLM
-from kernels.backends.base import DecodePlan
+from nvfp4_kernels.backends.base import DecodePlan
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

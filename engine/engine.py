@@ -33,8 +33,8 @@ from engine.request import Request, StepOutput
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.startup_error import StartupError
-from kernels.backends.registry import get_backend
-from kernels.kv_layout import bytes_per_token_per_layer
+from nvfp4_kernels.backends.registry import get_backend
+from nvfp4_kernels.kv_layout import bytes_per_token_per_layer
 from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Layout: one host tensor ``[H, page_bytes]`` uint8, page-major: host page h holds one device page's raw bytes of
 every layer and part (k, k_sf, v, v_sf: packed E2M1 / E4M3 / bf16 values and the E4M3 block scales), in the
-order of ``kernels.page_stage`` (layer by layer, parts in that order). A batch moves as ONE launch of the
+order of ``nvfp4_kernels.page_stage`` (layer by layer, parts in that order). A batch moves as ONE launch of the
 page-stage kernel, whatever the layer count and however scattered its host pages:
 
 - ``CopyPath.DIRECT`` (the default): the kernel reads and writes the pinned host pages themselves over the bus,
@@ -45,8 +45,8 @@ from engine.config import CacheConfig
 from engine.kv_pool import KVPool
 from engine.pinned_memory import page_locked, release
 from engine.startup_error import StartupError
-from kernels import page_stage
-from kernels.kv_layout import KV_DTYPES, bytes_per_token_per_layer
+from nvfp4_kernels import page_stage
+from nvfp4_kernels.kv_layout import KV_DTYPES, bytes_per_token_per_layer
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""The paged KV pool: per-layer storage (``kernels.kv_layout.LayerKV``), capacity and page transfer.
+"""The paged KV pool: per-layer storage (``nvfp4_kernels.kv_layout.LayerKV``), capacity and page transfer.
 
-Storage per layer (P pages of S tokens, Hk KV heads, head_dim D; see ``kernels/kv_layout.py``):
+Storage per layer (P pages of S tokens, Hk KV heads, head_dim D; see ``nvfp4_kernels/kv_layout.py``):
 
     bf16       k, v  [P, S, Hk, D]    bfloat16
     fp8_e4m3   k, v  [P, S, Hk, D]    float8_e4m3fn
@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.kv_layout import KV_DTYPES, LayerKV, bytes_per_token_per_layer
+from nvfp4_kernels.kv_layout import KV_DTYPES, LayerKV, bytes_per_token_per_layer
 
 _STORAGE_DTYPE = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "nvfp4": torch.uint8}
 

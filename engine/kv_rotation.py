@@ -8,7 +8,7 @@ difference: R spreads an outlier channel of K or V over all D channels, so a 16-
 typical values rather than by one large one, and the E2M1 grid resolves the rest better.
 
 Every path sees the same R because the model itself hands attention rotated vectors (``CausalLM.rotate_kv``):
-q, k, v leave the fused q/k-norm + RoPE kernel rotated (kernels/triton/qk_norm_rope.py, no extra launch) and the
+q, k, v leave the fused q/k-norm + RoPE kernel rotated (nvfp4_kernels/triton/qk_norm_rope.py, no extra launch) and the
 output's R^T is folded into o_proj's weight at load, so the prefill and extend workspace, the pool (what is
 written, transferred and cached is rotated K/V), decode and calibration all see rotated K/V at no cost per step.
 The rotation is part of the KV layout (svc_common/layout.py), so a decode refuses pages rotated differently.
@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from kernels.model_ops import HeadRotation
+from nvfp4_kernels.model_ops import HeadRotation
 
 KV_ROTATIONS = ("none", "hadamard")
 _SIGN_SEED = 0  # part of the format: changing it changes what a rotated pool's bytes mean

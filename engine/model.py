@@ -13,7 +13,7 @@ Query head h attends with KV head ``h // num_q_per_kv`` (HF ``repeat_kv`` groupi
 
 Parameters are fused where the math allows (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``);
 ``checkpoint_targets`` maps each HF tensor name to the rows of the fused parameter it fills.
-The norms, SiLU-and-multiply and q/k norm + RoPE go through a ``kernels.model_ops.ModelOps`` chosen per
+The norms, SiLU-and-multiply and q/k norm + RoPE go through a ``nvfp4_kernels.model_ops.ModelOps`` chosen per
 forward by the device of the hidden states: fused Triton kernels on CUDA (unless ``fused_ops=False``), the
 PyTorch reference elsewhere. The residual stream is carried beside the hidden states so that each residual
 add is fused into the RMSNorm after it (same bf16 roundings as adding first).
@@ -30,8 +30,8 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
-from kernels.model_ops import HeadRotation, ModelOps, rms_norm
-from kernels.op_select import model_ops
+from nvfp4_kernels.model_ops import HeadRotation, ModelOps, rms_norm
+from nvfp4_kernels.op_select import model_ops
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -8,7 +8,7 @@ rotated by angle ``pos * inv_freq[i]``:
 
 Tables ``cos/sin [max_positions, D/2]`` (float32, already multiplied by the YaRN attention
 factor) are built once per device on first use, on the CPU and then copied, so that every
-device sees bit-identical tables. The rotation itself is done in float32 (``kernels.model_ops.rotate_neox``;
+device sees bit-identical tables. The rotation itself is done in float32 (``nvfp4_kernels.model_ops.rotate_neox``;
 the model applies it fused with the q/k norm through ``ModelOps.qk_norm_rope`` on these tables).
 
 Dynamic NTK is made cache friendly: the rotation of position p depends on p only, with
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from engine.model_config import ROPE_TYPES
-from kernels.model_ops import rotate_neox
+from nvfp4_kernels.model_ops import rotate_neox
 
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from engine.kv_rotation import rotation_matrix
-from kernels import fp8, nvfp4
-from kernels.nvfp4_block_select import quantize_block_select
+from nvfp4_kernels import fp8, nvfp4
+from nvfp4_kernels.nvfp4_block_select import quantize_block_select
 
 
 def _roundtrip(x: torch.Tensor, fmt: str, amax: float) -> torch.Tensor:

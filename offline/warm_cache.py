@@ -20,7 +20,7 @@ otherwise builds at a kernel's first load (``offline/triton_host_launchers.py``;
 
 FlashInfer (into FLASHINFER_WORKSPACE_BASE's cache, when flashinfer imports): the FA2 modules of the prefill
 on FP8 (nvfp4, fp8_e4m3 pools) or BF16 (bf16 pools) workspace K/V and of the fp8/bf16 decode, built by nvcc
-for FLASHINFER_CUDA_ARCH_LIST taken from --arch (``kernels.backends.flashinfer_backend.jit_specs``).
+for FLASHINFER_CUDA_ARCH_LIST taken from --arch (``nvfp4_kernels.backends.flashinfer_backend.jit_specs``).
 
 Not covered (compiled on first use as before): eager decode batches larger than --cuda-graph-max-bs, and the
 decode shapes of a server run with --disable-cuda-graph (no start-up warm-up there either).
@@ -141,7 +141,7 @@ def plan_from_args(a: argparse.Namespace) -> WarmPlan:
     from engine.decode_graphs import max_width_pages
     from engine.engine import served_context_len
     from engine.startup_error import StartupError
-    from kernels.backends.decode_kernels import GLUON_HEAD_DIMS
+    from nvfp4_kernels.backends.decode_kernels import GLUON_HEAD_DIMS
 
     capability = parse_arch(a.arch)
     if a.num_sms < 1:
@@ -175,9 +175,9 @@ def _cache_files(root: Path) -> set[Path]:
 def warm_triton(plan: WarmPlan) -> tuple[dict[str, tuple[int, int]], list[str] | None]:
     """Compile the Triton kernels of ``plan`` into TRITON_CACHE_DIR; ({kernel: (launches, variants compiled)},
     the kernel of each host launcher stub built, or None where ``plan`` builds none)."""
-    from kernels.triton.kv_write import kv_write_kernel
-    from kernels.triton.nvfp4_decode import merge_kernel
-    from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_kernel
+    from nvfp4_kernels.triton.kv_write import kv_write_kernel
+    from nvfp4_kernels.triton.nvfp4_decode import merge_kernel
+    from nvfp4_kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_kernel
     from offline.triton_target_driver import TritonTarget, compile_for
 
     dense = [kv for kv in plan.kv_dtypes if kv in ("fp8_e4m3", "bf16")]
@@ -194,21 +194,21 @@ def warm_triton(plan: WarmPlan) -> tuple[dict[str, tuple[int, int]], list[str] |
 
 def _decode_kernel(plan: WarmPlan):
     """The NVFP4 decode kernel the engine picks on the target (``default_decode_config``)."""
-    from kernels.backends.triton_backend import DecodeKernel, default_decode_config
+    from nvfp4_kernels.backends.triton_backend import DecodeKernel, default_decode_config
 
     group = plan.num_qo_heads // plan.num_kv_heads
     if default_decode_config(plan.head_dim, plan.capability, group, _kernel_choice(plan)).kernel is DecodeKernel.GLUON:
-        from kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
+        from nvfp4_kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
 
         return nvfp4_decode_gluon_kernel
-    from kernels.triton.nvfp4_decode import nvfp4_decode_kernel
+    from nvfp4_kernels.triton.nvfp4_decode import nvfp4_decode_kernel
 
     return nvfp4_decode_kernel
 
 
 def _kernel_choice(plan: WarmPlan):
     """--nvfp4-decode-kernel as a DecodeKernel, None for auto."""
-    from kernels.backends.triton_backend import DecodeKernel
+    from nvfp4_kernels.backends.triton_backend import DecodeKernel
 
     return None if plan.nvfp4_decode_kernel == "auto" else DecodeKernel(plan.nvfp4_decode_kernel)
 
@@ -217,7 +217,7 @@ def _warm_nvfp4(plan: WarmPlan) -> None:
     """The NVFP4 decode for every graph shape, the quantize and the workspace dequant for every row class."""
     from engine.decode_graphs import batch_buckets, width_buckets
     from engine.kv_pool import KVPool
-    from kernels.backends.triton_backend import DeviceTarget, TritonBackend, TritonBlockSelectBackend
+    from nvfp4_kernels.backends.triton_backend import DeviceTarget, TritonBackend, TritonBlockSelectBackend
 
     target = DeviceTarget(plan.num_sms, plan.capability)
     backend = (TritonBlockSelectBackend if plan.block_select else TritonBackend)(target=target,
@@ -235,9 +235,9 @@ def _warm_nvfp4(plan: WarmPlan) -> None:
 
 
 def _warm_dense_write(plan: WarmPlan, kv_dtype: str) -> None:
-    """The fp8_e4m3 / bf16 pool write (kernels/backends/triton_kv_write.py) for every row class."""
+    """The fp8_e4m3 / bf16 pool write (nvfp4_kernels/backends/triton_kv_write.py) for every row class."""
     from engine.kv_pool import KVPool
-    from kernels.backends.triton_kv_write import write_rows
+    from nvfp4_kernels.backends.triton_kv_write import write_rows
 
     layer = KVPool(kv_dtype, 1, 16, plan.page_size, plan.num_kv_heads, plan.head_dim, scratch_pages=1).layers[0]
     for n in _ROW_CLASSES:
@@ -249,18 +249,18 @@ def _report(launches: Counter[str], kernels) -> dict[str, tuple[int, int]]:
     return {k.fn.__name__: (launches[k.fn.__name__], len(k.device_caches[0][0])) for k in kernels}
 
 
-def _model_op_kernels() -> tuple:  # imported late: kernels.triton needs triton
-    from kernels.triton.qk_norm_rope import qk_norm_rope_kernel
-    from kernels.triton.rmsnorm import rmsnorm_kernel
-    from kernels.triton.silu_mul import silu_mul_kernel
+def _model_op_kernels() -> tuple:  # imported late: nvfp4_kernels.triton needs triton
+    from nvfp4_kernels.triton.qk_norm_rope import qk_norm_rope_kernel
+    from nvfp4_kernels.triton.rmsnorm import rmsnorm_kernel
+    from nvfp4_kernels.triton.silu_mul import silu_mul_kernel
 
     return rmsnorm_kernel, silu_mul_kernel, qk_norm_rope_kernel
 
 
 def _warm_model_ops(plan: WarmPlan) -> None:
-    """The decoder layer's fused ops (kernels/fused_ops.py) on rows shaped as the model's: the variants depend on
+    """The decoder layer's fused ops (nvfp4_kernels/fused_ops.py) on rows shaped as the model's: the variants depend on
     the widths (hidden, intermediate, heads x head_dim) and the q/k norm, not on the number of rows."""
-    from kernels.fused_ops import TRITON_OPS as ops
+    from nvfp4_kernels.fused_ops import TRITON_OPS as ops
 
     if not plan.hidden_size:
         return
@@ -280,7 +280,7 @@ def _warm_model_ops(plan: WarmPlan) -> None:
 def warm_flashinfer(plan: WarmPlan) -> list[str]:
     """Build the FlashInfer JIT modules of ``plan``; one line per module, or one saying why none were."""
     os.environ["FLASHINFER_CUDA_ARCH_LIST"] = "{}.{}".format(*plan.capability)  # read when flashinfer imports
-    from kernels.backends import flashinfer_backend as fib
+    from nvfp4_kernels.backends import flashinfer_backend as fib
 
     if not fib.flashinfer_available():
         return ["flashinfer is not importable here: its modules were not built (they compile at first use)"]

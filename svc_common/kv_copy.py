@@ -8,7 +8,7 @@
              staging --one H2D copy on a side stream, one page-copy launch (every part)--> the request's pages;
              scales (and fp8/bf16 values) checked in the same launch (nothing scanned on the host)
     cuda-ipc: the prefill's pages --one page-copy kernel per layer (every part, values checked in the same
-              pass; kernels/page_copy_triton.py)--> the request's pages
+              pass; nvfp4_kernels/page_copy_triton.py)--> the request's pages
     nixl:     NIXL's READ writes the request's pages (kv_transfer_nixl.py); check_written checks them (the
               same kernel, check only)
 
@@ -32,7 +32,7 @@ import torch
 
 from engine.fence import Fence
 from engine.kv_pool import KVPool
-from kernels.page_copy import check_kind, check_pages_reference, copy_pages_reference
+from nvfp4_kernels.page_copy import check_kind, check_pages_reference, copy_pages_reference
 from svc_common.kv_transfer_ipc import page_runs
 from svc_common.kv_wire import Frame, PageRunView, encode_page_run, frame_page_run
 
@@ -126,7 +126,7 @@ class PageExporter:
 class PageImporter:
     """One transfer's writes into the decode's pool (create one per pull). Message writes of consecutive pages
     are plain slice copies (a fresh request's pages mostly are consecutive), scattered ones one scatter per
-    part; copies from another pool one page-copy launch per layer on a GPU (``kernels.page_copy`` on the CPU)."""
+    part; copies from another pool one page-copy launch per layer on a GPU (``nvfp4_kernels.page_copy`` on the CPU)."""
 
     def __init__(self, pool: KVPool):
         self.pool = pool
@@ -137,14 +137,14 @@ class PageImporter:
         self._bad: torch.Tensor | None = None  # device int32 flag: a written value or scale is NaN/inf
         self._arange: torch.Tensor | None = None  # see _first_ids
         self._copy_pages = copy_pages_reference
-        self._check_table = None  # with the kernels: kernels.page_copy_triton.check_table (see check_written)
+        self._check_table = None  # with the kernels: nvfp4_kernels.page_copy_triton.check_table (see check_written)
         self._tables: dict[tuple[int, ...], tuple] = {}  # layers -> their check table (the pool's parts live on)
         if pool.device.type == "cuda":  # triton: a GPU install's
-            from kernels.page_copy_triton import ACCESS_BYTES, check_table, copy_pages
+            from nvfp4_kernels.page_copy_triton import ACCESS_BYTES, check_table, copy_pages
             if all(b % ACCESS_BYTES == 0 for b in self.page_bytes):  # else (tiny pages x heads) the reference
                 self._copy_pages = copy_pages
                 self._check_table = check_table
-        # What each part's values are checked as (kernels.page_copy.check_kind: E4M3, bf16 or not at all)
+        # What each part's values are checked as (nvfp4_kernels.page_copy.check_kind: E4M3, bf16 or not at all)
         self._kinds = [None if t is None else check_kind(t) for t in _parts(pool, 0)]
 
     def check_sizes(self, run: PageRunView) -> None:
@@ -219,7 +219,7 @@ class PageImporter:
         """The checks ``copy_from`` makes, for pages ``page_ids`` of each of ``layers`` that another agent wrote
         into the pool (nixl: NIXL's READ, complete before this call): the values of the first ``num_tokens``
         token slots flagged on the device (``finish`` raises). Reads only; on a GPU one check launch for every
-        layer (``kernels.page_copy_triton.check_pages``), else the reference per layer."""
+        layer (``nvfp4_kernels.page_copy_triton.check_pages``), else the reference per layer."""
         if len(page_ids) == 0 or len(layers) == 0:
             return
         ids = list(page_ids)
@@ -228,7 +228,7 @@ class PageImporter:
             if self._check_table is None:
                 check_pages_reference([_parts(self.pool, i) for i in layers], idx, num_tokens, self._flag())
                 return
-            from kernels.page_copy_triton import check_pages
+            from nvfp4_kernels.page_copy_triton import check_pages
             key = tuple(layers)
             if key not in self._tables:
                 self._tables[key] = self._check_table([_parts(self.pool, i) for i in key])

@@ -65,7 +65,7 @@ def check_decode_kernel(kernel: str, attention_backend: str, device: str, head_d
     if kernel == "gluon":
         import torch
 
-        from kernels.backends.decode_kernels import GLUON_HEAD_DIMS
+        from nvfp4_kernels.backends.decode_kernels import GLUON_HEAD_DIMS
 
         if head_dim not in GLUON_HEAD_DIMS:
             raise ValueError(f"--nvfp4-decode-kernel gluon has tilings for head_dim {GLUON_HEAD_DIMS}, the model has "
@@ -100,7 +100,7 @@ def check_model(model_dir: str, kv_dtype: str, device: str, attention_backend: s
     if triton and not device.startswith("cuda"):
         raise ValueError(f"--attention-backend {attention_backend} runs CUDA kernels, and --device is {device}: use "
                          "--attention-backend auto, reference or reference-block-select on the CPU")
-    # The Triton NVFP4 kernels' own rule (kernels/backends/triton_nvfp4.py, check_nvfp4_layer).
+    # The Triton NVFP4 kernels' own rule (nvfp4_kernels/backends/triton_nvfp4.py, check_nvfp4_layer).
     triton_nvfp4 = kv_dtype == "nvfp4" and device.startswith("cuda") and (triton or attention_backend == "auto")
     if triton_nvfp4 and (d < 64 or d & (d - 1)):
         raise ValueError(f"the Triton NVFP4 kernels need head_dim a power of two >= 64 ({model_dir} has {d}); use "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import fp8, nvfp4
+from nvfp4_kernels import fp8, nvfp4
 
 
 def _rt_pool(x: torch.Tensor, kv_dtype: str, scale: float) -> torch.Tensor:

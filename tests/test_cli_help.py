@@ -92,7 +92,7 @@ def test_help_appends_the_default_unless_the_text_names_it():
 
 @pytest.mark.parametrize("command", ["up", "prefill", "decode"])
 def test_attention_backend_help_lists_every_registered_backend(command, monkeypatch):
-    from kernels.backends.registry import available_backends
+    from nvfp4_kernels.backends.registry import available_backends
 
     parser = parser_of(command, monkeypatch)
     action = next(a for _, a in options(parser) if "--attention-backend" in a.option_strings)

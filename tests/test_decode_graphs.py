@@ -192,7 +192,7 @@ def test_rows_sharing_prefix_pages_can_name_more_pages_than_the_pool_holds(tmp_p
 def test_no_decode_step_compiles_a_kernel_after_start_up(tmp_path):
     """The engine compiles the NVFP4 decode for every captured shape at start-up: a growing batch of growing
     sequences then never waits for a Triton compile (each used to stall the whole batch about a second)."""
-    from kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
+    from nvfp4_kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
     from offline.tiny_model import make_tiny_model
 
     def compiled() -> int:

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from engine.loader import model_fingerprint
-from kernels import nvfp4
-from kernels import nvfp4_block_select as block_select
-from kernels.backends.block_select import BlockSelectBackend
-from kernels.kv_layout import LayerKV
-from kernels.nvfp4_block_select import quantize_block_select
+from nvfp4_kernels import nvfp4
+from nvfp4_kernels import nvfp4_block_select as block_select
+from nvfp4_kernels.backends.block_select import BlockSelectBackend
+from nvfp4_kernels.kv_layout import LayerKV
+from nvfp4_kernels.nvfp4_block_select import quantize_block_select
 from offline.calibration import KVScales, calibrate
 from offline.evaluation import (
     VARIANTS,

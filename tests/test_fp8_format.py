@@ -1,4 +1,4 @@
-"""Per-tensor-scaled FP8 E4M3 (kernels.fp8): saturation, rounding, exact round trips, validation."""
+"""Per-tensor-scaled FP8 E4M3 (nvfp4_kernels.fp8): saturation, rounding, exact round trips, validation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels import fp8
+from nvfp4_kernels import fp8
 
 
 def all_finite_e4m3() -> torch.Tensor:

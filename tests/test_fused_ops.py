@@ -1,4 +1,4 @@
-"""The fused decoder-layer kernels (kernels/fused_ops.py) against their PyTorch references (kernels/model_ops.py).
+"""The fused decoder-layer kernels (nvfp4_kernels/fused_ops.py) against their PyTorch references (nvfp4_kernels/model_ops.py).
 
 * Which ops the model runs: ``model_ops`` picks the Triton ops for CUDA tensors only, and the reference when
   fused ops are off; the CPU model runs the reference ops, bit-identical to the unfused layer it replaced.
@@ -29,8 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_model_ops_choose_triton_for_cuda_tensors_only():
-    from kernels.model_ops import REFERENCE_OPS
-    from kernels.op_select import model_ops
+    from nvfp4_kernels.model_ops import REFERENCE_OPS
+    from nvfp4_kernels.op_select import model_ops
 
     assert model_ops("cpu") is REFERENCE_OPS and model_ops(torch.device("cpu"), fused=True) is REFERENCE_OPS
     assert model_ops("cuda", fused=False) is REFERENCE_OPS
@@ -74,7 +74,7 @@ def test_cpu_model_with_reference_ops_equals_the_unfused_layer_bit_for_bit(tmp_p
 _INTERPRETED = textwrap.dedent("""
     import torch
     from engine.rope import rope_tables
-    from kernels import fused_ops, model_ops as ref, op_select
+    from nvfp4_kernels import fused_ops, model_ops as ref, op_select
 
     torch.manual_seed(0)
     BF = torch.bfloat16
@@ -215,8 +215,8 @@ _QK_SIG = {"QKV": "*bf16", "POS": "*i64", "COS": "*fp32", "SIN": "*fp32", "QW": 
 
 @pytest.mark.parametrize("residual", [False, True])
 def test_rmsnorm_kernel_compiles_for_sm90a_without_spills(tmp_path, residual):
-    from kernels.fused_ops import _norm_warps
-    from kernels.triton.rmsnorm import rmsnorm_kernel
+    from nvfp4_kernels.fused_ops import _norm_warps
+    from nvfp4_kernels.triton.rmsnorm import rmsnorm_kernel
 
     regs, sass = _sm90a(rmsnorm_kernel, _NORM_SIG, {"BLOCK": 4096, "HAS_RESIDUAL": residual}, _norm_warps(4096),
                         tmp_path)
@@ -225,8 +225,8 @@ def test_rmsnorm_kernel_compiles_for_sm90a_without_spills(tmp_path, residual):
 
 
 def test_silu_mul_kernel_compiles_for_sm90a_without_spills(tmp_path):
-    from kernels.fused_ops import _SILU_BLOCK
-    from kernels.triton.silu_mul import silu_mul_kernel
+    from nvfp4_kernels.fused_ops import _SILU_BLOCK
+    from nvfp4_kernels.triton.silu_mul import silu_mul_kernel
 
     regs, sass = _sm90a(silu_mul_kernel, {"GU": "*bf16", "OUT": "*bf16", "stride_gu": "i32", "stride_o": "i32",
                                           "n_cols": "i32"}, {"BLOCK": _SILU_BLOCK}, 4, tmp_path)
@@ -237,8 +237,8 @@ def test_silu_mul_kernel_compiles_for_sm90a_without_spills(tmp_path):
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize(("hq", "hk"), [(32, 8), (8, 2), (64, 8)])
 def test_qk_norm_rope_kernel_compiles_for_sm90a_without_spills(tmp_path, hq, hk, rotate):
-    from kernels.fused_ops import _qk_warps
-    from kernels.triton.qk_norm_rope import qk_norm_rope_kernel
+    from nvfp4_kernels.fused_ops import _qk_warps
+    from nvfp4_kernels.triton.qk_norm_rope import qk_norm_rope_kernel
 
     hq_p, hk_p = (max(16, h) if rotate else h for h in (hq, hk))
     consts = {"HQ": hq, "HK": hk, "HQ_P": hq_p, "HK_P": hk_p, "D": 128, "HALF_P": 64, "V_P": hk * 128,
@@ -253,8 +253,8 @@ def test_qk_norm_rope_kernel_compiles_for_sm90a_without_spills(tmp_path, hq, hk,
 def test_fused_kernels_on_gpu_match_the_references():
     """The kernels on the GPU (its rsqrt, exp and FMA contraction) within the same bounds as in the interpreter."""
     from engine.rope import rope_tables
-    from kernels import fused_ops
-    from kernels import model_ops as ref
+    from nvfp4_kernels import fused_ops
+    from nvfp4_kernels import model_ops as ref
 
     torch.manual_seed(0)
     dev, bf = torch.device("cuda"), torch.bfloat16

@@ -1,4 +1,4 @@
-"""The Gluon NVFP4 decode (kernels/triton/nvfp4_decode_gluon.py): CPU cross-compile checks and GPU correctness.
+"""The Gluon NVFP4 decode (nvfp4_kernels/triton/nvfp4_decode_gluon.py): CPU cross-compile checks and GPU correctness.
 
 * Without a GPU: the kernel compiles for sm_90a at every supported head_dim and step size, with tensor-core
   HMMA fed by ldmatrix (LDSM, and its transposed form for V), cp.async copies, no local-memory spills, and a
@@ -25,9 +25,9 @@ pytest.importorskip("triton.experimental.gluon")
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from kernels.backends.reference import ReferenceBackend
-from kernels.backends.triton_backend import DecodeConfig, DecodeKernel, TritonBackend
-from kernels.kv_layout import LayerKV
+from nvfp4_kernels.backends.reference import ReferenceBackend
+from nvfp4_kernels.backends.triton_backend import DecodeConfig, DecodeKernel, TritonBackend
+from nvfp4_kernels.kv_layout import LayerKV
 
 _TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _SIG = {"Q": "*bf16", "K16": "*i16", "KSF": "*u8", "V16": "*i16", "VSF": "*u8", "PAGE_TABLE": "*i32",
@@ -38,7 +38,7 @@ _ALIGNED = ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_ps", "st
 
 
 def _compile(d: int, bt: int, stages: int, group: int, max_registers: int | None = None):
-    from kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
+    from nvfp4_kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
 
     cx = {"HK": 8, "G": group, "GN": max(8, triton.next_power_of_2(group)), "D": d, "PAGE": 16, "BT": bt,
           "STAGES": stages}

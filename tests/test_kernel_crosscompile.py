@@ -72,7 +72,7 @@ def _decode_constexprs(mode: int, d: int = 128, group: int = 4) -> dict:
 
 
 def test_decode_kernel_compiles_for_sm90a_with_tensor_cores_and_no_spills(tmp_path):
-    from kernels.triton.nvfp4_decode import nvfp4_decode_kernel
+    from nvfp4_kernels.triton.nvfp4_decode import nvfp4_decode_kernel
 
     k = _compile(nvfp4_decode_kernel, _DECODE_SIG, _decode_constexprs(mode=1), arch=90)
     assert k.metadata.name == "nvfp4_decode_kernel"
@@ -85,7 +85,7 @@ def test_decode_kernel_compiles_for_sm90a_with_tensor_cores_and_no_spills(tmp_pa
 
 @pytest.mark.parametrize("arch", [100, 120])
 def test_decode_kernel_blackwell_path_uses_hardware_e2m1_conversion(arch):
-    from kernels.triton.nvfp4_decode import nvfp4_decode_kernel
+    from nvfp4_kernels.triton.nvfp4_decode import nvfp4_decode_kernel
 
     k = _compile(nvfp4_decode_kernel, _DECODE_SIG, _decode_constexprs(mode=2), arch=arch)
     assert "cvt.rn.f16x2.e2m1x2" in k.asm["ptx"]
@@ -93,7 +93,7 @@ def test_decode_kernel_blackwell_path_uses_hardware_e2m1_conversion(arch):
 
 
 def test_hardware_e2m1_conversion_is_rejected_on_hopper():
-    from kernels.triton.nvfp4_decode import nvfp4_decode_kernel
+    from nvfp4_kernels.triton.nvfp4_decode import nvfp4_decode_kernel
 
     with pytest.raises(Exception):  # noqa: B017 - ptxas refuses the instruction for sm_90a
         _compile(nvfp4_decode_kernel, _DECODE_SIG, _decode_constexprs(mode=2), arch=90)
@@ -106,8 +106,8 @@ _QUANT_SIG = {"K": "*bf16", "V": "*bf16", "SLOTS": "*i64", "K_DATA": "*u8", "K_S
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_quantize_kernel_compiles_for_sm90a_as_launched_without_spills(tmp_path, d):
-    from kernels.backends.triton_nvfp4 import quant_block_rows
-    from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel
+    from nvfp4_kernels.backends.triton_nvfp4 import quant_block_rows
+    from nvfp4_kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel
 
     strides = ("stride_kt", "stride_kh", "stride_vt", "stride_vh")  # multiples of head_dim
     q = _compile(nvfp4_quantize_kernel, _QUANT_SIG, {"HK": 8, "D": d, "BLOCK_R": quant_block_rows(d, False)},
@@ -123,7 +123,7 @@ def test_quantize_kernel_compiles_for_sm90a_as_launched_without_spills(tmp_path,
 
 
 def test_workspace_kernel_compiles_for_sm90a():
-    from kernels.triton.nvfp4_quantize import nvfp4_to_fp8_kernel
+    from nvfp4_kernels.triton.nvfp4_quantize import nvfp4_to_fp8_kernel
 
     w = _compile(nvfp4_to_fp8_kernel, {"DATA": "*u8", "SCALES": "*u8", "SLOTS": "*i64", "OUT": "*u8",
                                        "num_rows": "i32", "global_scale": "fp32", "ws_scale": "fp32"},
@@ -132,14 +132,14 @@ def test_workspace_kernel_compiles_for_sm90a():
 
 
 def test_block_select_quantize_kernel_compiles_for_sm90a_without_fused_multiply_adds(tmp_path):
-    from kernels.backends.triton_nvfp4 import quant_block_rows
-    from kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel
+    from nvfp4_kernels.backends.triton_nvfp4 import quant_block_rows
+    from nvfp4_kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel
 
     q = _compile(nvfp4_quantize_kernel, _QUANT_SIG, {"HK": 8, "D": 128, "BLOCK_R": 32, "BLOCK_SELECT": True},
                  arch=90, enable_fp_fusion=False)
     ptx = q.asm["ptx"]
     assert "div.rn.f32" in ptx and "fma.rn.f32" not in ptx  # the error sums keep the reference's fp32 order
-    # the shape the backend launches (kernels/backends/triton_nvfp4.py): its scale search spills nothing
+    # the shape the backend launches (nvfp4_kernels/backends/triton_nvfp4.py): its scale search spills nothing
     for d in (64, 128, 256):
         k = _compile(nvfp4_quantize_kernel, _QUANT_SIG,
                      {"HK": 8, "D": d, "BLOCK_R": quant_block_rows(d, True), "BLOCK_SELECT": True}, arch=90,
@@ -151,8 +151,8 @@ def test_block_select_quantize_kernel_compiles_for_sm90a_without_fused_multiply_
 @pytest.mark.parametrize("fp8, rows", [(True, "*bf16"), (False, "*bf16"), (False, "*fp16")],
                          ids=["fp8", "bf16", "fp16-to-bf16"])
 def test_dense_pool_write_kernel_compiles_for_sm90a(tmp_path, fp8, rows):
-    from kernels.backends.triton_kv_write import block_rows
-    from kernels.triton.kv_write import kv_write_kernel
+    from nvfp4_kernels.backends.triton_kv_write import block_rows
+    from nvfp4_kernels.triton.kv_write import kv_write_kernel
 
     pool = "*u8" if fp8 else "*bf16"
     k = _compile(kv_write_kernel, {"K": rows, "V": rows, "SLOTS": "*i64", "POOL_K": pool, "POOL_V": pool,
@@ -173,8 +173,8 @@ _PAGE_COPY_PARTS = ("K_SRC", "K_DST", "V_SRC", "V_DST", "KSF_SRC", "KSF_DST", "V
                                                                   (8192, 2, 0, True), (4096, 1, 0, False)],
                          ids=["nvfp4", "fp8", "bf16", "fp8-check-only"])
 def test_page_copy_kernel_compiles_for_sm90a_with_16_byte_accesses(tmp_path, val_words, val_check, sf_words, copy):
-    from kernels.page_copy_triton import _block
-    from kernels.triton.page_copy import page_copy_kernel
+    from nvfp4_kernels.page_copy_triton import _block
+    from nvfp4_kernels.triton.page_copy import page_copy_kernel
 
     values = {0: "*u8", 1: "*fp8e4nv", 2: "*bf16"}[val_check]
     sig = {n: values if n[0] in "KV" and "SF" not in n else "*fp8e4nv" for n in _PAGE_COPY_PARTS}
@@ -192,10 +192,10 @@ def test_page_copy_kernel_compiles_for_sm90a_with_16_byte_accesses(tmp_path, val
 _INTERPRETED = textwrap.dedent("""
     import math, os, sys
     import torch
-    from kernels import nvfp4
-    from kernels.backends.reference import ReferenceBackend
-    from kernels.backends.triton_backend import DecodeConfig, TritonBackend
-    from kernels.kv_layout import LayerKV
+    from nvfp4_kernels import nvfp4
+    from nvfp4_kernels.backends.reference import ReferenceBackend
+    from nvfp4_kernels.backends.triton_backend import DecodeConfig, TritonBackend
+    from nvfp4_kernels.kv_layout import LayerKV
 
     torch.manual_seed(0)
     P, S, HK, G = 12, 16, 2, 4
@@ -214,8 +214,8 @@ _INTERPRETED = textwrap.dedent("""
         rb.write_kv(ref, slots, k, v)
         for n in ("k", "v", "k_sf", "v_sf"):
             assert torch.equal(getattr(ours, n).view(torch.uint8), getattr(ref, n).view(torch.uint8)), n
-        from kernels.backends.block_select import BlockSelectBackend
-        from kernels.backends.triton_backend import TritonBlockSelectBackend
+        from nvfp4_kernels.backends.block_select import BlockSelectBackend
+        from nvfp4_kernels.backends.triton_backend import TritonBlockSelectBackend
         sel, sel_ref = layer(), layer()
         few = slice(0, 40)  # the scale search is 9 encodes a block: 40 rows keep the interpreter quick
         TritonBlockSelectBackend(DecodeConfig(2, 16, 2)).write_kv(sel, slots[few], k[few], v[few])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.kv_pool import KVPool, PagePayload, PoolCapacity, slots_for
-from kernels.kv_layout import LayerKV
+from nvfp4_kernels.kv_layout import LayerKV
 
 DTYPES = ("bf16", "fp8_e4m3", "nvfp4")
 GEOM = {"num_layers": 2, "num_pages": 8, "page_size": 4, "num_kv_heads": 2, "head_dim": 32}

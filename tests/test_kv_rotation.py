@@ -13,7 +13,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.kv_rotation import head_rotation, rotation_matrix
 from engine.sampling import SamplingParams
-from kernels.model_ops import rotate_heads
+from nvfp4_kernels.model_ops import rotate_heads
 from offline.evaluation import teacher_forced_logprobs
 from tests.test_services import (
     gen_request,

@@ -1,4 +1,4 @@
-"""The fp8_e4m3 / bf16 pool write (kernels/triton/kv_write.py, its launch kernels/backends/triton_kv_write.py) against
+"""The fp8_e4m3 / bf16 pool write (nvfp4_kernels/triton/kv_write.py, its launch nvfp4_kernels/backends/triton_kv_write.py) against
 ``ReferenceBackend.write_kv``: the same bytes in the named slots, every other slot untouched.
 
 The cases run under Triton's CPU interpreter (a subprocess: the interpreter is chosen before kernels are defined)
@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from kernels.backends.reference import ReferenceBackend
+from nvfp4_kernels.backends.reference import ReferenceBackend
 from tests.test_reference_backend import make_layer
 from tests.triton_interpreter import interpreted_cases
 
@@ -75,13 +75,13 @@ def check_cases(write, device: str) -> int:
 
 def test_kernel_in_the_triton_interpreter_matches_the_reference():
     pytest.importorskip("triton")
-    cases, output = interpreted_cases("kernels.backends.triton_kv_write:write_rows", "tests.test_kv_write")
+    cases, output = interpreted_cases("nvfp4_kernels.backends.triton_kv_write:write_rows", "tests.test_kv_write")
     assert cases == len(CASES) * 3, output
 
 
 def test_cpu_rows_and_unservable_pools_go_to_the_reference():
     pytest.importorskip("triton")
-    from kernels.backends.triton_kv_write import TritonDenseWrite
+    from nvfp4_kernels.backends.triton_kv_write import TritonDenseWrite
 
     part = TritonDenseWrite()
     gen = torch.Generator().manual_seed(3)
@@ -99,7 +99,7 @@ def test_cpu_rows_and_unservable_pools_go_to_the_reference():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_on_the_gpu_matches_the_reference_byte_for_byte():
-    from kernels.backends.triton_kv_write import TritonDenseWrite
+    from nvfp4_kernels.backends.triton_kv_write import TritonDenseWrite
 
     part = TritonDenseWrite()
 

@@ -14,19 +14,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom to top. A package may import itself and what it lists here, nothing else of the project.
 ALLOWED: dict[str, frozenset[str]] = {
     "nvfp4_serve_proto": frozenset(),
-    "kernels": frozenset(),
+    "nvfp4_kernels": frozenset(),
     "tokenization": frozenset(),
-    "engine": frozenset({"kernels", "tokenization"}),
-    "svc_common": frozenset({"kernels", "tokenization", "engine", "nvfp4_serve_proto"}),
-    "offline": frozenset({"kernels", "tokenization", "engine", "svc_common"}),
-    "prefill_svc": frozenset({"kernels", "tokenization", "engine", "svc_common", "nvfp4_serve_proto"}),
-    "decode_svc": frozenset({"kernels", "tokenization", "engine", "svc_common", "nvfp4_serve_proto"}),
+    "engine": frozenset({"nvfp4_kernels", "tokenization"}),
+    "svc_common": frozenset({"nvfp4_kernels", "tokenization", "engine", "nvfp4_serve_proto"}),
+    "offline": frozenset({"nvfp4_kernels", "tokenization", "engine", "svc_common"}),
+    "prefill_svc": frozenset({"nvfp4_kernels", "tokenization", "engine", "svc_common", "nvfp4_serve_proto"}),
+    "decode_svc": frozenset({"nvfp4_kernels", "tokenization", "engine", "svc_common", "nvfp4_serve_proto"}),
     "router": frozenset({"tokenization", "svc_common", "nvfp4_serve_proto"}),
-    "nvfp4_serve": frozenset({"kernels", "tokenization", "engine", "svc_common", "offline", "prefill_svc",
+    "nvfp4_serve": frozenset({"nvfp4_kernels", "tokenization", "engine", "svc_common", "offline", "prefill_svc",
                               "decode_svc", "router", "nvfp4_serve_proto", "benchmarks"}),  # bench
 }
 PROJECT = frozenset(ALLOWED) | {"benchmarks", "tests"}
-SERVING = ("kernels", "tokenization", "engine", "svc_common", "prefill_svc", "decode_svc", "router", "nvfp4_serve")
+SERVING = ("nvfp4_kernels", "tokenization", "engine", "svc_common", "prefill_svc", "decode_svc", "router", "nvfp4_serve")
 MAX_FUNCTION_LINES = 80
 MAX_METHODS = 20
 
@@ -80,7 +80,7 @@ def test_the_router_imports_neither_torch_nor_the_engine():
     code = ("import importlib, pkgutil, sys, router\n"
             "for m in pkgutil.walk_packages(router.__path__, 'router.'): importlib.import_module(m.name)\n"
             "import router.app\n"
-            "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'engine', 'kernels'))\n"
+            "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'engine', 'nvfp4_kernels'))\n"
             "print(bad)\n"
             "sys.exit(1 if bad else 0)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)

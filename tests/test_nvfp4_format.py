@@ -1,4 +1,4 @@
-"""The NVFP4 format reference (kernels.nvfp4): exact bytes on crafted inputs, an independent scalar
+"""The NVFP4 format reference (nvfp4_kernels.nvfp4): exact bytes on crafted inputs, an independent scalar
 implementation that must agree bit for bit, round-trip error bounds, and the storage size."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import fp8, nvfp4
-from kernels.kv_layout import bytes_per_token_per_layer
+from nvfp4_kernels import fp8, nvfp4
+from nvfp4_kernels.kv_layout import bytes_per_token_per_layer
 
 # ---------------------------------------------------------------------------------------------
 # Independent scalar implementation: numpy fp32 scalars for the arithmetic, exact rationals and a

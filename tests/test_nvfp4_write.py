@@ -1,7 +1,7 @@
-"""The NVFP4 pool write (``nvfp4_quantize_kernel`` in kernels/triton/nvfp4_quantize.py, its launches in
-kernels/backends/triton_nvfp4.py) against the references: the bytes of ``ReferenceBackend.write_kv``
-(kernels.nvfp4.quantize) and, with block select, of ``BlockSelectBackend.write_kv``
-(kernels.nvfp4_block_select) in the named slots, every other slot untouched; K and V of a layer in one launch.
+"""The NVFP4 pool write (``nvfp4_quantize_kernel`` in nvfp4_kernels/triton/nvfp4_quantize.py, its launches in
+nvfp4_kernels/backends/triton_nvfp4.py) against the references: the bytes of ``ReferenceBackend.write_kv``
+(nvfp4_kernels.nvfp4.quantize) and, with block select, of ``BlockSelectBackend.write_kv``
+(nvfp4_kernels.nvfp4_block_select) in the named slots, every other slot untouched; K and V of a layer in one launch.
 
 The cases run under Triton's CPU interpreter (a subprocess: the interpreter is chosen before kernels are defined)
 and on a GPU. Inputs cover what the pool sees and the edges of the format: bf16 / fp16 / fp32 rows, K and V as
@@ -21,8 +21,8 @@ import textwrap
 import pytest
 import torch
 
-from kernels.backends.block_select import BlockSelectBackend
-from kernels.backends.reference import ReferenceBackend
+from nvfp4_kernels.backends.block_select import BlockSelectBackend
+from nvfp4_kernels.backends.reference import ReferenceBackend
 from tests.test_reference_backend import make_layer
 from tests.triton_interpreter import interpreted_cases
 
@@ -83,14 +83,14 @@ def check_cases(part_type, device: str) -> int:
 
 def test_kernel_in_the_triton_interpreter_matches_the_references():
     pytest.importorskip("triton")
-    cases, output = interpreted_cases("kernels.backends.triton_nvfp4:TritonNvfp4Write", "tests.test_nvfp4_write")
+    cases, output = interpreted_cases("nvfp4_kernels.backends.triton_nvfp4:TritonNvfp4Write", "tests.test_nvfp4_write")
     assert cases == len(CASES) * len(TOKENS), output
 
 
 _MIXED = textwrap.dedent("""
     import torch
-    from kernels.backends.reference import ReferenceBackend
-    from kernels.backends.triton_nvfp4 import TritonNvfp4Write
+    from nvfp4_kernels.backends.reference import ReferenceBackend
+    from nvfp4_kernels.backends.triton_nvfp4 import TritonNvfp4Write
     from tests.test_reference_backend import make_layer
     gen = torch.Generator().manual_seed(4)
     ours, ref = (make_layer("nvfp4", 6, 4, 2, 64, torch.Generator().manual_seed(1)) for _ in range(2))
@@ -117,8 +117,8 @@ _LAUNCHES = textwrap.dedent("""
     from collections import Counter
     import torch
     from engine.kv_pool import KVPool
-    from kernels.backends.triton_backend import TritonBackend, TritonBlockSelectBackend
-    from kernels.backends.triton_kv_write import write_rows
+    from nvfp4_kernels.backends.triton_backend import TritonBackend, TritonBlockSelectBackend
+    from nvfp4_kernels.backends.triton_kv_write import write_rows
     from offline.triton_target_driver import TritonTarget, compile_for
 
     def launches(drv, write, kv_dtype, k_dtype=torch.bfloat16):
@@ -152,6 +152,6 @@ def test_a_layer_write_is_one_launch_for_k_and_v(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_on_the_gpu_matches_the_references_byte_for_byte():
-    from kernels.backends.triton_nvfp4 import TritonNvfp4Write
+    from nvfp4_kernels.backends.triton_nvfp4 import TritonNvfp4Write
 
     assert check_cases(TritonNvfp4Write, "cuda") == len(CASES) * len(TOKENS)

@@ -1,4 +1,4 @@
-"""The page copy (kernels/page_copy.py, its kernel kernels/triton/page_copy.py): one layer's pages of every part
+"""The page copy (nvfp4_kernels/page_copy.py, its kernel nvfp4_kernels/triton/page_copy.py): one layer's pages of every part
 moved by id, and a NaN/inf among the prompt's token slots flagged, exactly where the reference flags one.
 
 The same cases run three ways: the pure-PyTorch reference on the CPU (here), the Triton kernel under Triton's
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.kv_pool import KVPool
-from kernels.page_copy import copy_pages_reference
+from nvfp4_kernels.page_copy import copy_pages_reference
 from tests.triton_interpreter import interpreted_cases
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,13 +103,13 @@ def test_reference_copies_the_named_pages_and_flags_a_nan_only_inside_the_prompt
 
 def test_kernel_in_the_triton_interpreter_matches_the_reference():
     pytest.importorskip("triton")
-    cases, output = interpreted_cases("kernels.page_copy_triton:copy_pages", "tests.test_page_copy")
+    cases, output = interpreted_cases("nvfp4_kernels.page_copy_triton:copy_pages", "tests.test_page_copy")
     assert cases == 68, output
 
 
 def test_the_launch_refuses_what_the_kernel_cannot_do():
     pytest.importorskip("triton")
-    from kernels.page_copy_triton import copy_pages
+    from nvfp4_kernels.page_copy_triton import copy_pages
 
     flag, ids = torch.zeros(1, dtype=torch.int32), torch.arange(2)
     odd = _parts("nvfp4", 1, 1, 16, 4, "cpu", 0)  # pages of 8 code bytes: no whole 16-byte words
@@ -127,7 +127,7 @@ def test_the_launch_refuses_what_the_kernel_cannot_do():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_on_the_gpu_matches_the_reference_byte_for_byte():
-    from kernels.page_copy_triton import copy_pages
+    from nvfp4_kernels.page_copy_triton import copy_pages
 
     assert check_cases(copy_pages, "cuda", GEOMETRIES + SERVED) == 68 + 3 * 2 * 8 + 2
 
@@ -137,9 +137,9 @@ def check_layer_cases(device: str, kernel: bool, geometries=GEOMETRIES) -> int:
     """``check_pages`` (``kernel``) or its reference over 3 layers: a NaN planted in the first or the last layer
     is flagged exactly when its slot lies inside the prompt; E2M1 code bytes never are; no byte changes.
     Returns the number of cases run."""
-    from kernels.page_copy import check_pages_reference
+    from nvfp4_kernels.page_copy import check_pages_reference
     if kernel:
-        from kernels.page_copy_triton import check_pages, check_table
+        from nvfp4_kernels.page_copy_triton import check_pages, check_table
     rnd, cases, n = random.Random(1), 0, 6
     for kv_dtype, s, hk, d in geometries:
         base = [_parts(kv_dtype, s, hk, d, 20, device, seed=10 * cases + i) for i in range(3)]
@@ -188,7 +188,7 @@ def test_the_check_kernel_in_the_triton_interpreter_matches_the_reference():
 
 def test_the_check_launch_refuses_layers_of_two_geometries_and_bad_ids():
     pytest.importorskip("triton")
-    from kernels.page_copy_triton import check_pages, check_table
+    from nvfp4_kernels.page_copy_triton import check_pages, check_table
 
     a, b = _parts("nvfp4", 4, 2, 32, 4, "cpu", 0), _parts("nvfp4", 4, 4, 32, 4, "cpu", 0)
     with pytest.raises(ValueError, match="every layer of one page geometry"):
@@ -211,7 +211,7 @@ def test_the_check_kernel_on_the_gpu_matches_the_reference():
 
 def test_the_check_kernel_compiles_for_sm90a_without_spills(tmp_path):
     pytest.importorskip("triton")
-    from kernels.triton.page_copy import page_check_kernel
+    from nvfp4_kernels.triton.page_copy import page_check_kernel
     from tests.test_fused_ops import _sm90a
 
     sig = {"TABLE": "*i64", "IDS": "*i64", "FLAG": "*i32", "num_tokens": "i32"}

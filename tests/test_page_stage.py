@@ -1,4 +1,4 @@
-"""kernels/page_stage.py: a batch of pages of every layer and part to and from page-major rows (the host tier's
+"""nvfp4_kernels/page_stage.py: a batch of pages of every layer and part to and from page-major rows (the host tier's
 copies), in order or into given rows. The Triton kernel (one launch for every part) against the per-part reference
 under Triton's interpreter and on the GPU (also with pinned host rows, as the host tier runs it), its sm_90a
 build, and the wrapper's checks."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.kv_pool import KVPool
-from kernels.page_stage import StagePlan, gather, gather_reference, scatter, scatter_reference
+from nvfp4_kernels.page_stage import StagePlan, gather, gather_reference, scatter, scatter_reference
 from tests.triton_interpreter import interpreted_cases
 
 # (kv dtype, page size, kv heads, head_dim): nvfp4 scale pages of 4 bytes and of 1 byte (the uint8 element path)
@@ -89,7 +89,7 @@ def test_the_reference_stages_every_part_of_each_page_in_order():
 
 def test_kernel_in_the_triton_interpreter_matches_the_reference():
     pytest.importorskip("triton")
-    cases, output = interpreted_cases("kernels.page_stage:_launch", "tests.test_page_stage")
+    cases, output = interpreted_cases("nvfp4_kernels.page_stage:_launch", "tests.test_page_stage")
     assert cases == len(GEOMETRIES), output
 
 
@@ -109,7 +109,7 @@ def test_the_wrapper_refuses_mismatched_stages_and_ids():
 
 
 def test_kernel_compiles_for_sm90a_without_spills(tmp_path):
-    from kernels.triton.page_stage import page_stage_kernel
+    from nvfp4_kernels.triton.page_stage import page_stage_kernel
     from tests.test_fused_ops import _sm90a
 
     sig = {"TABLE": "*i64", "IDS": "*i64", "ROWS": "*i64", "STAGE": "*i32", "STAGE_PAGE_WORDS": "i64"}
@@ -123,7 +123,7 @@ def test_kernel_compiles_for_sm90a_without_spills(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_on_the_gpu_matches_the_reference_byte_for_byte():
-    from kernels.page_stage import _launch
+    from nvfp4_kernels.page_stage import _launch
 
     assert check_cases(_launch, "cuda") == len(GEOMETRIES)
 
@@ -132,7 +132,7 @@ def test_kernel_on_the_gpu_matches_the_reference_byte_for_byte():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_reads_and_writes_pinned_host_rows_directly():
     """The host tier's direct path: the kernel's loads and stores cross the bus into pinned host memory."""
-    from kernels.page_stage import _launch
+    from nvfp4_kernels.page_stage import _launch
 
     assert check_cases(_launch, "cuda", stage_device="cpu") == len(GEOMETRIES)
 

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from kernels import fp8, nvfp4
-from kernels.backends.base import AttentionBackend
-from kernels.backends.reference import ReferenceBackend
-from kernels.backends.registry import get_backend
-from kernels.kv_layout import KV_DTYPES, LayerKV
+from nvfp4_kernels import fp8, nvfp4
+from nvfp4_kernels.backends.base import AttentionBackend
+from nvfp4_kernels.backends.reference import ReferenceBackend
+from nvfp4_kernels.backends.registry import get_backend
+from nvfp4_kernels.kv_layout import KV_DTYPES, LayerKV
 
 SCALES = {"bf16": (1.0, 1.0), "fp8_e4m3": (0.03, 0.05), "nvfp4": (0.004, 0.5)}  # (k_scale, v_scale)
 

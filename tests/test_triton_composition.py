@@ -1,4 +1,4 @@
-"""The parts TritonBackend is composed of (kernels/backends/composition.py): which part serves each phase for
+"""The parts TritonBackend is composed of (nvfp4_kernels/backends/composition.py): which part serves each phase for
 each pool KV dtype, fixed at construction, and the CPU dispatch of the fp8 / bf16 parts to the reference."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.backends.base import DecodeOptions
-from kernels.backends.reference import ReferenceBackend
-from kernels.backends.registry import get_backend
+from nvfp4_kernels.backends.base import DecodeOptions
+from nvfp4_kernels.backends.reference import ReferenceBackend
+from nvfp4_kernels.backends.registry import get_backend
 from tests.test_reference_backend import make_layer, page_table_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def test_parts_are_shared_where_they_are_one_and_the_composition_is_fixed():
 
 
 def test_constructing_the_backend_imports_no_flashinfer():
-    code = ("import sys\nfrom kernels.backends.triton_backend import TritonBackend\nTritonBackend()\n"
+    code = ("import sys\nfrom nvfp4_kernels.backends.triton_backend import TritonBackend\nTritonBackend()\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'flashinfer' or m.endswith('flashinfer_backend')))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          check=False)
@@ -113,7 +113,7 @@ def test_warm_decode_runs_nothing_for_a_cpu_nvfp4_pool_and_plans_check_their_inp
 def test_the_backend_names_its_decode_kernel_per_kv_dtype_and_gpu():
     """/server_info's decode_kernel: the NVFP4 decode's config follows the GPU (Gluon on Hopper), the
     fp8/bf16 decode is FlashInfer's (the reference where it cannot run)."""
-    from kernels.backends.triton_backend import DeviceTarget, TritonBackend
+    from nvfp4_kernels.backends.triton_backend import DeviceTarget, TritonBackend
 
     cpu = torch.device("cpu")
     assert TritonBackend().decode_kernel("nvfp4", 128, 4, cpu) == "triton-nvfp4-decode:triton_nw4_bw32_st2_p8"
@@ -131,7 +131,7 @@ def test_the_backend_names_its_decode_kernel_per_kv_dtype_and_gpu():
 
 def test_nvfp4_decode_kernel_flag_picks_the_kernel_and_other_backends_refuse_it():
     from engine.config import EngineConfig
-    from kernels.backends.registry import get_backend
+    from nvfp4_kernels.backends.registry import get_backend
 
     cpu = torch.device("cpu")
     assert get_backend("triton", cpu, "gluon").decode_kernel("nvfp4", 128, 4, cpu).endswith(":gluon_nw1_bw32_st2_p24")

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from kernels import fp8, nvfp4
-from kernels.kv_layout import LayerKV
+from nvfp4_kernels import fp8, nvfp4
+from nvfp4_kernels.kv_layout import LayerKV
 
 pytestmark = pytest.mark.gpu
 
@@ -49,8 +49,8 @@ def _nvfp4_layer(pages: int, hk: int, d: int, k_scale: float = 0.05, v_scale: fl
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("kind", ["random", "outliers"])
 def test_write_kv_matches_reference_bytes(dtype, d, kind):
-    from kernels.backends.reference import ReferenceBackend
-    from kernels.backends.triton_backend import TritonBackend
+    from nvfp4_kernels.backends.reference import ReferenceBackend
+    from nvfp4_kernels.backends.triton_backend import TritonBackend
 
     gen = torch.Generator(device="cuda").manual_seed(d)
     hk, t, pages = 3, 517, 40
@@ -67,8 +67,8 @@ def test_write_kv_matches_reference_bytes(dtype, d, kind):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("kind", ["random", "outliers"])
 def test_block_select_write_kv_matches_the_block_select_reference_bytes(dtype, d, kind):
-    from kernels.backends.block_select import BlockSelectBackend
-    from kernels.backends.triton_backend import TritonBackend, TritonBlockSelectBackend
+    from nvfp4_kernels.backends.block_select import BlockSelectBackend
+    from nvfp4_kernels.backends.triton_backend import TritonBackend, TritonBlockSelectBackend
 
     gen = torch.Generator(device="cuda").manual_seed(d + 1)
     hk, t, pages = 3, 517, 40
@@ -84,7 +84,7 @@ def test_block_select_write_kv_matches_the_block_select_reference_bytes(dtype, d
 
 
 def test_write_kv_takes_strided_rows():
-    from kernels.backends.triton_backend import TritonBackend
+    from nvfp4_kernels.backends.triton_backend import TritonBackend
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     qkv = torch.randn(100, 3, 4, 128, generator=gen, device="cuda").to(torch.bfloat16)  # a fused qkv output
@@ -99,8 +99,8 @@ def test_write_kv_takes_strided_rows():
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gather_workspace_matches_reference_bytes(d):
-    from kernels.backends.reference import ReferenceBackend
-    from kernels.backends.triton_backend import TritonBackend
+    from nvfp4_kernels.backends.reference import ReferenceBackend
+    from nvfp4_kernels.backends.triton_backend import TritonBackend
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     hk, pages = 2, 30
@@ -134,7 +134,7 @@ def fp32_decode_reference(layer: LayerKV, page_table, seq_lens, q, sm_scale) -> 
 
 
 def _filled_layer(pages: int, hk: int, d: int, kind: str, gen: torch.Generator) -> LayerKV:
-    from kernels.backends.triton_backend import TritonBackend
+    from nvfp4_kernels.backends.triton_backend import TritonBackend
 
     layer = _nvfp4_layer(pages, hk, d)
     slots = torch.arange(pages * PAGE, device="cuda")
@@ -148,7 +148,7 @@ def _filled_layer(pages: int, hk: int, d: int, kind: str, gen: torch.Generator) 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("kind", ["random", "outliers"])
 def test_decode_matches_fp32_reference(group, d, kind):
-    from kernels.backends.triton_backend import TritonBackend
+    from nvfp4_kernels.backends.triton_backend import TritonBackend
 
     gen = torch.Generator(device="cuda").manual_seed(group * 1000 + d)
     hk = 2
@@ -172,7 +172,7 @@ def test_decode_matches_fp32_reference(group, d, kind):
 
 
 def test_decode_replays_in_a_cuda_graph_with_new_lengths():
-    from kernels.backends.triton_backend import TritonBackend
+    from nvfp4_kernels.backends.triton_backend import TritonBackend
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     hk, group, d, bsz, max_pages = 8, 4, 128, 3, 64
@@ -199,10 +199,10 @@ def test_decode_replays_in_a_cuda_graph_with_new_lengths():
 
 def test_flashinfer_reads_pages_written_by_our_quantize_kernel():
     fi = pytest.importorskip("flashinfer")
-    from kernels.backends.triton_backend import quantize_rows
+    from nvfp4_kernels.backends.triton_backend import quantize_rows
 
     del fi
-    from kernels.backends.flashinfer_backend import nvfp4_dequantize_rows
+    from nvfp4_kernels.backends.flashinfer_backend import nvfp4_dequantize_rows
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     x = _rows(4096, 1, 128, torch.bfloat16, "outliers", gen)
@@ -215,8 +215,8 @@ def test_flashinfer_reads_pages_written_by_our_quantize_kernel():
 
 
 def test_prefill_on_fp8_matches_reference():
-    from kernels.backends.reference import ReferenceBackend
-    from kernels.backends.triton_backend import TritonBackend
+    from nvfp4_kernels.backends.reference import ReferenceBackend
+    from nvfp4_kernels.backends.triton_backend import TritonBackend
 
     gen = torch.Generator(device="cuda").manual_seed(9)
     tb, rb = TritonBackend(), ReferenceBackend()

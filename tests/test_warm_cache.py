@@ -116,7 +116,7 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
                               cache=CacheConfig(max_total_tokens=256)))
     runner = DecodeGraphRunner(eng.model, eng.paths, torch.device("cpu"), 16, max_width_pages(1024, 16), capture=False)
     shapes = runner.shapes()
-    # on sm_90a the engine decodes with the Gluon kernel (kernels.backends.triton_decode.default_decode_config)
+    # on sm_90a the engine decodes with the Gluon kernel (nvfp4_kernels.backends.triton_decode.default_decode_config)
     assert launches["nvfp4_decode_gluon_kernel"][0] == len(shapes) == launches["merge_kernel"][0]
     cubins = _cubins(cache)
     for name in ("nvfp4_decode_gluon_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel",

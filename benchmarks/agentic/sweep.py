@@ -44,7 +44,7 @@ from benchmarks.serving.server import describe_deployment, gpu_name
 from svc_common.cli_help import HelpFormatter
 
 SCHEMA = "nvfp4-serve/bench-agentic/1"
-KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4")  # as kernels.kv_layout.KV_DTYPES (not imported: it pulls in torch)
+KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4")  # as nvfp4_kernels.kv_layout.KV_DTYPES (not imported: it pulls in torch)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +111,7 @@ def point_configs(a: argparse.Namespace, num_trace_sessions: int) -> list[PointC
 def pool_tokens_for(kv_dtype: str, fp8_tokens: int) -> int:
     """Tokens of a ``kv_dtype`` pool with the bytes of ``fp8_tokens`` FP8 tokens (per-token bytes scale with
     the dtype only, whatever the model's heads and layers)."""
-    from kernels.kv_layout import bytes_per_token_per_layer
+    from nvfp4_kernels.kv_layout import bytes_per_token_per_layer
 
     fp8, other = (bytes_per_token_per_layer(d, 1, 16) for d in ("fp8_e4m3", kv_dtype))
     return fp8_tokens * fp8 // other

@@ -14,7 +14,7 @@ is shown beside its floor, the weight bytes one step reads (every parameter once
 the measured copy bandwidth. ``--profile`` adds the kernels of one graph replay (torch profiler): the top ones,
 their sum per category (GEMM, attention incl. merge, K/V write, norms + RoPE + activation, other) and the
 launch gaps, graph step - kernel sum. ``--no-fused`` runs the model's PyTorch norm/activation/RoPE ops instead
-of the fused Triton kernels (kernels/model_ops.py), for the before/after of the same shapes.
+of the fused Triton kernels (nvfp4_kernels/model_ops.py), for the before/after of the same shapes.
 
 The ratio nvfp4 / fp8 of tokens/s at the same shape is the engine-level iso-concurrency figure; the
 end-to-end figures (router, gRPC, streaming) come from ``nvfp4-serve bench experiments``.
@@ -218,8 +218,8 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     from engine.model_runner import ModelRunner
     from engine.request import Request
     from engine.sampling import SamplingParams
-    from kernels.backends.triton_backend import TritonBackend, TritonBlockSelectBackend
-    from kernels.kv_layout import bytes_per_token_per_layer
+    from nvfp4_kernels.backends.triton_backend import TritonBackend, TritonBlockSelectBackend
+    from nvfp4_kernels.kv_layout import bytes_per_token_per_layer
 
     pages_per_seq = math.ceil((seq_len + 1) / PAGE)
     num_pages = batch * pages_per_seq

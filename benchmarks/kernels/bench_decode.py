@@ -54,15 +54,15 @@ def copy_bandwidth(dev: torch.device) -> float:
 # -- correctness ---------------------------------------------------------------------------------------
 def run_checks(dev: torch.device) -> dict:
     """Every kernel vs the reference: bit-exact bytes for quantize / workspace, rel. error for decode."""
-    from kernels import fp8, nvfp4
-    from kernels.backends.triton_backend import (
+    from nvfp4_kernels import fp8, nvfp4
+    from nvfp4_kernels.backends.triton_backend import (
         DecodeConfig,
         DecodeKernel,
         TritonBackend,
         dequant_rows_to_fp8,
         quantize_rows,
     )
-    from kernels.kv_layout import LayerKV
+    from nvfp4_kernels.kv_layout import LayerKV
 
     out: dict = {}
     torch.manual_seed(0)
@@ -111,7 +111,7 @@ def run_checks(dev: torch.device) -> dict:
         _log(f"check {key}: rel err {err:.2e}, gluon {out[key]['gluon_rel_err']:.2e}")
 
     try:
-        from kernels.backends.flashinfer_backend import flashinfer_available, nvfp4_dequantize_rows
+        from nvfp4_kernels.backends.flashinfer_backend import flashinfer_available, nvfp4_dequantize_rows
 
         if flashinfer_available():
             x = torch.randn(8192, D, device=dev) * 3
@@ -131,7 +131,7 @@ def run_checks(dev: torch.device) -> dict:
 
 def fp32_decode_reference(layer, page_table, seq_lens, q, sm_scale) -> torch.Tensor:
     """softmax(q . K^T * sm_scale) . V in fp32 over the dequantized pages (no output rounding)."""
-    from kernels import nvfp4
+    from nvfp4_kernels import nvfp4
 
     s = layer.page_size
     group = q.shape[1] // layer.num_kv_heads
@@ -153,7 +153,7 @@ def _rotations(nbytes: int) -> int:
 
 
 def _nvfp4_pool(dev, batch, seq_len, rot, layout="NHD"):
-    from kernels.kv_layout import LayerKV
+    from nvfp4_kernels.kv_layout import LayerKV
 
     pages = batch * seq_len // PAGE
     total = pages * rot
@@ -184,7 +184,7 @@ def _rotating(fns: list) -> object:
 
 
 def time_ours(dev, batch, seq_len, configs) -> dict:
-    from kernels.backends.triton_backend import TritonBackend
+    from nvfp4_kernels.backends.triton_backend import TritonBackend
 
     rot = _rotations(nvfp4_bytes(batch, seq_len))
     layer = _nvfp4_pool(dev, batch, seq_len, rot)
@@ -203,8 +203,8 @@ def time_ours(dev, batch, seq_len, configs) -> dict:
 
 
 def time_flashinfer(dev, batch, seq_len, kv_dtype, cuda_cores: bool) -> dict:
-    from kernels.backends.flashinfer_backend import FlashInferDecode
-    from kernels.kv_layout import LayerKV
+    from nvfp4_kernels.backends.flashinfer_backend import FlashInferDecode
+    from nvfp4_kernels.kv_layout import LayerKV
 
     best = {}
     variants = [(True, "NHD")] + ([(True, "HND")] if kv_dtype == "nvfp4" else [])
@@ -242,7 +242,7 @@ def time_flashinfer(dev, batch, seq_len, kv_dtype, cuda_cores: bool) -> dict:
 
 
 def time_quantize(dev) -> dict:
-    from kernels.backends.triton_backend import quantize_rows
+    from nvfp4_kernels.backends.triton_backend import quantize_rows
 
     t = 128 * 1024  # tokens of one layer written at once (a 128K-token prefill chunk)
     x = torch.randn(t, HK, D, device=dev).to(torch.bfloat16)
@@ -258,7 +258,7 @@ def _prewarm_flashinfer(cuda_cores: bool) -> object:
     """JIT-compile FlashInfer's kernels in a child process while our checks run (each takes ~25 s)."""
     import subprocess
 
-    code = ("import torch, math\nfrom kernels.backends.flashinfer_backend import *\n"
+    code = ("import torch, math\nfrom nvfp4_kernels.backends.flashinfer_backend import *\n"
             "from benchmarks.kernels.bench_decode import time_flashinfer\n"
             "dev = torch.device('cuda')\n"
             "for kvd in ('bf16', 'fp8_e4m3', 'nvfp4'):\n"
@@ -269,8 +269,8 @@ def _prewarm_flashinfer(cuda_cores: bool) -> object:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernels.backends.flashinfer_backend import flashinfer_available
-    from kernels.backends.triton_backend import DecodeConfig, DecodeKernel, default_decode_config
+    from nvfp4_kernels.backends.flashinfer_backend import flashinfer_available
+    from nvfp4_kernels.backends.triton_backend import DecodeConfig, DecodeKernel, default_decode_config
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="docs/benchmarks/kernels.json")

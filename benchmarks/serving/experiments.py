@@ -43,7 +43,7 @@ from benchmarks.serving.server import describe_deployment, gpu_name
 from svc_common.cli_help import HelpFormatter
 
 SCHEMA = "nvfp4-serve/bench-experiments/1"
-KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4")  # kernels.kv_layout.KV_DTYPES (not imported: no torch here)
+KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4")  # nvfp4_kernels.kv_layout.KV_DTYPES (not imported: no torch here)
 EXPERIMENTS = ("iso_concurrency", "iso_capacity", "sweep")
 DEFAULT_MAX_RUNNING_REQUESTS = 256  # engine.config.SchedulerConfig's (tests pin the two together)
 DEFAULT_OUT = "docs/benchmarks/serving.json"

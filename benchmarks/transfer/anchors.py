@@ -86,7 +86,7 @@ def device_gather(device: str, num_pages: int, page_bytes: int, repeat: int = 10
 
 def _page_bytes(model: Path, kv_dtype: str, page_size: int) -> tuple[int, int]:
     """(bytes of one page of one layer, layers) of the served model."""
-    from kernels.kv_layout import bytes_per_token_per_layer
+    from nvfp4_kernels.kv_layout import bytes_per_token_per_layer
 
     cfg = json.loads((model / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]

@@ -1,0 +1,296 @@
+"""The Triton NVFP4 decode part: split-KV geometry, per-plan buffers, the fused decode and LSE merge launches.
+
+``TritonNvfp4Decode`` plans every decode of the Triton backend (``plan``: the checks and ``DecodeState``, for
+any pool dtype) and decodes NVFP4 pools: out[b,h] = softmax(q[b,h] . K[b]^T * sm_scale) . V[b] with K, V read
+from NVFP4 pages by ``nvfp4_decode_kernel``, then ``merge_kernel`` over the splits.
+
+CUDA graphs. ``plan`` sizes everything from the plan alone (B, page_table.shape[1], heads): the split size,
+the number of splits, the partial-output buffers and the grids. ``decode`` launches exactly those grids,
+reads the sequence lengths and page ids from device memory and allocates nothing, so an engine captures one
+graph per batch-size bucket with a fixed ``max_pages`` (a page table of that width) and replays it for any
+lengths <= max_pages * page_size; there is no host-side refresh.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+
+from nvfp4_kernels.backends.base import DecodeOptions, DecodePlan
+from nvfp4_kernels.backends.decode_kernels import GLUON_HEAD_DIMS, DecodeKernel
+from nvfp4_kernels.backends.triton_nvfp4 import check_nvfp4_layer, u8
+from nvfp4_kernels.kv_layout import LayerKV
+from nvfp4_kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
+
+_LOG2E = math.log2(math.e)
+_MIN_SPLIT_TOKENS = 256
+
+
+_GLUON_HEAD_DIMS = GLUON_HEAD_DIMS
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiling of the NVFP4 decode kernel: NW warp slices of BW tokens per loop step (Triton), or one warp
+    stepping BW tokens through a ``num_stages``-deep cp.async ring (Gluon: ``num_warps`` must be 1)."""
+
+    num_warps: int = 4
+    block_w: int = 32
+    num_stages: int = 2
+    programs_per_sm: int = 8  # split-KV target: about this many programs per SM when sequences are long
+    kernel: DecodeKernel = DecodeKernel.TRITON
+    max_registers: int | None = None  # ptxas register cap per thread (maxnreg); None: the compiler's choice
+
+    def __post_init__(self) -> None:
+        if self.block_w < 16 or self.block_w & (self.block_w - 1):
+            raise ValueError(f"block_w must be a power of two >= 16 (tensor-core N dim), got {self.block_w}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
+        if self.max_registers is not None and not 32 <= self.max_registers <= 255:
+            raise ValueError(f"max_registers must be in [32, 255] or None, got {self.max_registers}")
+        if self.kernel is DecodeKernel.GLUON and (self.num_warps != 1 or self.block_w > 64 or self.num_stages < 2):
+            raise ValueError("the Gluon decode runs one warp per program with block_w <= 64 and num_stages >= 2, got "
+                             f"num_warps={self.num_warps} block_w={self.block_w} num_stages={self.num_stages}")
+
+    @property
+    def label(self) -> str:
+        cap = "" if self.max_registers is None else f"_r{self.max_registers}"
+        return (f"{self.kernel.value}_nw{self.num_warps}_bw{self.block_w}_st{self.num_stages}"
+                f"_p{self.programs_per_sm}{cap}")
+
+    @property
+    def launch_options(self) -> dict:
+        return {} if self.max_registers is None else {"maxnreg": self.max_registers}
+
+    @property
+    def block_n(self) -> int:
+        return self.num_warps * self.block_w
+
+
+def gluon_fits(head_dim: int, group: int) -> bool:
+    """Whether the Gluon kernel is the default for this head dim and group: its accumulators are GN x D fp32 per
+    warp (GN = the group padded to >= 8). At GN * D <= 1024 (G <= 8 at D 128, G <= 16 at D 64) a program holds
+    about 130 registers, as in the measured GQA 32/8, D 128 case; up to 2048 it compiles without spills but
+    with 200-245 registers (fewer programs per SM, not measured), and G 32 at D 128 spills (sm_90a, Triton 3.6).
+    An explicit DecodeConfig may still ask for it there."""
+    return head_dim in _GLUON_HEAD_DIMS and max(8, triton.next_power_of_2(group)) * head_dim <= 1024
+
+
+def default_decode_config(head_dim: int, capability: tuple[int, int] | None = None, group: int = 1,
+                          kernel: DecodeKernel | None = None) -> DecodeConfig:
+    """The decode kernel and tiling for a GPU of ``capability`` (None: no GPU, the Triton kernel for the
+    interpreter) and ``group`` query heads per KV head.
+
+    Hopper (9.x) gets the Gluon kernel where ``gluon_fits``: 1.3-1.4x faster than the Triton kernel on the H200
+    with this tiling (docs/benchmarks/kernels.md: 2-stage ring, 24 programs per SM). Other GPUs get the Triton
+    kernel, whose D=256 tiling halves the warp slice to stay in registers (docs/benchmarks/kernel-notes.md).
+    ``kernel`` (``--nvfp4-decode-kernel``) forces one kernel with its default tiling; the Gluon kernel then still
+    needs a head_dim in GLUON_HEAD_DIMS and compute capability 8.9+ (checked at start-up, svc_common/preflight.py)."""
+    if kernel is DecodeKernel.GLUON or (kernel is None and capability is not None and capability[0] == 9
+                                        and gluon_fits(head_dim, group)):
+        return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)
+    return DecodeConfig(4, 16 if head_dim > 128 else 32, 2, 8)
+
+
+def e2m1_mode(device: torch.device) -> int:
+    """Decode implementation for ``device``: 0 = interpreter (CPU), 1 = software (SM < 100), 2 = cvt (SM100+)."""
+    if device.type != "cuda":
+        return 0
+    return DeviceTarget.mode_for(torch.cuda.get_device_capability(device))
+
+
+@dataclass(frozen=True)
+class DeviceTarget:
+    """The GPU a decode is planned and compiled for: its SM count sets the split-KV geometry, its compute
+    capability the E2M1 decode mode. A part built without one reads both from the tensors' device (the CPU
+    stands for 4 SMs and the interpreter); ``nvfp4-serve warm-cache`` names a GPU the machine lacks."""
+
+    num_sms: int
+    capability: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if self.num_sms < 1 or self.capability[0] < 1:
+            raise ValueError(f"a target GPU needs num_sms >= 1 and a compute capability, got {self}")
+
+    @staticmethod
+    def mode_for(capability: tuple[int, int]) -> int:
+        return 2 if capability[0] >= 10 else 1
+
+    @property
+    def e2m1_mode(self) -> int:
+        return self.mode_for(self.capability)
+
+
+def e2m1_fold(mode: int) -> float:
+    """The factor the decoded E2M1 values lack: the software decode yields E2M1 * 2**-14."""
+    return 1.0 if mode == 2 else 2.0**14
+
+
+@dataclass
+class DecodeState:
+    """Per-batch buffers and launch geometry of the NVFP4 decode (depends only on the plan)."""
+
+    config: DecodeConfig
+    chunk_tokens: int
+    num_splits: int
+    o_part: torch.Tensor  # [B, Hq, num_splits, D] fp32
+    lse_part: torch.Tensor  # [B, Hq, num_splits] fp32
+    fallback: object = None  # (FlashInferDecode, (kv_dtype, sm_scale)) for fp8/bf16 pools with flashinfer
+    fallback_args: tuple | None = None  # plan arguments after (page_table, seq_lens), for refresh_decode_plan
+
+
+def split_geometry(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, num_sms: int,
+                   programs_per_sm: int = 8) -> tuple[int, int]:
+    """(chunk_tokens, num_splits): enough programs to fill the GPU, each at least ``_MIN_SPLIT_TOKENS`` long."""
+    base = max(1, batch * num_kv_heads)
+    want = max(1, math.ceil(programs_per_sm * num_sms / base))
+    cap = max(1, math.ceil(max_tokens / _MIN_SPLIT_TOKENS))
+    splits = min(want, cap)
+    chunk = triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
+    return chunk, triton.cdiv(max_tokens, chunk)
+
+
+class TritonNvfp4Decode:
+    """Plans every decode of the backend; decodes NVFP4 pools with the fused split-KV kernel."""
+
+    name = "triton-nvfp4-decode"
+
+    def __init__(self, decode_config: DecodeConfig | None = None, target: DeviceTarget | None = None,
+                 kernel: DecodeKernel | None = None) -> None:
+        if decode_config is not None and kernel is not None:
+            raise ValueError("give a decode_config or a kernel to pick, not both")
+        self.decode_config = decode_config  # None: default_decode_config(head_dim, ..., kernel) per plan
+        self.target = target  # None: the GPU the tensors are on
+        self.kernel = kernel  # None: the GPU's default (default_decode_config)
+
+    def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
+             head_dim: int, page_size: int) -> DecodePlan:
+        if page_table.dtype != torch.int32 or page_table.dim() != 2 or seq_lens.dtype != torch.int32:
+            raise ValueError("plan_decode needs page_table [B, max_pages] int32 and seq_lens [B] int32, got "
+                             f"{page_table.dtype} {tuple(page_table.shape)} / {seq_lens.dtype}")
+        if num_qo_heads % num_kv_heads != 0:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        plan = DecodePlan(page_table, seq_lens, num_qo_heads, num_kv_heads, head_dim, page_size)
+        batch, max_pages = page_table.shape
+        dev = page_table.device
+        cfg = self.decode_config or default_decode_config(head_dim, self._capability(dev), num_qo_heads // num_kv_heads,
+                                                          self.kernel)
+        if self.target is not None:
+            num_sms = self.target.num_sms
+        else:
+            num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        chunk, splits = split_geometry(batch, num_kv_heads, max(1, max_pages * page_size), cfg.block_n, num_sms,
+                                       cfg.programs_per_sm)
+        st = DecodeState(
+            cfg, chunk, splits,
+            torch.empty(batch, num_qo_heads, splits, head_dim, dtype=torch.float32, device=dev),
+            torch.empty(batch, num_qo_heads, splits, dtype=torch.float32, device=dev))
+        plan.backend_state = st
+        return plan
+
+    def prepare(self, plan: DecodePlan, options: DecodeOptions) -> None:
+        """Nothing beyond ``plan``: the kernel reads lengths and pages from device memory."""
+
+    def refresh(self, plan: DecodePlan, page_table: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Nothing on the host before a replay (see the module docstring)."""
+
+    def warm(self, layer: LayerKV, shapes: list[tuple[int, int]], num_qo_heads: int,
+             q_dtype: torch.dtype, sm_scale: float, fill_page: int) -> int:
+        """Triton specializes the NVFP4 decode and merge kernels on values that follow the plan's shape (the
+        split count, via SPLITS_P2 and the partial buffers' strides; the table's row stride): a new shape
+        compiles a variant (about a second), which stalled every running request the first time a serving
+        batch grew into it. Running each shape once here moves those compiles to start-up (with a ``target``
+        on CPU tensors too: ``nvfp4-serve warm-cache`` compiles them for that GPU, launching nothing)."""
+        if (layer.k.device.type != "cuda" and self.target is None) or not shapes:
+            return 0
+        dev = layer.k.device
+        most = max(b * w for b, w in shapes)
+        table_flat = torch.full((most,), fill_page, dtype=torch.int32, device=dev)
+        lens = torch.ones(max(b for b, _ in shapes), dtype=torch.int32, device=dev)
+        q = torch.zeros(lens.numel(), num_qo_heads, layer.head_dim, dtype=q_dtype, device=dev)
+        for b, w in shapes:
+            table = table_flat[: b * w].view(b, w)  # contiguous: the row stride a captured table has
+            plan = self.plan(table, lens[:b], num_qo_heads, layer.num_kv_heads, layer.head_dim, layer.page_size)
+            self.decode(plan, q[:b], layer, sm_scale)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return len(shapes)
+
+    def decode(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> torch.Tensor:
+        st = plan.backend_state
+        if not isinstance(st, DecodeState):
+            raise TypeError("decode needs a plan from TritonBackend.plan_decode")
+        check_nvfp4_layer(layer)
+        batch, hq, d = q.shape
+        hk = layer.num_kv_heads
+        if (hq, hk, d, layer.page_size) != (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size):
+            raise ValueError(f"q {tuple(q.shape)} / layer (Hk={hk}, S={layer.page_size}) do not match the plan "
+                             f"(Hq={plan.num_qo_heads}, Hk={plan.num_kv_heads}, D={plan.head_dim}, "
+                             f"S={plan.page_size})")
+        if q.dtype not in (torch.bfloat16, torch.float16) or q.stride(2) != 1 or batch != plan.page_table.shape[0]:
+            raise ValueError(f"q must be bf16/fp16 [B={plan.page_table.shape[0]}, Hq, D] with a contiguous last dim,"
+                             f" got {q.dtype} {tuple(q.shape)} strides {q.stride()}")
+        if st.config.kernel is DecodeKernel.GLUON:
+            self._launch_gluon(plan, q, layer, sm_scale)
+        else:
+            self._launch_triton(plan, q, layer, sm_scale)
+        op, lse = st.o_part, st.lse_part
+        out = torch.empty_like(q)
+        merge_kernel[(batch, hq)](
+            op, lse, out, st.num_splits, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), D=d, SPLITS_P2=triton.next_power_of_2(st.num_splits))
+        return out
+
+    @staticmethod
+    def _kernel_args(plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float, fold: float) -> tuple:
+        """The runtime arguments both decode kernels take, in their order (same contract, different tilings)."""
+        st, pt = plan.backend_state, plan.page_table
+        op, lse = st.o_part, st.lse_part
+        return (q, layer.k.view(torch.int16), u8(layer.k_sf), layer.v.view(torch.int16), u8(layer.v_sf),
+                pt, plan.seq_lens, op, lse,
+                float(sm_scale) * float(layer.k_scale) * fold * _LOG2E, float(layer.v_scale) * fold,
+                q.stride(0), q.stride(1), pt.stride(0),
+                op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), st.chunk_tokens)
+
+    def _launch_triton(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> None:
+        st, (batch, hq, d), hk = plan.backend_state, q.shape, layer.num_kv_heads
+        mode = self.target.e2m1_mode if self.target is not None else e2m1_mode(q.device)
+        cfg = st.config
+        group = hq // hk
+        nvfp4_decode_kernel[(hk, st.num_splits, batch)](
+            *self._kernel_args(plan, q, layer, sm_scale, e2m1_fold(mode)),
+            HK=hk, G=group, GP=max(16, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
+            NW=cfg.num_warps, BW=cfg.block_w, MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.launch_options)
+
+    def kernel_for(self, head_dim: int, group: int, device: torch.device) -> str:
+        """``<part>:<config label>`` of the decodes this part plans for ``head_dim`` and ``group`` on ``device``."""
+        cfg = self.decode_config or default_decode_config(head_dim, self._capability(device), group, self.kernel)
+        return f"{self.name}:{cfg.label}"
+
+    def _capability(self, dev: torch.device) -> tuple[int, int] | None:
+        """The target's compute capability, else that of ``dev``'s GPU; None for CPU tensors without a target."""
+        if self.target is not None:
+            return self.target.capability
+        return torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+
+    def _launch_gluon(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> None:
+        """The Gluon kernel's software E2M1 decode runs on sm_89+ (its scales use cvt.rn.f16x2.e4m3x2)."""
+        from nvfp4_kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
+
+        st, (batch, hq, d), hk = plan.backend_state, q.shape, layer.num_kv_heads
+        cap = self._capability(q.device)
+        if cap is None or cap < (8, 9) or d not in _GLUON_HEAD_DIMS:
+            raise ValueError(f"the Gluon NVFP4 decode needs a CUDA GPU of compute capability >= 8.9 and head_dim in "
+                             f"{_GLUON_HEAD_DIMS}, got capability {cap} and head_dim {d} (use DecodeKernel.TRITON)")
+        group = hq // hk
+        nvfp4_decode_gluon_kernel[(hk, st.num_splits, batch)](
+            *self._kernel_args(plan, q, layer, sm_scale, e2m1_fold(1)),
+            HK=hk, G=group, GN=max(8, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
+            BT=st.config.block_w, STAGES=st.config.num_stages, num_warps=1, **st.config.launch_options)

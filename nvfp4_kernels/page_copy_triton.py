@@ -1,0 +1,130 @@
+"""The typed launches of ``nvfp4_kernels.triton.page_copy``: ``copy_pages``, one layer's pages, every part, one
+launch; ``check_pages``, the check alone over the same pages of several layers, one launch.
+
+``copy_pages`` computes ``nvfp4_kernels.page_copy.copy_pages_reference`` byte for byte (copies and flag), with the
+host work of one kernel launch instead of a gather, a scatter and a check per part: the cuda-ipc transfer's
+copies are many small ones, bound by per-op host time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+
+from nvfp4_kernels.page_copy import check_kind
+from nvfp4_kernels.triton.page_copy import page_check_kernel, page_copy_kernel
+
+ACCESS_BYTES = 16  # every page of every part is moved in whole accesses of this many bytes
+_MAX_BLOCK_WORDS = 2048  # int32 words per program and iteration: 8 KiB, 4 16-byte accesses per thread
+_KIND_CODE = {None: 0, torch.float8_e4m3fn: 1, torch.bfloat16: 2}
+
+
+class PageGeometry(NamedTuple):
+    page_size: int
+    val_words: int  # int32 words of one page of k (= of v)
+    val_check: int  # the kernel's VAL_CHECK: 0 E2M1 codes, 1 E4M3, 2 bf16
+    sf_words: int  # int32 words of one page of k_sf (= of v_sf); 0 without block scales
+
+
+def page_geometry(src: Sequence[torch.Tensor | None], dst: Sequence[torch.Tensor | None]) -> PageGeometry:
+    """What the kernel relies on, checked: parts (k, k_sf, v, v_sf) contiguous ``[P, S, Hk, X]`` tensors on one
+    device (CUDA; the CPU only under Triton's interpreter), each source part shaped and typed like its
+    destination page for page, k like v, scales both present (E4M3, nvfp4) or both absent, every page part a
+    multiple of 16 bytes (whole 16-byte accesses)."""
+    k, k_sf, v, v_sf = dst
+    if k is None or v is None or k.shape[1:] != v.shape[1:] or k.dtype != v.dtype:
+        raise ValueError("page copy needs destination k and v of one shape and dtype, "
+                         f"got {None if k is None else (tuple(k.shape), k.dtype)} / "
+                         f"{None if v is None else (tuple(v.shape), v.dtype)}")
+    if (k_sf is None) != (v_sf is None) or (k_sf is not None and (
+            k_sf.shape[1:] != v_sf.shape[1:] or k_sf.dtype != torch.float8_e4m3fn or k.dtype != torch.uint8)):
+        raise ValueError("page copy needs both block-scale parts (float8_e4m3fn, beside uint8 codes) or neither")
+    for name, s, d in zip(("k", "k_sf", "v", "v_sf"), src, dst, strict=True):
+        if d is None:
+            continue
+        if s is None or s.dtype != d.dtype or s.shape[1:] != d.shape[1:]:
+            raise ValueError(f"source part {name} {None if s is None else (tuple(s.shape), s.dtype)} does not hold "
+                             f"pages of the destination's {(tuple(d.shape[1:]), d.dtype)}")
+        for t in (s, d):
+            if t.dim() != 4 or not t.is_contiguous() or t.device != k.device:
+                raise ValueError(f"page copy part {name} must be a contiguous [P, S, Hk, X] tensor on {k.device}, "
+                                 f"got {tuple(t.shape)} strides {t.stride()} on {t.device}")
+        nbytes = math.prod(d.shape[1:]) * d.element_size()
+        if nbytes % ACCESS_BYTES:
+            raise ValueError(f"page copy moves {ACCESS_BYTES}-byte words: a page of part {name} has {nbytes} bytes "
+                             f"(shape {tuple(d.shape[1:])}); use the reference copy for this pool shape")
+    words = [0 if t is None else math.prod(t.shape[1:]) * t.element_size() // 4 for t in (k, k_sf)]
+    return PageGeometry(k.shape[1], words[0], _KIND_CODE[check_kind(k)], words[1])
+
+
+def copy_pages(src: Sequence[torch.Tensor | None], dst: Sequence[torch.Tensor | None], src_ids: torch.Tensor,
+               dst_ids: torch.Tensor, num_tokens: int, flag: torch.Tensor, copy: bool = True) -> None:
+    """``dst[p][dst_ids[i]] = src[p][src_ids[i]]`` for every present part p of (k, k_sf, v, v_sf), and
+    ``flag |= NaN/inf among the first num_tokens token slots`` (``nvfp4_kernels.page_copy``), in one launch on the
+    current stream. Without ``copy`` only ``src``'s pages are checked (pass the pool's parts as both).
+
+    ids: 1-D int32/int64 on the parts' device, each < its pool's pages (the caller checks peers' ids: the
+    kernel does not); flag: int32, one element, on the device. MUTATES ``dst`` (with ``copy``) and ``flag``."""
+    g = page_geometry(src, dst)
+    n = src_ids.numel()
+    for name, t in (("src_ids", src_ids), ("dst_ids", dst_ids)):
+        if t.dim() != 1 or t.numel() != n or t.dtype not in (torch.int32, torch.int64) or t.device != dst[0].device:
+            raise ValueError(f"{name} must be 1-D int32/int64 on {dst[0].device} with {n} ids, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if flag.dtype != torch.int32 or flag.numel() != 1 or flag.device != dst[0].device:
+        raise ValueError(f"flag must be one int32 on {dst[0].device}, got {tuple(flag.shape)} {flag.dtype}")
+    if n == 0:
+        return
+    ks, kss, vs, vss, kd, ksd, vd, vsd = [dst[0] if t is None else t for t in (*src, *dst)]  # absent: never read
+    page_copy_kernel[(n, 4 if g.sf_words else 2)](
+        ks, kd, vs, vd, kss, ksd, vss, vsd, src_ids, dst_ids, flag, int(num_tokens), PAGE_SIZE=g.page_size,
+        VAL_WORDS=g.val_words, VAL_BLOCK=_block(g.val_words), VAL_CHECK=g.val_check, SF_WORDS=g.sf_words,
+        SF_BLOCK=_block(g.sf_words), COPY=copy, num_warps=4)
+
+
+def check_table(layers: Sequence[Sequence[torch.Tensor | None]]) -> tuple[torch.Tensor, int, int, int]:
+    """(device int64 table of the checked parts' base addresses, their words per page, their check kind, page
+    size) for ``check_pages``: every layer's parts checked as ``page_geometry`` checks one layer's, all layers
+    of one geometry. An empty table where no part is checked (nothing can be NaN). The table addresses the
+    parts' memory: keep them alive while it is used."""
+    if not layers:
+        raise ValueError("check_pages needs at least one layer")
+    g = page_geometry(layers[0], layers[0])
+    for parts in layers[1:]:
+        if page_geometry(parts, parts) != g or parts[0].device != layers[0][0].device:
+            raise ValueError("check_pages needs every layer of one page geometry on one device")
+    if g.sf_words:  # nvfp4: the E4M3 block scales; the E2M1 codes cannot be NaN
+        segments, words, kind = [(parts[1], parts[3]) for parts in layers], g.sf_words, 1
+    elif g.val_check:
+        segments, words, kind = [(parts[0], parts[2]) for parts in layers], g.val_words, g.val_check
+    else:
+        segments, words, kind = [], 0, 0
+    addresses = [t.data_ptr() for pair in segments for t in pair]
+    table = torch.tensor(addresses, dtype=torch.int64).to(layers[0][0].device)
+    return table, words, kind, g.page_size
+
+
+def check_pages(table: tuple[torch.Tensor, int, int, int], ids: torch.Tensor, num_tokens: int,
+                flag: torch.Tensor) -> None:
+    """``nvfp4_kernels.page_copy.check_pages_reference`` of the layers ``table`` (``check_table``) names, in one
+    launch on the current stream: ``flag |= NaN/inf among the first num_tokens token slots`` of pages ``ids``
+    of every layer. ids: 1-D int32/int64 on the parts' device, each < the pool's pages (checked by the caller).
+    MUTATES ``flag``."""
+    addresses, words, kind, page_size = table
+    device = addresses.device
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != device:
+        raise ValueError(f"ids must be 1-D int32/int64 on {device}, got {tuple(ids.shape)} {ids.dtype} on {ids.device}")
+    if flag.dtype != torch.int32 or flag.numel() != 1 or flag.device != device:
+        raise ValueError(f"flag must be one int32 on {device}, got {tuple(flag.shape)} {flag.dtype}")
+    if ids.numel() == 0 or addresses.numel() == 0:
+        return
+    page_check_kernel[(ids.numel(), addresses.numel())](addresses, ids, flag, int(num_tokens), PAGE_SIZE=page_size,
+                                                        WORDS=words, BLOCK=_block(words), CHECK=kind, num_warps=4)
+
+
+def _block(words: int) -> int:
+    return min(triton.next_power_of_2(max(words, 1)), _MAX_BLOCK_WORDS)

@@ -1,0 +1,238 @@
+"""NVFP4 decode attention for Hopper with explicit layouts (Gluon): one warp per program, transposed MMAs.
+
+Same contract and outputs as ``nvfp4_decode.nvfp4_decode_kernel`` (split-KV partial outputs + base-2 LSE,
+merged by ``merge_kernel``); only the tiling differs. One program = (kv head h, split s, sequence b), ONE warp.
+
+Transposed products. The tensor cores multiply [M x 16] by [16 x N] with N >= 8, so the G query heads of a
+group (4 for GQA 32/8) go on the N side, padded to GN >= 8, instead of padding them to 16 rows:
+
+    S^T [BT, GN]  = sum_k  K_k [BT, DW] . Q_k^T [DW, GN]        K_k[t, j] = K[t, 4j+k]
+    O_k^T [DW, GN] += V_k^T [DW, BT] . P^T [BT, GN]             O[g, 4j+k] = O_k^T[j, g]
+
+Data path per step of BT tokens:
+  - cp.async (``async_copy``) puts the packed codes of K and V ([BT, D/4] int16 rows, 16-byte copies) and their
+    block-scale bytes ([BT, D/16], 8-byte copies) into a STAGES-deep shared-memory ring; the page table is read
+    once per step, STAGES-1 steps ahead of its use;
+  - ldmatrix loads the packed K words as the A operand (pairs along j) and the V words transposed (pairs along
+    tokens), so the codes reach the MMA registers without any shuffle;
+  - the scale bytes are read from shared memory in a layout whose broadcast to [BT, D/4] IS the operand layout
+    (``convert_layout(..., assert_trivial=True)``: no data movement), converted to fp16 once per pair; two
+    inline-PTX halves per pair of words decode its 8 E2M1 codes (nibbles 0, 2 and 1, 3) and multiply them by
+    their E4M3 scales in fp16x2 (exact: E2M1 * E4M3 fits fp16);
+  - online softmax in base 2 over the token axis of S^T (a warp reduction); P^T goes to the B operand layout
+    (the one layout change per step).
+One warp owns its program's whole state, so no barrier is shared between warps, and at D 128, G <= 8 its 131
+registers let 15 programs share an SM (the 4-warp Triton kernel holds 226 registers: 2 warps per scheduler).
+Larger groups or D 256 need 200-245 registers (``gluon_fits`` in nvfp4_kernels/backends/triton_decode.py).
+
+Scales folded in, as in the Triton kernel: qk_scale = sm_scale * k_global * 2**14 * log2(e) and
+out_scale = v_global * 2**14 (the decoded values are E2M1 * 2**-14 * E4M3). Q enters as fp16 (|q| < 65504).
+Needs sm_89+ for ``cvt.rn.f16x2.e4m3x2`` (built and run for sm_90a); D in {64, 128, 256}; BT in {16, 32, 64}.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+# $2: two int16 words (8 codes) e0 | e1 << 16; $3: their two block scales as fp16x2 (s0, s1).
+# _LO_ASM: outputs for nibbles 0 and 2, _HI_ASM: nibbles 1 and 3, each an fp16x2
+# (E2M1[nibble k of e0] * s0, E2M1[nibble k of e1] * s1) * 2**-14 (the decode of nvfp4_kernels/triton/e2m1.py, split
+# in two halves that share no work, so a step's decoded operands are live two nibbles at a time).
+_LO_ASM = gl.constexpr("""
+{
+.reg .b32 t, lo, w4;
+shl.b32 w4, $2, 4;
+shl.b32 t, $2, 1;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 lo, w4, 0x80808080;
+or.b32 lo, lo, t;
+prmt.b32 $0, lo, 0, 0x2404;
+and.b32 $1, lo, 0xFF00FF00;
+mul.rn.f16x2 $0, $0, $3;
+mul.rn.f16x2 $1, $1, $3;
+}
+""")
+_HI_ASM = gl.constexpr("""
+{
+.reg .b32 t, hi;
+shr.b32 t, $2, 3;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 hi, $2, 0x80808080;
+or.b32 hi, hi, t;
+prmt.b32 $0, hi, 0, 0x2404;
+and.b32 $1, hi, 0xFF00FF00;
+mul.rn.f16x2 $0, $0, $3;
+mul.rn.f16x2 $1, $1, $3;
+}
+""")
+
+
+@gluon.jit
+def _decode_half(w, s, ASM: gl.constexpr):
+    """int16 words w and fp16 scales s of one layout -> two fp16 tensors (nibbles 0, 2 or 1, 3) * s * 2**-14."""
+    return gl.inline_asm_elementwise(ASM, "=r,=r,r,r", [w, s], dtype=(gl.float16, gl.float16), is_pure=True,
+                                     pack=2)
+
+
+@gluon.jit
+def _rows(pt_row, tok, end, h, HK: gl.constexpr, PAGE: gl.constexpr):
+    """Pool rows ([P*PAGE*HK, ...] views) of tokens ``tok`` of head h, and which of them are below ``end``."""
+    ok = tok < end
+    page = gl.load(pt_row + tok // PAGE, mask=ok, other=0).to(gl.int64)
+    return (page * PAGE + tok % PAGE) * HK + h, ok
+
+
+@gluon.jit
+def _issue(ring, K16, V16, KSF, VSF, pt_row, t0, end, stage, h, tr, tc, trs, tcs,
+           HK: gl.constexpr, DW: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr):
+    """cp.async of tokens [t0, t0 + BT) (rows past ``end`` are zero-filled) into ring slot ``stage``."""
+    k_smem, v_smem, ks_smem, vs_smem = ring
+    row, ok = _rows(pt_row, t0 + tr, end, h, HK, PAGE)
+    off = (row * DW)[:, None] + tc[None, :]
+    async_copy.async_copy_global_to_shared(k_smem.index(stage), K16 + off, mask=ok[:, None])
+    async_copy.async_copy_global_to_shared(v_smem.index(stage), V16 + off, mask=ok[:, None])
+    # the scale rows (NS bytes each, one copy per row) in their own layout: a lane per row
+    srow, sok = _rows(pt_row, t0 + trs, end, h, HK, PAGE)
+    soff = (srow * NS)[:, None] + tcs[None, :]
+    async_copy.async_copy_global_to_shared(ks_smem.index(stage), KSF + soff, mask=sok[:, None])
+    async_copy.async_copy_global_to_shared(vs_smem.index(stage), VSF + soff, mask=sok[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _scales(smem, layout: gl.constexpr, operand: gl.constexpr, BT: gl.constexpr, NS: gl.constexpr,
+            TRANS: gl.constexpr):
+    """Scale bytes [BT, NS] of one ring slot -> uint8 [BT, 4*NS] (or its transpose) in ``operand`` layout:
+    element (t, j) = scale(t, j // 4). ``layout`` is chosen so the broadcast is already that layout."""
+    x = gl.expand_dims(smem.load(gl.SliceLayout(2, layout)), 2)
+    x = gl.broadcast(x, gl.full([BT, NS, 4], 0, gl.uint8, layout=layout))[0]
+    x = gl.reshape(x, [BT, NS * 4])
+    if TRANS:
+        x = gl.permute(x, (1, 0))
+    x = gl.convert_layout(x, operand, assert_trivial=True)
+    return x.to(gl.float8e4nv, bitcast=True).to(gl.float16)  # exact
+
+
+@gluon.jit
+def _store_out(O_PART, LSE_PART, b, split, h, acc0, acc1, acc2, acc3, lse, stride_pb, stride_ph, stride_ps,
+               stride_lb, stride_lh, G: gl.constexpr, GN: gl.constexpr, DW: gl.constexpr, mma: gl.constexpr):
+    jo = gl.arange(0, DW, layout=gl.SliceLayout(1, mma))
+    go = gl.arange(0, GN, layout=gl.SliceLayout(0, mma))
+    hq = h * G + go
+    base = O_PART + b * stride_pb + hq[None, :] * stride_ph + split * stride_ps + 4 * jo[:, None]
+    mask = (go < G)[None, :] & (jo >= 0)[:, None]
+    gl.store(base + 0, acc0, mask=mask)
+    gl.store(base + 1, acc1, mask=mask)
+    gl.store(base + 2, acc2, mask=mask)
+    gl.store(base + 3, acc3, mask=mask)
+    gl.store(LSE_PART + b * stride_lb + hq * stride_lh + split, lse, mask=go < G)
+
+
+@gluon.jit
+def nvfp4_decode_gluon_kernel(
+    Q, K16, KSF, V16, VSF, PAGE_TABLE, SEQ_LENS, O_PART, LSE_PART,
+    qk_scale, out_scale,
+    stride_qb, stride_qh, stride_ptb,
+    stride_pb, stride_ph, stride_ps,  # O_PART [B, Hq, num_splits, D] fp32 (d stride 1)
+    stride_lb, stride_lh,  # LSE_PART [B, Hq, num_splits] fp32 (split stride 1)
+    chunk_tokens,
+    HK: gl.constexpr, G: gl.constexpr, GN: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+    BT: gl.constexpr, STAGES: gl.constexpr,
+):
+    """Pool pages are contiguous: K16/V16 [P, PAGE, HK, D/4] int16, KSF/VSF [P, PAGE, HK, D/16] uint8. num_warps=1."""
+    DW: gl.constexpr = D // 4
+    NS: gl.constexpr = D // 16
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # copies: 8 int16 (16 bytes) per thread, DW // 8 threads per row
+    cp: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DW // 8), DW // 8], [1, 1], [1, 0])
+    cps: gl.constexpr = gl.BlockedLayout([1, NS], [32, 1], [1, 1], [1, 0])  # scales: NS bytes per lane
+    # scale layouts whose [BT, NS, 4] broadcast, reshaped to [BT, DW], equals op_a's layout of K [BT, DW] (j bit 0
+    # in a register, j bits 1-2 on lanes 0-1, t bits 0-2 on lanes 2-4) or, transposed, of V^T [DW, BT]
+    k_sl: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 2, 2], [1, 1, 1], [2, 1, 0])
+    v_sl: gl.constexpr = gl.BlockedLayout([2, 1, 1], [4, 2, 4], [1, 1, 1], [0, 2, 1])
+    codes_sh: gl.constexpr = gl.SwizzledSharedLayout(8, 2, 4, [1, 0])
+    bytes_sh: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+    h = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    seq_len = gl.load(SEQ_LENS + b)
+    start = split * chunk_tokens
+    end = gl.minimum(seq_len, start + chunk_tokens)
+    if start >= end:
+        z = gl.zeros([DW, GN], gl.float32, layout=mma)
+        _store_out(O_PART, LSE_PART, b, split, h, z, z, z, z,
+                   gl.full([GN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma)),
+                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, mma)
+        return
+
+    # Q_k^T [DW, GN] as B operands: element (j, g) = q[b, h*G + g, 4j + k], zero for g >= G
+    jq = gl.arange(0, DW, layout=gl.SliceLayout(1, op_b))
+    gq = gl.arange(0, GN, layout=gl.SliceLayout(0, op_b))
+    qp = Q + b * stride_qb + (h * G + gq)[None, :] * stride_qh + 4 * jq[:, None]
+    qm = (gq < G)[None, :] & (jq >= 0)[:, None]
+    q0 = gl.load(qp + 0, mask=qm, other=0.0).to(gl.float16)
+    q1 = gl.load(qp + 1, mask=qm, other=0.0).to(gl.float16)
+    q2 = gl.load(qp + 2, mask=qm, other=0.0).to(gl.float16)
+    q3 = gl.load(qp + 3, mask=qm, other=0.0).to(gl.float16)
+
+    ring = (gl.allocate_shared_memory(gl.int16, [STAGES, BT, DW], codes_sh),
+            gl.allocate_shared_memory(gl.int16, [STAGES, BT, DW], codes_sh),
+            gl.allocate_shared_memory(gl.uint8, [STAGES, BT, NS], bytes_sh),
+            gl.allocate_shared_memory(gl.uint8, [STAGES, BT, NS], bytes_sh))
+    tr = gl.arange(0, BT, layout=gl.SliceLayout(1, cp))
+    tc = gl.arange(0, DW, layout=gl.SliceLayout(0, cp))
+    trs = gl.arange(0, BT, layout=gl.SliceLayout(1, cps))
+    tcs = gl.arange(0, NS, layout=gl.SliceLayout(0, cps))
+    pt_row = PAGE_TABLE + b * stride_ptb
+    for i in gl.static_range(STAGES - 1):
+        _issue(ring, K16, V16, KSF, VSF, pt_row, start + i * BT, end, i, h, tr, tc, trs, tcs, HK, DW, NS, PAGE)
+
+    ts = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))
+    m_i = gl.full([GN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
+    l_i = gl.zeros([GN], gl.float32, layout=gl.SliceLayout(0, mma))
+    acc0 = gl.zeros([DW, GN], gl.float32, layout=mma)
+    acc1 = gl.zeros([DW, GN], gl.float32, layout=mma)
+    acc2 = gl.zeros([DW, GN], gl.float32, layout=mma)
+    acc3 = gl.zeros([DW, GN], gl.float32, layout=mma)
+    for i in range(gl.cdiv(end - start, BT)):
+        t0 = start + i * BT
+        stage = i % STAGES
+        gl.thread_barrier()  # every lane has read slot (i - 1) % STAGES before it is refilled
+        _issue(ring, K16, V16, KSF, VSF, pt_row, t0 + (STAGES - 1) * BT, end, (i + STAGES - 1) % STAGES, h, tr, tc,
+               trs, tcs, HK, DW, NS, PAGE)
+        async_copy.wait_group(STAGES - 1)  # slot `stage` has landed
+        k_smem, v_smem, ks_smem, vs_smem = ring
+        ks = _scales(ks_smem.index(stage), k_sl, op_a, BT, NS, False)
+        kw = k_smem.index(stage).load(op_a)
+        k0, k2 = _decode_half(kw, ks, _LO_ASM)
+        s = mma_v2(k0, q0, gl.zeros([BT, GN], gl.float32, layout=mma))
+        s = mma_v2(k2, q2, s)
+        k1, k3 = _decode_half(kw, ks, _HI_ASM)
+        s = mma_v2(k1, q1, s)
+        s = mma_v2(k3, q3, s)
+        s = gl.where(((t0 + ts) < end)[:, None], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))  # finite: every step has >= 1 token below `end`
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + gl.sum(p, 0)
+        m_i = m_new
+        pb = gl.convert_layout(p.to(gl.float16), op_b)
+        vs = _scales(vs_smem.index(stage), v_sl, op_a, BT, NS, True)
+        vw = v_smem.index(stage).permute((1, 0)).load(op_a)
+        a2 = alpha[None, :]
+        v0, v2 = _decode_half(vw, vs, _LO_ASM)
+        acc0 = mma_v2(v0, pb, acc0 * a2)
+        acc2 = mma_v2(v2, pb, acc2 * a2)
+        v1, v3 = _decode_half(vw, vs, _HI_ASM)
+        acc1 = mma_v2(v1, pb, acc1 * a2)
+        acc3 = mma_v2(v3, pb, acc3 * a2)
+    async_copy.wait_group(0)
+
+    inv = (out_scale / l_i)[None, :]
+    _store_out(O_PART, LSE_PART, b, split, h, acc0 * inv, acc1 * inv, acc2 * inv, acc3 * inv, m_i + gl.log2(l_i),
+               stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, mma)
