@@ -58,6 +58,12 @@ from engine.radix_node import (
 )
 from engine.radix_node import num_pages as node_pages
 
+# With a host tier an eviction frees at least this many device pages (as many as are evictable): a store of a
+# few pages is latency-bound (4-35 GB/s for 1-8 pages on the H200, 44-52 GB/s from 64 on;
+# docs/benchmarks/host_tier_copy.md), and a full pool otherwise evicts a page or two per admission. The extra
+# pages are the least recently used and stay on the host, so a later hit loads them instead of prefilling.
+HOST_STORE_MIN_PAGES = 64
+
 if TYPE_CHECKING:
     from engine.host_pool import HostPool
 
@@ -74,14 +80,18 @@ class PrefixMatch(NamedTuple):
 class RadixCache:
     """Prefix cache of full KV pages keyed by token ids; holds one allocator reference per cached page."""
 
-    def __init__(self, page_size: int, allocator: PageAllocator, host: HostPool | None = None) -> None:
+    def __init__(self, page_size: int, allocator: PageAllocator, host: HostPool | None = None,
+                 store_min_pages: int = HOST_STORE_MIN_PAGES) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1 (got {page_size}); set --page-size to a positive number")
+        if store_min_pages < 1:
+            raise ValueError(f"store_min_pages must be >= 1, got {store_min_pages}")
         if host is not None and host.page_size != page_size:
             raise ValueError(f"host tier pages hold {host.page_size} tokens, the cache's {page_size}")
         self.page_size = page_size
         self.allocator = allocator
         self.host = host  # None: no host tier (evicted pages are dropped)
+        self.store_min_pages = store_min_pages  # with a host tier: device pages one eviction frees at least
         self._locked: set[int] = set()  # seq of host nodes a load_from_host is reading: never host-evicted
         self._seq = itertools.count()
         self._clock = 0
@@ -202,10 +212,11 @@ class RadixCache:
         Least recently used leaves go first; within a leaf the last page goes first. A leaf whose
         last page is referenced by a request is skipped. Each evicted page is decref'd from 1 to 0
         and so becomes free. With a host tier the evicted pages are copied to the host first (one
-        batch) and their nodes stay in the tree, on the host.
+        batch of at least ``store_min_pages``, ``HOST_STORE_MIN_PAGES`` unless set, where that many are
+        evictable) and their nodes stay in the tree, on the host.
         """
         if self.host is not None:
-            return self._evict_tiered(num_pages, store=True)
+            return self._evict_tiered(max(num_pages, self.store_min_pages) if num_pages > 0 else 0, store=True)
         leaves = [(n.last_access, n.seq, n) for n in walk(self._root) if not n.children and n is not self._root]
         heapq.heapify(leaves)
         freed: list[int] = []

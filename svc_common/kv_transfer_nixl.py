@@ -340,7 +340,7 @@ def read_descs(pool: KVPool, view: NixlView, layers: Sequence[int], src_ids: Seq
     """(local, remote) descriptor rows (address, bytes, device id) of pages ``src_ids`` of ``view``'s ``layers``
     into ``dst_ids`` of ``pool``'s: one row per layer, part and run of consecutive pages, in numpy over all
     layers at once. Ids must be checked against both pools by the caller."""
-    runs = np.asarray(page_runs([int(p) for p in src_ids], [int(p) for p in dst_ids]), dtype=np.int64).reshape(-1, 3)
+    runs = np.asarray(page_runs(src_ids, dst_ids), dtype=np.int64).reshape(-1, 3)  # page_runs: numpy over the ids
     s0, d0, m = runs[:, 0], runs[:, 1], runs[:, 2]
     local, remote = [], []
     for part in PARTS:

@@ -20,7 +20,7 @@ from engine.host_pool import CopyPath, HostPool, make_host_pool
 from engine.integrity import IntegrityReport, check_integrity
 from engine.kv_pool import KVPool
 from engine.page_allocator import PageAllocator
-from engine.radix_cache import RadixCache
+from engine.radix_cache import HOST_STORE_MIN_PAGES, RadixCache
 from engine.radix_node import walk
 from engine.sampling import SamplingParams
 from engine.startup_error import StartupError
@@ -46,11 +46,12 @@ def page_bytes(pool: KVPool, page: int) -> list[bytes]:
     return [b"".join(pool.export_pages(layer, [page])) for layer in range(pool.num_layers)]
 
 
-def tiered_cache(num_pages: int = 8, num_host_pages: int = 4, kv_dtype: str = "bf16"):
+def tiered_cache(num_pages: int = 8, num_host_pages: int = 4, kv_dtype: str = "bf16", store_min_pages: int = 1):
+    """An eviction frees what it is asked for (``store_min_pages`` 1) unless a test says otherwise."""
     pool = make_pool(kv_dtype, num_pages)
     alloc = PageAllocator(num_pages)
     host = HostPool(pool, num_host_pages)
-    return pool, alloc, host, RadixCache(S, alloc, host)
+    return pool, alloc, host, RadixCache(S, alloc, host, store_min_pages=store_min_pages)
 
 
 def seq(first: int, num_pages: int) -> list[int]:
@@ -202,6 +203,27 @@ def test_a_partial_eviction_splits_the_node_and_stores_only_its_tail():
     assert cache.match_prefix(a).page_ids == [0, 1]
     assert cache.load_from_host(a) == S and cache.match_prefix(a).page_ids == [0, 1, 2]
     check_integrity(alloc, cache, [])
+
+
+def test_with_a_host_tier_an_eviction_stores_a_batch_of_at_least_store_min_pages_in_one_copy():
+    _pool, alloc, host, cache = tiered_cache(num_pages=8, num_host_pages=8, store_min_pages=3)
+    a, b = seq(0, 2), seq(100, 2)
+    cache_seq(cache, alloc, a)
+    cache_seq(cache, alloc, b)  # a is the least recently used
+    assert cache.evict(1) == [1, 0, 3]  # a's two pages, then b's last: one batch of 3, one copy
+    assert host.stats().num_stores == 1 and host.num_free == 5
+    assert cache.residency(a) == ["host", "host"] and cache.residency(b) == ["device", "host"]
+    assert cache.evict(1) == [2]  # fewer evictable than the batch: what there is
+    assert cache.evict(0) == [] and host.stats().num_stores == 2
+    check_integrity(alloc, cache, [])
+    # the default batch, and none without a tier: an eviction frees what it is asked for
+    assert RadixCache(S, alloc, host).store_min_pages == HOST_STORE_MIN_PAGES == 64
+    plain_alloc = PageAllocator(4)
+    plain = RadixCache(S, plain_alloc)
+    cache_seq(plain, plain_alloc, seq(0, 3))
+    assert plain.evict(1) == [2]
+    with pytest.raises(ValueError, match="store_min_pages must be >= 1"):
+        RadixCache(S, alloc, host, store_min_pages=0)
 
 
 def test_a_full_host_tier_drops_its_least_recently_used_pages_first():
