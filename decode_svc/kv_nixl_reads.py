@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from decode_svc.page_refs import MAX_BATCH, PageRead
+from decode_svc.page_refs import MAX_BATCH, PageRead, runs_of
 from svc_common.kv_copy import PageImporter
 from svc_common.kv_transfer_nixl import NixlAgent, NixlTransferError, NixlView, read_descs
 
@@ -47,11 +47,9 @@ class NixlReads:
         transfer)."""
         if not 0 < len(batch) <= MAX_BATCH:
             raise ValueError(f"a NIXL read batch holds 1..{MAX_BATCH} page reads, got {len(batch)}")
-        groups: dict[tuple, list[PageRead]] = {}  # every layer of a run names the same pages and prompt slots
-        for r in batch:
-            groups.setdefault((tuple(r.src_ids), tuple(r.dst_ids), r.num_tokens), []).append(r)
+        groups = runs_of(batch)  # every layer of a run names the same pages and prompt slots
         descs = [read_descs(self.importer.pool, self.view, [r.layer for r in g], g[0].src_ids, g[0].dst_ids,
-                            self.agent.device_id) for g in groups.values()]
+                            self.agent.device_id) for g in groups]
         local, remote = (np.concatenate([d[i] for d in descs]) for i in (0, 1))
         with self._count:
             self.num_reads += 1
@@ -63,7 +61,7 @@ class NixlReads:
         except NixlTransferError as e:
             raise ValueError(str(e)) from None
         t1 = time.perf_counter()
-        for g in groups.values():
+        for g in groups:
             self.importer.check_written([r.layer for r in g], g[0].dst_ids, g[0].num_tokens)
         with self._count:
             self.read_s += t1 - t0

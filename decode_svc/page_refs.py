@@ -1,7 +1,7 @@
 """A by-reference transfer's page refs (cuda-ipc, nixl), batched: a prefill sends one KVPageRefs message per
 layer for each run of pages it completed, back to back, so the decode copies a run of pages of every layer in
-one writer-thread task (cuda-ipc: one page-copy launch per layer, one after the other; nixl: one READ of all
-of them) instead of one task, one thread hand-off and one lock hand-off per layer.
+one writer-thread task (cuda-ipc: one launch per kind of part for all the layers of a run of pages; nixl:
+one READ of all of them) instead of one task, one thread hand-off and one lock hand-off per layer.
 
 Invariant: a ``PageRead``'s ids were checked by the receiver (sources against the prefill's pool, destinations
 the request's own pages) before it is batched.
@@ -29,10 +29,18 @@ class PageRead:
     num_tokens: int
 
 
-def copy_batch(importer: PageImporter, view: PoolView, batch: Sequence[PageRead]) -> None:
-    """MUTATES the pool: cuda-ipc's copies of ``batch`` out of the prefill's pool ``view``, in order (one
-    page-copy launch per message, values checked as they are copied; see ``PageImporter.copy_from``). Blocks
-    (call on a writer thread)."""
+def runs_of(batch: Sequence[PageRead]) -> list[list[PageRead]]:
+    """``batch`` grouped by the pages they name (every layer of a run names the same ones), in order."""
+    groups: dict[tuple, list[PageRead]] = {}
     for r in batch:
-        parts = [view.layers[r.layer].get(name) for name in PARTS]
-        importer.copy_from(parts, r.layer, r.src_ids, r.dst_ids, r.num_tokens)
+        groups.setdefault((tuple(r.src_ids), tuple(r.dst_ids), r.num_tokens), []).append(r)
+    return list(groups.values())
+
+
+def copy_batch(importer: PageImporter, view: PoolView, batch: Sequence[PageRead]) -> None:
+    """MUTATES the pool: cuda-ipc's copies of ``batch`` out of the prefill's pool ``view``, values checked as
+    they are copied (``PageImporter.copy_from_layers``: on a GPU one launch per kind of part for all the layers
+    of a run of pages). Blocks (call on a writer thread)."""
+    for g in runs_of(batch):
+        src = [[view.layers[r.layer].get(name) for name in PARTS] for r in g]
+        importer.copy_from_layers(src, [r.layer for r in g], g[0].src_ids, g[0].dst_ids, g[0].num_tokens)

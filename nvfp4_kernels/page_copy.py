@@ -9,9 +9,9 @@ checked, their E4M3 block scales are; fp8_e4m3 values are E4M3; bf16 values are 
 ``[P, S, Hk, X]`` contiguous, so a page's first t token slots are its first t * (page bytes / S) bytes.
 
 ``copy_pages_reference`` is the pure-PyTorch definition (CPU pools use it); ``nvfp4_kernels.page_copy_triton`` is
-the one-launch CUDA version, held to it byte for byte. ``check_pages_reference`` is the check alone over the
-same pages of several layers (pages another agent wrote, e.g. a NIXL READ). Pure torch: importable without
-triton.
+the one-launch CUDA version, held to it byte for byte. ``move_pages_reference`` is the same over the same pages
+of several layers (a cuda-ipc batch; or the check alone of pages another agent wrote, e.g. a NIXL READ). Pure
+torch: importable without triton.
 """
 
 from __future__ import annotations
@@ -66,8 +66,10 @@ def copy_pages_reference(src: Sequence[torch.Tensor | None], dst: Sequence[torch
             page_rows(d).index_copy_(0, dst_ids, rows)
 
 
-def check_pages_reference(layers: Sequence[Sequence[torch.Tensor | None]], ids: torch.Tensor, num_tokens: int,
-                          flag: torch.Tensor) -> None:
-    """MUTATES ``flag``: ``copy_pages_reference``'s check (no copy) of pages ``ids`` of every layer's parts."""
-    for parts in layers:
-        copy_pages_reference(parts, parts, ids, ids, num_tokens, flag, copy=False)
+def move_pages_reference(src_layers: Sequence[Sequence[torch.Tensor | None]],
+                         dst_layers: Sequence[Sequence[torch.Tensor | None]], src_ids: torch.Tensor,
+                         dst_ids: torch.Tensor, num_tokens: int, flag: torch.Tensor, copy: bool = True) -> None:
+    """MUTATES the destinations (with ``copy``) and ``flag``: ``copy_pages_reference`` of each layer pair, the
+    same pages of every layer (pages another agent wrote are checked with the same layers twice, no copy)."""
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        copy_pages_reference(src, dst, src_ids, dst_ids, num_tokens, flag, copy)

@@ -1,5 +1,6 @@
 """The typed launches of ``nvfp4_kernels.triton.page_copy``: ``copy_pages``, one layer's pages, every part, one
-launch; ``check_pages``, the check alone over the same pages of several layers, one launch.
+launch; ``move_pages``, the same pages of several layers (copied and checked, or checked alone), one launch
+per kind of part (values; block scales) through the ``PageTables`` of those layers.
 
 ``copy_pages`` computes ``nvfp4_kernels.page_copy.copy_pages_reference`` byte for byte (copies and flag), with the
 host work of one kernel launch instead of a gather, a scatter and a check per part: the cuda-ipc transfer's
@@ -16,7 +17,7 @@ import torch
 import triton
 
 from nvfp4_kernels.page_copy import check_kind
-from nvfp4_kernels.triton.page_copy import page_check_kernel, page_copy_kernel
+from nvfp4_kernels.triton.page_copy import page_copy_kernel, page_table_kernel
 
 ACCESS_BYTES = 16  # every page of every part is moved in whole accesses of this many bytes
 _MAX_BLOCK_WORDS = 2048  # int32 words per program and iteration: 8 KiB, 4 16-byte accesses per thread
@@ -86,44 +87,65 @@ def copy_pages(src: Sequence[torch.Tensor | None], dst: Sequence[torch.Tensor | 
         SF_BLOCK=_block(g.sf_words), COPY=copy, num_warps=4)
 
 
-def check_table(layers: Sequence[Sequence[torch.Tensor | None]]) -> tuple[torch.Tensor, int, int, int]:
-    """(device int64 table of the checked parts' base addresses, their words per page, their check kind, page
-    size) for ``check_pages``: every layer's parts checked as ``page_geometry`` checks one layer's, all layers
-    of one geometry. An empty table where no part is checked (nothing can be NaN). The table addresses the
-    parts' memory: keep them alive while it is used."""
-    if not layers:
-        raise ValueError("check_pages needs at least one layer")
-    g = page_geometry(layers[0], layers[0])
-    for parts in layers[1:]:
-        if page_geometry(parts, parts) != g or parts[0].device != layers[0][0].device:
-            raise ValueError("check_pages needs every layer of one page geometry on one device")
-    if g.sf_words:  # nvfp4: the E4M3 block scales; the E2M1 codes cannot be NaN
-        segments, words, kind = [(parts[1], parts[3]) for parts in layers], g.sf_words, 1
-    elif g.val_check:
-        segments, words, kind = [(parts[0], parts[2]) for parts in layers], g.val_words, g.val_check
-    else:
-        segments, words, kind = [], 0, 0
-    addresses = [t.data_ptr() for pair in segments for t in pair]
-    table = torch.tensor(addresses, dtype=torch.int64).to(layers[0][0].device)
-    return table, words, kind, g.page_size
+class PartTable(NamedTuple):
+    """The parts of one size and kind of several layers: (source, destination) base addresses per part on the
+    device (int64 [n, 2]), words per page, check kind (0: E2M1 codes, not checked)."""
+
+    addresses: torch.Tensor
+    words: int
+    check: int
 
 
-def check_pages(table: tuple[torch.Tensor, int, int, int], ids: torch.Tensor, num_tokens: int,
-                flag: torch.Tensor) -> None:
-    """``nvfp4_kernels.page_copy.check_pages_reference`` of the layers ``table`` (``check_table``) names, in one
-    launch on the current stream: ``flag |= NaN/inf among the first num_tokens token slots`` of pages ``ids``
-    of every layer. ids: 1-D int32/int64 on the parts' device, each < the pool's pages (checked by the caller).
-    MUTATES ``flag``."""
-    addresses, words, kind, page_size = table
-    device = addresses.device
-    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != device:
-        raise ValueError(f"ids must be 1-D int32/int64 on {device}, got {tuple(ids.shape)} {ids.dtype} on {ids.device}")
+class PageTables(NamedTuple):
+    """What ``move_pages`` launches over: the values of every layer, then their block scales (nvfp4)."""
+
+    page_size: int
+    groups: tuple[PartTable, ...]
+
+
+def page_tables(src_layers: Sequence[Sequence[torch.Tensor | None]],
+                dst_layers: Sequence[Sequence[torch.Tensor | None]]) -> PageTables:
+    """The tables of layer pairs (parts k, k_sf, v, v_sf of each), each pair checked as ``page_geometry`` checks
+    one layer's, every pair of one geometry on one device (pass the same layers twice to check in place). The
+    tables address the parts' memory: keep the tensors alive while they are used."""
+    if not src_layers or len(src_layers) != len(dst_layers):
+        raise ValueError(f"page tables need as many source as destination layers (>= 1): {len(src_layers)} "
+                         f"and {len(dst_layers)}")
+    g = page_geometry(src_layers[0], dst_layers[0])
+    device = dst_layers[0][0].device
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        if page_geometry(src, dst) != g or dst[0].device != device:
+            raise ValueError("page tables need every layer of one page geometry on one device")
+    groups = [((0, 2), g.val_words, g.val_check)] + ([((1, 3), g.sf_words, 1)] if g.sf_words else [])
+    out = []
+    for parts, words, check in groups:
+        rows = [[src[p].data_ptr(), dst[p].data_ptr()] for src, dst in zip(src_layers, dst_layers, strict=True)
+                for p in parts]
+        out.append(PartTable(torch.tensor(rows, dtype=torch.int64).to(device), words, check))
+    return PageTables(g.page_size, tuple(out))
+
+
+def move_pages(tables: PageTables, src_ids: torch.Tensor, dst_ids: torch.Tensor, num_tokens: int,
+               flag: torch.Tensor, copy: bool = True) -> None:
+    """``copy_pages`` for every layer pair of ``tables`` at once: one launch per kind of part on the current
+    stream (without ``copy`` only the source pages are checked, and parts that cannot be NaN are skipped).
+    ids: 1-D int32/int64 on the parts' device, each < its pool's pages (the caller checks peers' ids: the
+    kernel does not). MUTATES the destinations (with ``copy``) and ``flag``."""
+    device = tables.groups[0].addresses.device
+    n = src_ids.numel()
+    for name, t in (("src_ids", src_ids), ("dst_ids", dst_ids)):
+        if t.dim() != 1 or t.numel() != n or t.dtype not in (torch.int32, torch.int64) or t.device != device:
+            raise ValueError(f"{name} must be 1-D int32/int64 on {device} with {n} ids, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
     if flag.dtype != torch.int32 or flag.numel() != 1 or flag.device != device:
         raise ValueError(f"flag must be one int32 on {device}, got {tuple(flag.shape)} {flag.dtype}")
-    if ids.numel() == 0 or addresses.numel() == 0:
+    if n == 0:
         return
-    page_check_kernel[(ids.numel(), addresses.numel())](addresses, ids, flag, int(num_tokens), PAGE_SIZE=page_size,
-                                                        WORDS=words, BLOCK=_block(words), CHECK=kind, num_warps=4)
+    for group in tables.groups:
+        if copy or group.check:
+            page_table_kernel[(n, group.addresses.shape[0])](
+                group.addresses, src_ids, dst_ids, flag, int(num_tokens), PAGE_SIZE=tables.page_size,
+                WORDS=group.words, BLOCK=_block(group.words), CHECK=group.check, COPY=copy, num_warps=4)
 
 
 def _block(words: int) -> int:

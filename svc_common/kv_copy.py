@@ -32,7 +32,7 @@ import torch
 
 from engine.fence import Fence
 from engine.kv_pool import KVPool
-from nvfp4_kernels.page_copy import check_kind, check_pages_reference, copy_pages_reference
+from nvfp4_kernels.page_copy import check_kind, copy_pages_reference, move_pages_reference
 from svc_common.kv_transfer_ipc import page_runs
 from svc_common.kv_wire import Frame, PageRunView, encode_page_run, frame_page_run
 
@@ -137,13 +137,13 @@ class PageImporter:
         self._bad: torch.Tensor | None = None  # device int32 flag: a written value or scale is NaN/inf
         self._arange: torch.Tensor | None = None  # see _first_ids
         self._copy_pages = copy_pages_reference
-        self._check_table = None  # with the kernels: nvfp4_kernels.page_copy_triton.check_table (see check_written)
-        self._tables: dict[tuple[int, ...], tuple] = {}  # layers -> their check table (the pool's parts live on)
+        self._batched = False  # move_pages: one launch per kind of part for every layer of a batch
+        self._tables: dict[tuple, object] = {}  # (layers, source addresses) -> their PageTables (parts live on)
         if pool.device.type == "cuda":  # triton: a GPU install's
-            from nvfp4_kernels.page_copy_triton import ACCESS_BYTES, check_table, copy_pages
+            from nvfp4_kernels.page_copy_triton import ACCESS_BYTES, copy_pages
             if all(b % ACCESS_BYTES == 0 for b in self.page_bytes):  # else (tiny pages x heads) the reference
                 self._copy_pages = copy_pages
-                self._check_table = check_table
+                self._batched = True
         # What each part's values are checked as (nvfp4_kernels.page_copy.check_kind: E4M3, bf16 or not at all)
         self._kinds = [None if t is None else check_kind(t) for t in _parts(pool, 0)]
 
@@ -215,24 +215,36 @@ class PageImporter:
         self._last_ids = (src_ids, dst_ids, made)
         return made
 
+    def copy_from_layers(self, src_layers: Sequence[Sequence[torch.Tensor | None]], layers: Sequence[int],
+                         src_ids: Sequence[int], page_ids: Sequence[int], num_tokens: int) -> None:
+        """``copy_from`` for the same pages of several layers (``src_layers[i]``: the parts of ``layers[i]`` in
+        another pool; the caller checked the ids against it): on a GPU one launch per kind of part for all of
+        them (``nvfp4_kernels.page_copy_triton.move_pages``), else the reference per layer."""
+        self._move(src_layers, layers, src_ids, page_ids, num_tokens, copy=True)
+
     def check_written(self, layers: Sequence[int], page_ids: Sequence[int], num_tokens: int) -> None:
         """The checks ``copy_from`` makes, for pages ``page_ids`` of each of ``layers`` that another agent wrote
         into the pool (nixl: NIXL's READ, complete before this call): the values of the first ``num_tokens``
-        token slots flagged on the device (``finish`` raises). Reads only; on a GPU one check launch for every
-        layer (``nvfp4_kernels.page_copy_triton.check_pages``), else the reference per layer."""
+        token slots flagged on the device (``finish`` raises). Reads only; launches as ``copy_from_layers``."""
+        self._move(None, layers, page_ids, page_ids, num_tokens, copy=False)
+
+    def _move(self, src_layers: Sequence[Sequence[torch.Tensor | None]] | None, layers: Sequence[int],
+              src_ids: Sequence[int], page_ids: Sequence[int], num_tokens: int, copy: bool) -> None:
         if len(page_ids) == 0 or len(layers) == 0:
             return
-        ids = list(page_ids)
+        dst_layers = [_parts(self.pool, i) for i in layers]
+        srcs = dst_layers if src_layers is None else [list(p) for p in src_layers]
+        src, dst = list(src_ids), list(page_ids)
         with self._lock, _on(self.stream):
-            idx, _ = self._indices(ids, ids)
-            if self._check_table is None:
-                check_pages_reference([_parts(self.pool, i) for i in layers], idx, num_tokens, self._flag())
+            s_idx, d_idx = self._indices(src, dst)
+            if not self._batched:
+                move_pages_reference(srcs, dst_layers, s_idx, d_idx, num_tokens, self._flag(), copy)
                 return
-            from nvfp4_kernels.page_copy_triton import check_pages
-            key = tuple(layers)
+            from nvfp4_kernels.page_copy_triton import move_pages, page_tables
+            key = (tuple(layers), tuple(t.data_ptr() for parts in srcs for t in parts if t is not None))
             if key not in self._tables:
-                self._tables[key] = self._check_table([_parts(self.pool, i) for i in key])
-            check_pages(self._tables[key], idx, num_tokens, self._flag())
+                self._tables[key] = page_tables(srcs, dst_layers)
+            move_pages(self._tables[key], s_idx, d_idx, num_tokens, self._flag(), copy)
 
     def _flag(self) -> torch.Tensor:
         """The device int32 flag the checks OR into (made on first use, on the side stream; no sync)."""

@@ -76,6 +76,32 @@ def test_copy_from_another_pool_equals_indexing(device, scattered):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8_e4m3"])
+def test_copy_from_layers_moves_the_same_pages_of_every_layer_and_checks_them(device, kv_dtype):
+    """cuda-ipc's batch: a run of pages of every layer in one call (on a GPU one launch per kind of part)."""
+    src, dst = _pool(kv_dtype, device), _pool(kv_dtype, device, pages=128)
+    rnd = random.Random(3)
+    src_pages, dst_pages = rnd.sample(range(64), 40), rnd.sample(range(128), 40)
+    parts = [[lkv.k, lkv.k_sf, lkv.v, lkv.v_sf] for lkv in src.layers]
+    importer = PageImporter(dst)
+    importer.copy_from_layers(parts, [0, 1], src_pages, dst_pages, 40 * 4)
+    importer.finish()
+    for layer in range(2):
+        for a, b in zip(_rows(src, layer, src_pages), _rows(dst, layer, dst_pages), strict=True):
+            assert torch.equal(a, b)
+    # a NaN in layer 1's prompt slots fails the batch; the same NaN past the prompt does not
+    bad = src.layers[1].k_sf if kv_dtype == "nvfp4" else src.layers[1].v
+    bad.view(torch.uint8)[src_pages[2], 3] = 0x7F  # page 2 of the run, token slot 3: the prompt's 12th token
+    ok = PageImporter(dst)
+    ok.copy_from_layers(parts, [0, 1], src_pages[:3], dst_pages[:3], 11)
+    ok.finish()
+    failed = PageImporter(dst)
+    failed.copy_from_layers(parts, [0, 1], src_pages[:3], dst_pages[:3], 12)
+    with pytest.raises(ValueError, match="NaN"):
+        failed.finish()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_nan_scale_in_the_prompt_fails_the_copy_and_one_past_it_does_not(device):
     src, dst = _pool("nvfp4", device), _pool("nvfp4", device)
     lkv = src.layers[1]

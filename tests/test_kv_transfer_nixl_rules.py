@@ -109,7 +109,7 @@ def test_pages_written_by_a_nixl_read_are_checked_like_copies_a_nan_scale_fails_
     pool.layers[1].k_sf.view(torch.uint8)[5, 0] = 0x7F  # an E4M3 NaN scale in token slot 0 of page 5
     pool.layers[0].v_sf.view(torch.uint8)[7, 3] = 0xFF  # a NaN in slot 3 of page 7: past the prompt's 3 tokens
     clean = PageImporter(pool)
-    assert (clean._check_table is not None) == (device == "cuda")  # the one-launch check where it runs
+    assert clean._batched == (device == "cuda")  # the one-launch check where it runs
     clean.check_written([1], [3, 4], 32)
     clean.check_written([0, 1], [7], 3)
     clean.finish()  # nothing flagged

@@ -132,53 +132,66 @@ def test_kernel_on_the_gpu_matches_the_reference_byte_for_byte():
     assert check_cases(copy_pages, "cuda", GEOMETRIES + SERVED) == 68 + 3 * 2 * 8 + 2
 
 
-# -- the check alone over the same pages of several layers (pages a NIXL READ wrote) ---------------------------
+# -- the same pages of several layers: copied and checked, or checked alone (move_pages) ----------------------
 def check_layer_cases(device: str, kernel: bool, geometries=GEOMETRIES) -> int:
-    """``check_pages`` (``kernel``) or its reference over 3 layers: a NaN planted in the first or the last layer
-    is flagged exactly when its slot lies inside the prompt; E2M1 code bytes never are; no byte changes.
-    Returns the number of cases run."""
-    from nvfp4_kernels.page_copy import check_pages_reference
+    """``move_pages`` (``kernel``) or its reference over 3 layers, copying (shuffled ids into zeroed pages) and
+    checking alone: a NaN planted in the first or the last layer is flagged exactly when its slot lies inside
+    the prompt; E2M1 code bytes never are; the named pages arrive, no other byte changes. Returns the number
+    of cases run."""
+    from nvfp4_kernels.page_copy import move_pages_reference
     if kernel:
-        from nvfp4_kernels.page_copy_triton import check_pages, check_table
+        from nvfp4_kernels.page_copy_triton import move_pages, page_tables
     rnd, cases, n = random.Random(1), 0, 6
     for kv_dtype, s, hk, d in geometries:
         base = [_parts(kv_dtype, s, hk, d, 20, device, seed=10 * cases + i) for i in range(3)]
-        ids = rnd.sample(range(20), n)
+        src_ids, dst_ids = rnd.sample(range(20), n), rnd.sample(range(24), n)
         checked = [i for i, t in enumerate(base[0]) if t is not None and t.dtype in _NAN]
         for plant in ((0, checked[0], 1, 0), (2, checked[-1], n - 1, 2), None):
-            layers = [[None if t is None else t.clone() for t in parts] for parts in base]
+            src = [[None if t is None else t.clone() for t in parts] for parts in base]
             if plant is None:  # nothing planted; nvfp4 code bytes 0x7F / 0xFF are E2M1 pairs, never NaN
                 if kv_dtype == "nvfp4":
-                    layers[1][0].view(torch.uint8)[ids[0]] = 0x7F
-                    layers[2][2].view(torch.uint8)[ids[1]] = 0xFF
+                    src[1][0].view(torch.uint8)[src_ids[0]] = 0x7F
+                    src[2][2].view(torch.uint8)[src_ids[1]] = 0xFF
                 lengths = [(n * s, False)]
             else:
                 layer, part, page, slot = plant
-                _plant(layers[layer][part], ids[page], slot, _NAN[layers[layer][part].dtype])
+                _plant(src[layer][part], src_ids[page], slot, _NAN[src[layer][part].dtype])
                 at = page * s + slot
                 lengths = [(at, False), (at + 1, True), (n * s, True), (0, False)]
-            before = [[None if t is None else t.clone() for t in parts] for parts in layers]
-            idx = torch.tensor(ids, dtype=torch.int64, device=device)
+            before = [[None if t is None else t.clone() for t in parts] for parts in src]
+            s_idx = torch.tensor(src_ids, dtype=torch.int64, device=device)
+            d_idx = torch.tensor(dst_ids, dtype=torch.int64, device=device)
             for num_tokens, want in lengths:
-                flag, ref = (torch.zeros(1, dtype=torch.int32, device=device) for _ in range(2))
-                check_pages_reference(layers, idx, num_tokens, ref)
+                dst = [[None if t is None else torch.zeros((24, *t.shape[1:]), dtype=t.dtype, device=device)
+                        for t in parts] for parts in src]
+                flags = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(3)]
+                move_pages_reference(src, [[None if t is None else t.clone() for t in p] for p in dst], s_idx,
+                                     d_idx, num_tokens, flags[0])
                 if kernel:
-                    check_pages(check_table(layers), idx, num_tokens, flag)
+                    move_pages(page_tables(src, dst), s_idx, d_idx, num_tokens, flags[1])
+                    move_pages(page_tables(src, src), s_idx, s_idx, num_tokens, flags[2], copy=False)
                 else:
-                    flag = ref
-                assert bool(flag.item()) == bool(ref.item()) == want, (kv_dtype, plant, num_tokens, flag.item())
+                    move_pages_reference(src, dst, s_idx, d_idx, num_tokens, flags[1])
+                    move_pages_reference(src, src, s_idx, s_idx, num_tokens, flags[2], copy=False)
+                assert [bool(f.item()) for f in flags] == [want] * 3, (kv_dtype, plant, num_tokens)
+                untouched = [p for p in range(24) if p not in dst_ids]
+                for sp, dp in zip(src, dst, strict=True):
+                    for a, b in zip(sp, dp, strict=True):
+                        if a is not None:
+                            assert torch.equal(b.view(torch.uint8)[dst_ids], a.view(torch.uint8)[src_ids])
+                            assert not b.view(torch.uint8)[untouched].any()
                 cases += 1
-            for a_parts, b_parts in zip(before, layers, strict=True):
+            for a_parts, b_parts in zip(before, src, strict=True):  # sources never change
                 assert all(a is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                            for a, b in zip(a_parts, b_parts, strict=True))
     return cases
 
 
-def test_the_check_of_several_layers_flags_a_nan_of_any_layer_only_inside_the_prompt():
+def test_the_pages_of_several_layers_move_and_a_nan_of_any_layer_is_flagged_only_inside_the_prompt():
     assert check_layer_cases("cpu", kernel=False) == 4 * 9
 
 
-def test_the_check_kernel_in_the_triton_interpreter_matches_the_reference():
+def test_the_layer_kernel_in_the_triton_interpreter_matches_the_reference():
     pytest.importorskip("triton")
     from tests.triton_interpreter import run_interpreted
     res = run_interpreted("from tests.test_page_copy import check_layer_cases\n"
@@ -186,38 +199,42 @@ def test_the_check_kernel_in_the_triton_interpreter_matches_the_reference():
     assert res.returncode == 0 and "cases 36" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
 
 
-def test_the_check_launch_refuses_layers_of_two_geometries_and_bad_ids():
+def test_the_layer_launch_refuses_layers_of_two_geometries_and_bad_ids():
     pytest.importorskip("triton")
-    from nvfp4_kernels.page_copy_triton import check_pages, check_table
+    from nvfp4_kernels.page_copy_triton import move_pages, page_tables
 
     a, b = _parts("nvfp4", 4, 2, 32, 4, "cpu", 0), _parts("nvfp4", 4, 4, 32, 4, "cpu", 0)
     with pytest.raises(ValueError, match="every layer of one page geometry"):
-        check_table([a, b])
-    with pytest.raises(ValueError, match="at least one layer"):
-        check_table([])
-    table, flag = check_table([a, a]), torch.zeros(1, dtype=torch.int32)
-    assert table[0].numel() == 4 and table[2] == 1  # the E4M3 scales of k and v, in each layer
-    with pytest.raises(ValueError, match="ids must be 1-D int32/int64"):
-        check_pages(table, torch.zeros(2, 2, dtype=torch.int64), 8, flag)
+        page_tables([a, b], [a, b])
+    with pytest.raises(ValueError, match="as many source as destination layers"):
+        page_tables([a], [a, a])
+    with pytest.raises(ValueError, match="source part k .* does not hold pages"):
+        page_tables([b], [a])
+    tables, flag, ids = page_tables([a, a], [a, a]), torch.zeros(1, dtype=torch.int32), torch.arange(2)
+    # values (k, v of each layer: E2M1, not checked), then scales (k_sf, v_sf: E4M3)
+    assert [(t.addresses.shape, t.check) for t in tables.groups] == [((4, 2), 0), ((4, 2), 1)]
+    with pytest.raises(ValueError, match="dst_ids must be 1-D int32/int64"):
+        move_pages(tables, ids, torch.zeros(2, 2, dtype=torch.int64), 8, flag)
     with pytest.raises(ValueError, match="flag must be one int32"):
-        check_pages(table, torch.arange(2), 8, flag.bool())
+        move_pages(tables, ids, ids, 8, flag.bool())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_check_kernel_on_the_gpu_matches_the_reference():
+def test_the_layer_kernel_on_the_gpu_matches_the_reference():
     assert check_layer_cases("cuda", kernel=True, geometries=GEOMETRIES + SERVED) == 7 * 9
 
 
-def test_the_check_kernel_compiles_for_sm90a_without_spills(tmp_path):
+def test_the_layer_kernel_compiles_for_sm90a_without_spills(tmp_path):
     pytest.importorskip("triton")
-    from nvfp4_kernels.triton.page_copy import page_check_kernel
+    from nvfp4_kernels.triton.page_copy import page_table_kernel
     from tests.test_fused_ops import _sm90a
 
-    sig = {"TABLE": "*i64", "IDS": "*i64", "FLAG": "*i32", "num_tokens": "i32"}
-    for words, kind in ((256, 1), (4096, 1), (8192, 2)):  # served pages: nvfp4 scales, fp8 values, bf16 values
-        out = tmp_path / f"{words}_{kind}"
+    sig = {"TABLE": "*i64", "SRC_IDS": "*i64", "DST_IDS": "*i64", "FLAG": "*i32", "num_tokens": "i32"}
+    # served pages: nvfp4 codes (copied) and scales, fp8 values, bf16 values; copied, and checked alone
+    for words, kind, copy in ((2048, 0, True), (256, 1, True), (4096, 1, True), (8192, 2, True), (256, 1, False)):
+        out = tmp_path / f"{words}_{kind}_{copy}"
         out.mkdir()
-        consts = {"PAGE_SIZE": 16, "WORDS": words, "BLOCK": min(words, 2048), "CHECK": kind}
-        regs, sass = _sm90a(page_check_kernel, sig, consts, 4, out)
-        assert "STL" not in sass and "LDL" not in sass and regs <= 64
+        consts = {"PAGE_SIZE": 16, "WORDS": words, "BLOCK": min(words, 2048), "CHECK": kind, "COPY": copy}
+        regs, sass = _sm90a(page_table_kernel, sig, consts, 4, out)
+        assert "STL" not in sass and "LDL" not in sass and regs <= 96, (words, kind, copy, regs)  # 4 warps

@@ -10,11 +10,12 @@
                           1: E4M3 bytes, fp8 pools; 2: bf16 values)
     part 2 = k_sf, 3 = v_sf   SF_WORDS words per page (nvfp4 only; 0 = absent), always E4M3
 
-``page_check_kernel``  grid (num_pages, num_segments): program (i, s) checks page ``IDS[i]`` of segment s (one
-                      checked part tensor of one layer, its base address ``TABLE[s]``, WORDS words per page)
-                      as CHECK, the same slots as ``page_copy_kernel``'s check; no copy. Every checked part of
-                      a pool has one size and kind (E4M3 scales of nvfp4, E4M3 values of fp8, bf16 values),
-                      so one launch checks every layer's pages of a batch.
+``page_table_kernel``  grid (num_pages, num_segments): program (i, s) does what ``page_copy_kernel`` does for
+                      one part, for segment s of a table: row ``TABLE[s]`` = (source base address, destination
+                      base address) of one part tensor of one layer, WORDS words per page, checked as CHECK
+                      (``COPY``; without it the source pages are only checked). A launch takes parts of one
+                      size and kind (the values of every layer, or the scales of every layer), so the pages of
+                      every layer of a batch move in one launch per kind.
 
 A page part is ``[S, Hk, X]`` slot-major, so a page's first ``t`` token slots are its first ``t * bytes/slot``
 bytes. The references are ``nvfp4_kernels.page_copy.copy_pages_reference`` and ``check_pages_reference``.
@@ -85,12 +86,14 @@ def page_copy_kernel(K_SRC, K_DST, V_SRC, V_DST, KSF_SRC, KSF_DST, VSF_SRC, VSF_
             _page_part(VSF_SRC, VSF_DST, src_page, dst_page, checked, FLAG, SF_WORDS, SF_BLOCK, 1, COPY)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # one compile per pool shape and layer count, whatever the prompt
-def page_check_kernel(TABLE, IDS, FLAG, num_tokens, PAGE_SIZE: tl.constexpr, WORDS: tl.constexpr,
-                      BLOCK: tl.constexpr, CHECK: tl.constexpr):
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile per part geometry, whatever the prompt or layers
+def page_table_kernel(TABLE, SRC_IDS, DST_IDS, FLAG, num_tokens, PAGE_SIZE: tl.constexpr, WORDS: tl.constexpr,
+                      BLOCK: tl.constexpr, CHECK: tl.constexpr, COPY: tl.constexpr):
     i = tl.program_id(0)
     s = tl.program_id(1)
-    base = tl.load(TABLE + s).to(tl.pointer_type(tl.int32))  # the segments are separate allocations
-    page = tl.load(IDS + i).to(tl.int64)
+    src = tl.load(TABLE + 2 * s).to(tl.pointer_type(tl.int32))  # the segments are separate allocations
+    dst = tl.load(TABLE + 2 * s + 1).to(tl.pointer_type(tl.int32))
+    src_page = tl.load(SRC_IDS + i).to(tl.int64)
+    dst_page = tl.load(DST_IDS + i).to(tl.int64)
     slots = tl.minimum(tl.maximum(num_tokens - i * PAGE_SIZE, 0), PAGE_SIZE)
-    _page_part(base, base, page, page, slots * (WORDS * 4 // PAGE_SIZE), FLAG, WORDS, BLOCK, CHECK, False)
+    _page_part(src, dst, src_page, dst_page, slots * (WORDS * 4 // PAGE_SIZE), FLAG, WORDS, BLOCK, CHECK, COPY)
