@@ -1,9 +1,10 @@
 """The cuda-ipc transfer path's tensor side: share a prefill's pool tensors once and open them in a decode
-process; the copies themselves are ``svc_common.kv_copy.PageImporter.copy_from``.
+process; the copies themselves are ``svc_common.kv_copy.PageImporter.copy_from_layers``.
 
     prefill process                                   decode process
     export_share(pool)  --KVShare (gRPC, once)-->      open_share(share, pool) -> PoolView (cached per prefill)
-    pool writes; Fence.wait()  --KVPageRefs-->         PageImporter.copy_from(view parts, ...) on writer threads
+    pool writes; Fence.wait()  --KVPageRefs-->         PageImporter.copy_from_layers(view parts, ...) per run of
+                                                       pages of every layer, on writer threads
                                <--ReleaseTransfer--    once every copy is complete (PageImporter.finish)
 
 Handles are torch's own CUDA IPC (``UntypedStorage._share_cuda_`` / ``rebuild_cuda_tensor``, what
