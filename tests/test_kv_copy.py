@@ -163,3 +163,48 @@ def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
         layer=3, first_page=130, num_pages=2, k=blobs[0], k_scales=blobs[1], v=blobs[2], v_scales=blobs[3]))
     assert isinstance(built, bytes) and built == want.SerializeToString()
     assert built == encode_page_run("req-é", 3, 130, 2, [[b] if b else [] for b in blobs])
+
+
+_BATCHED_UNDER_INTERPRETER = """
+import random, torch
+from svc_common.kv_copy import PageImporter
+from tests.test_kv_copy import _pool, _rows
+for kv_dtype in ("nvfp4", "fp8_e4m3", "bf16"):
+    src, dst = _pool(kv_dtype, "cpu"), _pool(kv_dtype, "cpu", pages=128)
+    rnd = random.Random(4)
+    src_pages, dst_pages = rnd.sample(range(64), 12), rnd.sample(range(128), 12)
+    parts = [[lkv.k, lkv.k_sf, lkv.v, lkv.v_sf] for lkv in src.layers]
+    imp = PageImporter(dst)
+    imp._batched = True  # the GPU's one-launch-per-kind path, run by Triton's interpreter on CPU tensors
+    imp.copy_from_layers(parts, [0, 1], src_pages, dst_pages, 12 * 4)
+    imp.check_written([0, 1], dst_pages, 12 * 4)
+    imp.finish()
+    assert len(imp._tables) == 2  # one table set for the copy, one for the check in place
+    for layer in range(2):
+        for a, b in zip(_rows(src, layer, src_pages), _rows(dst, layer, dst_pages), strict=True):
+            assert torch.equal(a, b), (kv_dtype, layer)
+    bad = src.layers[1].k_sf if kv_dtype == "nvfp4" else src.layers[1].v
+    bad.view(torch.uint8)[src_pages[2], 3] = 0x7F if kv_dtype != "bf16" else 0
+    if kv_dtype == "bf16":  # +inf: exponent all ones in the high byte of a value of slot 3
+        bad.view(torch.uint8)[src_pages[2], 3, 0, 1] = 0x7F
+        bad.view(torch.uint8)[src_pages[2], 3, 0, 0] = 0x80
+    for n, fails in ((11, False), (12, True)):
+        imp = PageImporter(dst)
+        imp._batched = True
+        imp.copy_from_layers(parts, [0, 1], src_pages[:3], dst_pages[:3], n)
+        try:
+            imp.finish()
+            assert not fails, (kv_dtype, n)
+        except ValueError:
+            assert fails, (kv_dtype, n)
+print("batched ok")
+"""
+
+
+def test_the_batched_copy_and_check_path_under_the_triton_interpreter_equals_indexing():
+    """``copy_from_layers`` / ``check_written`` as a GPU runs them (tables, one launch per kind of part), under
+    Triton's interpreter: bytes equal indexing, a NaN/inf in the prompt's slots fails, one past it does not."""
+    pytest.importorskip("triton")
+    from tests.triton_interpreter import run_interpreted
+    res = run_interpreted(_BATCHED_UNDER_INTERPRETER)
+    assert res.returncode == 0 and "batched ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
