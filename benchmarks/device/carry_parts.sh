@@ -9,7 +9,9 @@
 #            bash benchmarks/device/carry_parts.sh collect      (parts move to /tmp/carry-parts, kept between calls)
 #            bash benchmarks/device/carry_parts.sh join <name> DEST   (once every part is there; checks the sha256)
 #
-# pipeline.sh's nixl stage joins the NIXL wheel this way when its parts have arrived.
+# pipeline.sh's nixl stage joins the NIXL wheel this way when its parts have arrived. It also needs the small
+# `nixl` wheel, the importable package over nixl_cu13 (pip download nixl==1.5.1 --no-deps ...: 12 KB), copied
+# whole into .carry-parts/ and carried with any part: without it `import nixl` fails and every nixl row says so.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STORE=${CARRY_STORE:-/tmp/carry-parts}  # where parts gather on the device
