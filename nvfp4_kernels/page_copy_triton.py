@@ -71,13 +71,7 @@ def copy_pages(src: Sequence[torch.Tensor | None], dst: Sequence[torch.Tensor | 
     ids: 1-D int32/int64 on the parts' device, each < its pool's pages (the caller checks peers' ids: the
     kernel does not); flag: int32, one element, on the device. MUTATES ``dst`` (with ``copy``) and ``flag``."""
     g = page_geometry(src, dst)
-    n = src_ids.numel()
-    for name, t in (("src_ids", src_ids), ("dst_ids", dst_ids)):
-        if t.dim() != 1 or t.numel() != n or t.dtype not in (torch.int32, torch.int64) or t.device != dst[0].device:
-            raise ValueError(f"{name} must be 1-D int32/int64 on {dst[0].device} with {n} ids, got "
-                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
-    if flag.dtype != torch.int32 or flag.numel() != 1 or flag.device != dst[0].device:
-        raise ValueError(f"flag must be one int32 on {dst[0].device}, got {tuple(flag.shape)} {flag.dtype}")
+    n = _check_ids(src_ids, dst_ids, flag, dst[0].device)
     if n == 0:
         return
     ks, kss, vs, vss, kd, ksd, vd, vsd = [dst[0] if t is None else t for t in (*src, *dst)]  # absent: never read
@@ -131,14 +125,7 @@ def move_pages(tables: PageTables, src_ids: torch.Tensor, dst_ids: torch.Tensor,
     stream (without ``copy`` only the source pages are checked, and parts that cannot be NaN are skipped).
     ids: 1-D int32/int64 on the parts' device, each < its pool's pages (the caller checks peers' ids: the
     kernel does not). MUTATES the destinations (with ``copy``) and ``flag``."""
-    device = tables.groups[0].addresses.device
-    n = src_ids.numel()
-    for name, t in (("src_ids", src_ids), ("dst_ids", dst_ids)):
-        if t.dim() != 1 or t.numel() != n or t.dtype not in (torch.int32, torch.int64) or t.device != device:
-            raise ValueError(f"{name} must be 1-D int32/int64 on {device} with {n} ids, got "
-                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
-    if flag.dtype != torch.int32 or flag.numel() != 1 or flag.device != device:
-        raise ValueError(f"flag must be one int32 on {device}, got {tuple(flag.shape)} {flag.dtype}")
+    n = _check_ids(src_ids, dst_ids, flag, tables.groups[0].addresses.device)
     if n == 0:
         return
     for group in tables.groups:
@@ -146,6 +133,19 @@ def move_pages(tables: PageTables, src_ids: torch.Tensor, dst_ids: torch.Tensor,
             page_table_kernel[(n, group.addresses.shape[0])](
                 group.addresses, src_ids, dst_ids, flag, int(num_tokens), PAGE_SIZE=tables.page_size,
                 WORDS=group.words, BLOCK=_block(group.words), CHECK=group.check, COPY=copy, num_warps=4)
+
+
+def _check_ids(src_ids: torch.Tensor, dst_ids: torch.Tensor, flag: torch.Tensor, device: torch.device) -> int:
+    """The number of ids; ValueError unless both id tensors are 1-D int32/int64 of that length on ``device``
+    and ``flag`` is one int32 there."""
+    n = src_ids.numel()
+    for name, t in (("src_ids", src_ids), ("dst_ids", dst_ids)):
+        if t.dim() != 1 or t.numel() != n or t.dtype not in (torch.int32, torch.int64) or t.device != device:
+            raise ValueError(f"{name} must be 1-D int32/int64 on {device} with {n} ids, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if flag.dtype != torch.int32 or flag.numel() != 1 or flag.device != device:
+        raise ValueError(f"flag must be one int32 on {device}, got {tuple(flag.shape)} {flag.dtype}")
+    return n
 
 
 def _block(words: int) -> int:
