@@ -1,8 +1,8 @@
 """One nixl transfer's reads into this decode's pool: per batch of KVPageRefs messages (a run of pages of a
 chunk, every layer: the prefill sends them back to back), one NIXL READ of the runs of consecutive pages of
 every part of each message's layer, waited for on the writer thread, then the written rows checked as
-``PageImporter.copy_from`` checks its copies (NaN/inf scales and values; ``finish`` raises), one check launch
-per run of pages for all of its layers.
+``PageImporter.copy_from`` checks its copies (NaN/inf scales and values; ``finish`` raises), the checks of a
+run of pages in one launch for all of its layers (``PageImporter.check_written``).
 
 One READ per batch, not one per layer nor several smaller ones: every NIXL call releases the GIL and must win
 it back, which costs up to the switch interval while the service's other threads run Python. The probe

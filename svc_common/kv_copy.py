@@ -126,7 +126,8 @@ class PageExporter:
 class PageImporter:
     """One transfer's writes into the decode's pool (create one per pull). Message writes of consecutive pages
     are plain slice copies (a fresh request's pages mostly are consecutive), scattered ones one scatter per
-    part; copies from another pool one page-copy launch per layer on a GPU (``nvfp4_kernels.page_copy`` on the CPU)."""
+    part; copies from another pool one page-copy launch per layer (``copy_from``) or one per kind of part for
+    every layer of a run of pages (``copy_from_layers``) on a GPU, ``nvfp4_kernels.page_copy`` on the CPU."""
 
     def __init__(self, pool: KVPool):
         self.pool = pool
