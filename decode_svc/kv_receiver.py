@@ -40,7 +40,7 @@ from google.protobuf.message import DecodeError
 from decode_svc.config import Timeouts
 from decode_svc.kv_ipc import PeerShare, PrefillShares
 from decode_svc.kv_nixl_reads import NixlReads
-from decode_svc.page_refs import MAX_BATCH, PageRead, copy_batch
+from decode_svc.page_refs import MAX_BATCH, PageRead, batches_of, copy_batch, layers_of
 from decode_svc.peer_channels import PeerChannels, PeerStubs
 from decode_svc.read_ahead import ReadAhead
 from engine.kv_pool import KVPool
@@ -49,7 +49,7 @@ from engine.sampling import SamplingParams
 from nvfp4_serve_proto import common_pb2, prefill_pb2
 from svc_common.convert import sampling_to_proto
 from svc_common.errors import InvalidRequest, LayoutMismatch, PrefillUnavailable, TransferTimeout
-from svc_common.kv_copy import PageImporter
+from svc_common.kv_copy import PageImporter, PageTableCache
 from svc_common.kv_transfer import (
     PATH_GRPC,
     PATH_NIXL,
@@ -219,6 +219,7 @@ class KVReceiver:
         self.shares = PrefillShares(pool, layout, kv_transfer)
         self.grpc_lanes = grpc_lanes
         self._executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kv-write")
+        self._tables = PageTableCache()  # the batched copies' tables, kept across pulls
 
     async def close(self) -> None:
         await self.channels.close()
@@ -239,7 +240,7 @@ class KVReceiver:
             request_id=start.rid, token_ids=token_ids, prefix_len=start.prefix_len,
             sampling=sampling_to_proto(sampling), expected_layout=self.layout, transfer=offer))
         t0 = time.perf_counter()
-        importer = PageImporter(self.pool)
+        importer = PageImporter(self.pool, self._tables)
         writes = _Writes(self._executor, _WRITES_IN_FLIGHT)
         reads: NixlReads | None = None
         ahead: ReadAhead | None = None
@@ -336,15 +337,16 @@ class KVReceiver:
         """Read page messages up to PrefillDone, posting each one's pool write; returns (bytes, done, when the
         last page message arrived). With lanes, this stream is lane 0."""
         received, t_last = 0, time.perf_counter()
-        # cuda-ipc, nixl: page refs not yet copied. A prefill sends a run of pages for every layer back to back, so
-        # one writer task copies them all once the last layer's refs are in (or MAX_BATCH are): decode_svc/page_refs.py
+        # cuda-ipc, nixl: page refs not yet copied. A prefill names a run of pages for every layer in one message (or
+        # in one per layer, back to back), so one writer task copies them all once the last layer's refs are in (or
+        # MAX_BATCH are): decode_svc/page_refs.py
         batch: list[PageRead] = []
 
         async def post_batch() -> None:
-            if batch:
-                todo = tuple(batch)
-                batch.clear()
-                await writes.post(lambda: reads.read(todo) if path == PATH_NIXL else copy_batch(importer, view, todo),
+            todo = batches_of(batch)
+            batch.clear()
+            for part in todo:
+                await writes.post(lambda p=part: reads.read(p) if path == PATH_NIXL else copy_batch(importer, view, p),
                                   "page refs", address)
 
         last_layer = self.layout.num_layers - 1
@@ -364,17 +366,22 @@ class KVReceiver:
             kind = msg.WhichOneof("payload")
             if kind == "page_refs" and by_reference(path):
                 refs = msg.page_refs
+                try:
+                    layers = layers_of(refs.layer, refs.num_layers, self.layout.num_layers)
+                except ValueError as e:
+                    raise PrefillUnavailable(f"prefill {address} sent {e}") from None
                 src = list(refs.src_page_ids)
-                progress.claim(refs.layer, refs.first_page, len(src), address)
+                for layer in layers:
+                    progress.claim(layer, refs.first_page, len(src), address)
                 if min(src) < 0 or max(src) >= view.num_pages:
                     raise PrefillUnavailable(f"prefill {address} names source pages outside its pool "
                                              f"(0..{view.num_pages - 1})")
                 dst = start.page_ids[refs.first_page:refs.first_page + len(src)]
                 valid = self._tokens_in(start, refs.first_page, len(src))
-                batch.append(PageRead(refs.layer, src, dst, valid))
-                if refs.layer == last_layer or len(batch) == MAX_BATCH:
+                batch.extend(PageRead(layer, src, dst, valid) for layer in layers)
+                if layers[-1] == last_layer or len(batch) >= MAX_BATCH:
                     await post_batch()
-                received += len(src) * self.pool.page_bytes_per_layer
+                received += len(src) * self.pool.page_bytes_per_layer * len(layers)
                 t_last = time.perf_counter()
             elif kind == "done":
                 await post_batch()

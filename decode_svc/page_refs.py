@@ -1,7 +1,8 @@
-"""A by-reference transfer's page refs (cuda-ipc, nixl), batched: a prefill sends one KVPageRefs message per
-layer for each run of pages it completed, back to back, so the decode copies a run of pages of every layer in
-one writer-thread task (cuda-ipc: one launch per kind of part for all the layers of a run of pages; nixl:
-one READ of all of them) instead of one task, one thread hand-off and one lock hand-off per layer.
+"""A by-reference transfer's page refs (cuda-ipc, nixl), batched: a prefill names each run of pages it completed
+for every layer in one KVPageRefs message (``layers_of``; older prefills sent one message per layer, back to
+back), so the decode copies a run of pages of every layer in one writer-thread task (cuda-ipc: one launch per
+kind of part for all the layers of a run of pages; nixl: one READ of all of them) instead of one task, one
+thread hand-off and one lock hand-off per layer.
 
 Invariant: a ``PageRead``'s ids were checked by the receiver (sources against the prefill's pool, destinations
 the request's own pages) before it is batched.
@@ -27,6 +28,20 @@ class PageRead:
     src_ids: Sequence[int]
     dst_ids: Sequence[int]
     num_tokens: int
+
+
+def layers_of(layer: int, num_layers: int, layout_layers: int) -> range:
+    """The layers a KVPageRefs message names: ``num_layers`` of them from ``layer`` (0: ``layer`` alone).
+    ValueError unless they lie within the layout's ``layout_layers``."""
+    n = 1 if num_layers == 0 else num_layers
+    if layer < 0 or n < 0 or layer + n > layout_layers:
+        raise ValueError(f"page refs of layers [{layer}, +{num_layers}) outside the layout's {layout_layers}")
+    return range(layer, layer + n)
+
+
+def batches_of(reads: Sequence[PageRead]) -> list[tuple[PageRead, ...]]:
+    """``reads`` in order, cut into writer tasks of at most ``MAX_BATCH``."""
+    return [tuple(reads[i:i + MAX_BATCH]) for i in range(0, len(reads), MAX_BATCH)]
 
 
 def runs_of(batch: Sequence[PageRead]) -> list[list[PageRead]]:

@@ -100,14 +100,16 @@ class KVPageRun(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., k: _Optional[bytes] = ..., k_scales: _Optional[bytes] = ..., v: _Optional[bytes] = ..., v_scales: _Optional[bytes] = ...) -> None: ...
 
 class KVPageRefs(_message.Message):
-    __slots__ = ("layer", "first_page", "src_page_ids")
+    __slots__ = ("layer", "first_page", "src_page_ids", "num_layers")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     SRC_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     first_page: int
     src_page_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layer: _Optional[int] = ..., first_page: _Optional[int] = ..., src_page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_layers: int
+    def __init__(self, layer: _Optional[int] = ..., first_page: _Optional[int] = ..., src_page_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class KVShareRequest(_message.Message):
     __slots__ = ("endpoint",)

@@ -6,9 +6,10 @@ turns their pages into the transfer stream while they are computed:
 The header states the path (``prefill_svc/kv_share.py`` chooses it per request):
 
     grpc      KVPageRun messages carry the pages' bytes;
-    cuda-ipc  KVPageRefs messages name the source pages, which the decode copies out of this process's
-    nixl      pool (CUDA IPC) or reads with NIXL (this process's registered pool); each chunk's pool writes are complete before a message names its pages, and the pages
-              stay held until ReleaseTransfer, the end of the stream, or the hold deadline.
+    cuda-ipc  KVPageRefs messages name the source pages, one message per run of pages for every layer; the
+    nixl      decode copies them out of this process's pool (CUDA IPC) or reads them with NIXL (this process's
+              registered pool); each chunk's pool writes are complete before a message names its pages, and
+              the pages stay held until ReleaseTransfer, the end of the stream, or the hold deadline.
 
 So TTFT is the prompt's compute plus the last chunk's transfer, not compute plus the whole transfer.
 """
@@ -170,9 +171,9 @@ class _Stream:
     grpc      each (layer, run) as one pre-serialized KVPageRun message (``PageExporter``: up to
               ``_MESSAGES_PER_EXPORT`` runs of a layer gathered on a side stream after the chunk's fence, copied
               to pinned host memory at once, each framed without protobuf copies);
-    cuda-ipc  each layer's source page ids, once the chunk's writes are complete (the decode copies them
-    nixl      out of this pool); the hold keeps the pages until ReleaseTransfer, the stream's end, or
-              ``hold_timeout_s`` after the last message.
+    cuda-ipc  each run's source page ids, every layer in one message, once the chunk's writes are complete
+    nixl      (the decode copies them out of this pool); the hold keeps the pages until ReleaseTransfer, the
+              stream's end, or ``hold_timeout_s`` after the last message.
     """
 
     def __init__(self, worker: PrefillWorker, request: prefill_pb2.PrefillRequest, rid: str, first_page: int,
@@ -216,15 +217,15 @@ class _Stream:
         if by_reference(self.path):
             if fence is not None:
                 await asyncio.to_thread(fence.wait)  # every page is written before any message names it
-            for layer in range(w.layout.num_layers):
-                for i in range(0, len(page_ids), w.refs_per_message):
-                    if w.debug_delay:
-                        await asyncio.sleep(w.debug_delay)
-                    self.hold.check()
-                    refs = page_ids[i:i + w.refs_per_message]
-                    yield prefill_pb2.PrefillMessage(request_id=self.rid, page_refs=prefill_pb2.KVPageRefs(
-                        layer=layer, first_page=first + i, src_page_ids=refs))
-                    self.num_bytes += len(refs) * w.engine.pool.page_bytes_per_layer
+            num_layers = w.layout.num_layers
+            for i in range(0, len(page_ids), w.refs_per_message):  # one message names a run's pages of every layer
+                if w.debug_delay:
+                    await asyncio.sleep(w.debug_delay)
+                self.hold.check()
+                refs = page_ids[i:i + w.refs_per_message]
+                yield prefill_pb2.PrefillMessage(request_id=self.rid, page_refs=prefill_pb2.KVPageRefs(
+                    layer=0, num_layers=num_layers, first_page=first + i, src_page_ids=refs))
+                self.num_bytes += len(refs) * w.engine.pool.page_bytes_per_layer * num_layers
             self.hold.touch()
             return
         n = w.pages_per_message

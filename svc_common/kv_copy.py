@@ -20,12 +20,13 @@ Pages written here are the request's own (allocated to it, not yet visible to an
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import math
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -123,13 +124,44 @@ class PageExporter:
         return encode_page_run(request_id, layer, first_page, n, parts)
 
 
+class PageTableCache:
+    """``move_pages``' tables by (destination layers, source part addresses), shared by the pulls into one pool:
+    building one checks the geometry of every layer and copies the table to the device (a host sync), which
+    each transfer would otherwise pay again on its first batch. Addresses identify a table: a source is this
+    pool or another pool of its layout (the transfer's handshake checked it), and the table holds nothing but
+    those addresses. A table may outlive a closed source (a prefill's view): it is looked up only by the live
+    tensors of a batch, so it is used only while memory of that layout is mapped at its addresses. Bounded; the least recently used goes first. Thread-safe (pulls write on several threads)."""
+
+    def __init__(self, capacity: int = 64):
+        if capacity < 1:
+            raise ValueError(f"a page table cache holds >= 1 tables, got {capacity}")
+        self.capacity = capacity
+        self._tables: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.built = 0  # tables built (the rest of the lookups were hits)
+
+    def get(self, key: tuple, build: Callable[[], object]) -> object:
+        with self._lock:
+            if key in self._tables:
+                self._tables.move_to_end(key)
+                return self._tables[key]
+        table = build()
+        with self._lock:
+            self.built += 1
+            self._tables[key] = table
+            self._tables.move_to_end(key)
+            while len(self._tables) > self.capacity:
+                self._tables.popitem(last=False)
+        return table
+
+
 class PageImporter:
     """One transfer's writes into the decode's pool (create one per pull). Message writes of consecutive pages
     are plain slice copies (a fresh request's pages mostly are consecutive), scattered ones one scatter per
     part; copies from another pool one page-copy launch per layer (``copy_from``) or one per kind of part for
     every layer of a run of pages (``copy_from_layers``) on a GPU, ``nvfp4_kernels.page_copy`` on the CPU."""
 
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, tables: PageTableCache | None = None):
         self.pool = pool
         self.stream = _side_stream(pool.device)
         self.page_bytes = part_page_bytes(pool)
@@ -139,7 +171,7 @@ class PageImporter:
         self._arange: torch.Tensor | None = None  # see _first_ids
         self._copy_pages = copy_pages_reference
         self._batched = False  # move_pages: one launch per kind of part for every layer of a batch
-        self._tables: dict[tuple, object] = {}  # (layers, source addresses) -> their PageTables (parts live on)
+        self._tables = tables or PageTableCache()  # (layers, source addresses) -> their PageTables
         if pool.device.type == "cuda":  # triton: a GPU install's
             from nvfp4_kernels.page_copy_triton import ACCESS_BYTES, copy_pages
             if all(b % ACCESS_BYTES == 0 for b in self.page_bytes):  # else (tiny pages x heads) the reference
@@ -243,9 +275,8 @@ class PageImporter:
                 return
             from nvfp4_kernels.page_copy_triton import move_pages, page_tables
             key = (tuple(layers), tuple(t.data_ptr() for parts in srcs for t in parts if t is not None))
-            if key not in self._tables:
-                self._tables[key] = page_tables(srcs, dst_layers)
-            move_pages(self._tables[key], s_idx, d_idx, num_tokens, self._flag(), copy)
+            tables = self._tables.get(key, lambda: page_tables(srcs, dst_layers))
+            move_pages(tables, s_idx, d_idx, num_tokens, self._flag(), copy)
 
     def _flag(self) -> torch.Tensor:
         """The device int32 flag the checks OR into (made on first use, on the side stream; no sync)."""

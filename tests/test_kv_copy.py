@@ -167,19 +167,20 @@ def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
 
 _BATCHED_UNDER_INTERPRETER = """
 import random, torch
-from svc_common.kv_copy import PageImporter
+from svc_common.kv_copy import PageImporter, PageTableCache
 from tests.test_kv_copy import _pool, _rows
 for kv_dtype in ("nvfp4", "fp8_e4m3", "bf16"):
     src, dst = _pool(kv_dtype, "cpu"), _pool(kv_dtype, "cpu", pages=128)
     rnd = random.Random(4)
     src_pages, dst_pages = rnd.sample(range(64), 12), rnd.sample(range(128), 12)
     parts = [[lkv.k, lkv.k_sf, lkv.v, lkv.v_sf] for lkv in src.layers]
-    imp = PageImporter(dst)
+    cache = PageTableCache()  # a receiver's, shared by its pulls
+    imp = PageImporter(dst, cache)
     imp._batched = True  # the GPU's one-launch-per-kind path, run by Triton's interpreter on CPU tensors
     imp.copy_from_layers(parts, [0, 1], src_pages, dst_pages, 12 * 4)
     imp.check_written([0, 1], dst_pages, 12 * 4)
     imp.finish()
-    assert len(imp._tables) == 2  # one table set for the copy, one for the check in place
+    assert cache.built == 2  # one table set for the copy, one for the check in place
     for layer in range(2):
         for a, b in zip(_rows(src, layer, src_pages), _rows(dst, layer, dst_pages), strict=True):
             assert torch.equal(a, b), (kv_dtype, layer)
@@ -189,7 +190,7 @@ for kv_dtype in ("nvfp4", "fp8_e4m3", "bf16"):
         bad.view(torch.uint8)[src_pages[2], 3, 0, 1] = 0x7F
         bad.view(torch.uint8)[src_pages[2], 3, 0, 0] = 0x80
     for n, fails in ((11, False), (12, True)):
-        imp = PageImporter(dst)
+        imp = PageImporter(dst, cache)  # the next pulls: the same tables, none built again
         imp._batched = True
         imp.copy_from_layers(parts, [0, 1], src_pages[:3], dst_pages[:3], n)
         try:
@@ -197,14 +198,32 @@ for kv_dtype in ("nvfp4", "fp8_e4m3", "bf16"):
             assert not fails, (kv_dtype, n)
         except ValueError:
             assert fails, (kv_dtype, n)
+    assert cache.built == 2, cache.built
 print("batched ok")
 """
 
 
 def test_the_batched_copy_and_check_path_under_the_triton_interpreter_equals_indexing():
     """``copy_from_layers`` / ``check_written`` as a GPU runs them (tables, one launch per kind of part), under
-    Triton's interpreter: bytes equal indexing, a NaN/inf in the prompt's slots fails, one past it does not."""
+    Triton's interpreter: bytes equal indexing, a NaN/inf in the prompt's slots fails, one past it does not;
+    the tables are built once for the pulls sharing a cache."""
     pytest.importorskip("triton")
     from tests.triton_interpreter import run_interpreted
     res = run_interpreted(_BATCHED_UNDER_INTERPRETER)
     assert res.returncode == 0 and "batched ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def test_the_page_table_cache_builds_each_key_once_and_drops_the_least_recently_used():
+    from svc_common.kv_copy import PageTableCache
+    cache, made = PageTableCache(capacity=2), []
+
+    def build(name):
+        return lambda: made.append(name) or name
+
+    assert [cache.get(("a",), build("a")), cache.get(("b",), build("b")), cache.get(("a",), build("a2"))] == \
+        ["a", "b", "a"]
+    cache.get(("c",), build("c"))  # full: "b" is the least recently used
+    assert cache.get(("b",), build("b2")) == "b2" and cache.get(("a",), build("a3")) == "a3"
+    assert made == ["a", "b", "c", "b2", "a3"] and cache.built == 5
+    with pytest.raises(ValueError, match=">= 1"):
+        PageTableCache(capacity=0)

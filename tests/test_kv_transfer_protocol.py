@@ -208,11 +208,12 @@ def test_release_frees_the_source_pages_and_ends_the_stream_ok_and_works_once(ti
             again = await stub.ReleaseTransfer(prefill_pb2.ReleaseTransferRequest(transfer_id=header.transfer_id))
             load = await s.prefill_idle()
             await ch.close()
-            return s, header, kinds, held, first.released, status, again.released, load
+            return s, header, kinds, msgs[1].page_refs, held, first.released, status, again.released, load
 
-    s, header, kinds, held, first, status, again, load = asyncio.run(scenario())
+    s, header, kinds, refs, held, first, status, again, load = asyncio.run(scenario())
     assert header.path == "cuda-ipc" and header.share_id and header.hold_timeout_s == 60.0
-    assert kinds == ["header", "page_refs", "page_refs", "done"]  # one control message per layer, no bytes
+    assert kinds == ["header", "page_refs", "done"]  # one control message for every layer's pages, no bytes
+    assert (refs.layer, refs.num_layers, refs.first_page, len(refs.src_page_ids)) == (0, 2, 0, 5)
     assert held == 5 and first and status == grpc.StatusCode.OK and not again  # ceil(18 / 4) pages
     assert load.pool_pages_in_use == 0
     assert s.metric("prefill", 'nvfp4_prefill_kv_holds_total{outcome="released"}') == 1

@@ -42,3 +42,21 @@ def test_a_batch_copies_every_layers_pages_and_checks_their_values(device, kv_dt
     copy_batch(importer, pool_view(src), [PageRead(layer, src_pages, dst_pages, 9 * 4) for layer in range(2)])
     with pytest.raises(ValueError, match="NaN or inf"):
         importer.finish()
+
+
+def test_a_refs_message_names_its_layers_within_the_layout():
+    from decode_svc.page_refs import layers_of
+    assert list(layers_of(0, 8, 8)) == list(range(8))  # every layer of a run in one message
+    assert list(layers_of(3, 0, 8)) == [3] and list(layers_of(3, 1, 8)) == [3]  # one layer (an older prefill's)
+    for layer, n in ((0, 9), (7, 2), (-1, 1), (8, 0), (2, -1)):
+        with pytest.raises(ValueError, match="outside the layout's 8"):
+            layers_of(layer, n, 8)
+
+
+def test_page_reads_past_a_batch_go_to_several_writer_tasks_in_order():
+    from decode_svc.page_refs import MAX_BATCH, PageRead, batches_of
+    reads = [PageRead(layer, [1, 2], [3, 4], 8) for layer in range(MAX_BATCH * 2 + 3)]  # e.g. a 131-layer model
+    parts = batches_of(reads)
+    assert [len(p) for p in parts] == [MAX_BATCH, MAX_BATCH, 3]
+    assert [r.layer for p in parts for r in p] == list(range(len(reads)))
+    assert batches_of([]) == []
