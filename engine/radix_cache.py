@@ -58,11 +58,18 @@ from engine.radix_node import (
 )
 from engine.radix_node import num_pages as node_pages
 
-# With a host tier an eviction frees at least this many device pages (as many as are evictable): a store of a
-# few pages is latency-bound (4-35 GB/s for 1-8 pages on the H200, 44-52 GB/s from 64 on;
-# docs/benchmarks/host_tier_copy.md), and a full pool otherwise evicts a page or two per admission. The extra
-# pages are the least recently used and stay on the host, so a later hit loads them instead of prefilling.
-HOST_STORE_MIN_PAGES = 64
+# With a host tier an eviction frees at least this many bytes of device pages (as many as are evictable): a
+# store of a few pages is latency-bound (on the H200, 36 layers: 4-35 GB/s for 1-8 pages, 44-49 GB/s for 64 pages
+# of 42-76 MB, 50-52 GB/s for 340-600 MB; docs/benchmarks/host_tier_copy.md), and a full pool otherwise evicts a
+# page or two per admission. In bytes, not pages: a page of an 8-layer model is a fifth of a 36-layer one's (64
+# pages of it stored at 38 GB/s in the agentic sweep). The extra pages are the least recently used and stay on
+# the host, so a later hit loads them instead of prefilling.
+HOST_STORE_MIN_BYTES = 64 << 20
+
+
+def host_store_min_pages(page_bytes: int) -> int:
+    """Pages one eviction stores at least by default: ``HOST_STORE_MIN_BYTES`` of pages of ``page_bytes``."""
+    return max(1, -(-HOST_STORE_MIN_BYTES // page_bytes))
 
 if TYPE_CHECKING:
     from engine.host_pool import HostPool
@@ -81,9 +88,11 @@ class RadixCache:
     """Prefix cache of full KV pages keyed by token ids; holds one allocator reference per cached page."""
 
     def __init__(self, page_size: int, allocator: PageAllocator, host: HostPool | None = None,
-                 store_min_pages: int = HOST_STORE_MIN_PAGES) -> None:
+                 store_min_pages: int | None = None) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1 (got {page_size}); set --page-size to a positive number")
+        if store_min_pages is None:
+            store_min_pages = 1 if host is None else host_store_min_pages(host.page_bytes)
         if store_min_pages < 1:
             raise ValueError(f"store_min_pages must be >= 1, got {store_min_pages}")
         if host is not None and host.page_size != page_size:
@@ -212,7 +221,7 @@ class RadixCache:
         Least recently used leaves go first; within a leaf the last page goes first. A leaf whose
         last page is referenced by a request is skipped. Each evicted page is decref'd from 1 to 0
         and so becomes free. With a host tier the evicted pages are copied to the host first (one
-        batch of at least ``store_min_pages``, ``HOST_STORE_MIN_PAGES`` unless set, where that many are
+        batch of at least ``store_min_pages``, ``HOST_STORE_MIN_BYTES`` of pages unless set, where that many are
         evictable) and their nodes stay in the tree, on the host.
         """
         if self.host is not None:

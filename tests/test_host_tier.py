@@ -20,7 +20,7 @@ from engine.host_pool import CopyPath, HostPool, make_host_pool
 from engine.integrity import IntegrityReport, check_integrity
 from engine.kv_pool import KVPool
 from engine.page_allocator import PageAllocator
-from engine.radix_cache import HOST_STORE_MIN_PAGES, RadixCache
+from engine.radix_cache import HOST_STORE_MIN_BYTES, RadixCache, host_store_min_pages
 from engine.radix_node import walk
 from engine.sampling import SamplingParams
 from engine.startup_error import StartupError
@@ -217,7 +217,10 @@ def test_with_a_host_tier_an_eviction_stores_a_batch_of_at_least_store_min_pages
     assert cache.evict(0) == [] and host.stats().num_stores == 2
     check_integrity(alloc, cache, [])
     # the default batch, and none without a tier: an eviction frees what it is asked for
-    assert RadixCache(S, alloc, host).store_min_pages == HOST_STORE_MIN_PAGES == 64
+    assert RadixCache(S, alloc, host).store_min_pages == host_store_min_pages(host.page_bytes) >= 1
+    assert HOST_STORE_MIN_BYTES == 64 << 20 and host_store_min_pages(1 << 20) == 64  # e.g. a 36-layer fp8 page
+    assert host_store_min_pages(262144) == 256 and host_store_min_pages(3 << 20) == 22
+    assert host_store_min_pages(HOST_STORE_MIN_BYTES + 1) == 1
     plain_alloc = PageAllocator(4)
     plain = RadixCache(S, plain_alloc)
     cache_seq(plain, plain_alloc, seq(0, 3))
