@@ -130,7 +130,8 @@ class PageTableCache:
     each transfer would otherwise pay again on its first batch. Addresses identify a table: a source is this
     pool or another pool of its layout (the transfer's handshake checked it), and the table holds nothing but
     those addresses. A table may outlive a closed source (a prefill's view): it is looked up only by the live
-    tensors of a batch, so it is used only while memory of that layout is mapped at its addresses. Bounded; the least recently used goes first. Thread-safe (pulls write on several threads)."""
+    tensors of a batch, so it is used only while memory of that layout is mapped at its addresses. Bounded;
+    the least recently used goes first. Thread-safe (pulls write on several threads)."""
 
     def __init__(self, capacity: int = 64):
         if capacity < 1:
