@@ -236,6 +236,7 @@ class KVReceiver:
                     sampling: SamplingParams) -> int:
         offer, peer = await self.shares.offer(address, peer_stubs.stub)
         offer.grpc_lanes = self.grpc_lanes
+        offer.refs_all_layers = True  # KVPageRefs.num_layers is read (decode_svc/page_refs.py: layers_of)
         call = peer_stubs.prefill(prefill_pb2.PrefillRequest(
             request_id=start.rid, token_ids=token_ids, prefix_len=start.prefix_len,
             sampling=sampling_to_proto(sampling), expected_layout=self.layout, transfer=offer))

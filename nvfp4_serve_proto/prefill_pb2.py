@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from nvfp4_serve_proto import common_pb2 as nvfp4__serve__proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fnvfp4_serve_proto/prefill.proto\x12\rnvfp4serve.v1\x1a\x1envfp4_serve_proto/common.proto\"\xde\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\nprefix_len\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.nvfp4serve.v1.SamplingParams\x12\x30\n\x0f\x65xpected_layout\x18\x05 \x01(\x0b\x32\x17.nvfp4serve.v1.KVLayout\x12.\n\x08transfer\x18\x06 \x01(\x0b\x32\x1c.nvfp4serve.v1.TransferOffer\"l\n\rTransferOffer\x12\x31\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1f.nvfp4serve.v1.TransferEndpoint\x12\x14\n\x0cipc_share_id\x18\x02 \x01(\t\x12\x12\n\ngrpc_lanes\x18\x03 \x01(\x05\"\xe7\x01\n\x0ePrefillMessage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x06header\x18\x02 \x01(\x0b\x32\x1d.nvfp4serve.v1.TransferHeaderH\x00\x12)\n\x05pages\x18\x03 \x01(\x0b\x32\x18.nvfp4serve.v1.KVPageRunH\x00\x12*\n\x04\x64one\x18\x04 \x01(\x0b\x32\x1a.nvfp4serve.v1.PrefillDoneH\x00\x12.\n\tpage_refs\x18\x05 \x01(\x0b\x32\x19.nvfp4serve.v1.KVPageRefsH\x00\x42\t\n\x07payload\"\x97\x02\n\x0eTransferHeader\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.nvfp4serve.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x12\n\nprefix_len\x18\x03 \x01(\x05\x12\x12\n\nfirst_page\x18\x04 \x01(\x05\x12\x11\n\tnum_pages\x18\x05 \x01(\x05\x12\x0c\n\x04path\x18\x06 \x01(\t\x12\x31\n\x08\x65ndpoint\x18\x07 \x01(\x0b\x32\x1f.nvfp4serve.v1.TransferEndpoint\x12\x10\n\x08share_id\x18\x08 \x01(\t\x12\x13\n\x0btransfer_id\x18\t \x01(\t\x12\x16\n\x0ehold_timeout_s\x18\n \x01(\x02\x12\r\n\x05lanes\x18\x0b \x01(\x05\"7\n\x12PrefillLaneRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0c\n\x04lane\x18\x02 \x01(\x05\"{\n\tKVPageRun\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x12\n\nfirst_page\x18\x02 \x01(\x05\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\t\n\x01k\x18\x04 \x01(\x0c\x12\x10\n\x08k_scales\x18\x05 \x01(\x0c\x12\t\n\x01v\x18\x06 \x01(\x0c\x12\x10\n\x08v_scales\x18\x07 \x01(\x0c\"Y\n\nKVPageRefs\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x12\n\nfirst_page\x18\x02 \x01(\x05\x12\x14\n\x0csrc_page_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\"C\n\x0eKVShareRequest\x12\x31\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1f.nvfp4serve.v1.TransferEndpoint\"\xa1\x02\n\x07KVShare\x12\x31\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1f.nvfp4serve.v1.TransferEndpoint\x12\x10\n\x08share_id\x18\x02 \x01(\t\x12\'\n\x06layout\x18\x03 \x01(\x0b\x32\x17.nvfp4serve.v1.KVLayout\x12\x11\n\tnum_pages\x18\x04 \x01(\x03\x12,\n\x07tensors\x18\x05 \x03(\x0b\x32\x1b.nvfp4serve.v1.SharedTensor\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x15\n\rnixl_metadata\x18\x07 \x01(\x0c\x12\x12\n\nnixl_agent\x18\x08 \x01(\t\x12\x15\n\rnixl_mem_type\x18\t \x01(\t\x12\x16\n\x0enixl_device_id\x18\n \x01(\x05\"\xce\x02\n\x0cSharedTensor\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04part\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06stride\x18\x05 \x03(\x03\x12\x16\n\x0estorage_offset\x18\x06 \x01(\x03\x12\x12\n\nipc_handle\x18\x07 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x08 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\t \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\n \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x0b \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x0c \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\r \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x0e \x01(\x04\x12\x11\n\tnum_bytes\x18\x0f \x01(\x03\"-\n\x16ReleaseTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"+\n\x17ReleaseTransferResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"B\n\x0bPrefillDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\x05\x32\xe0\x03\n\x07Prefill\x12I\n\x07Prefill\x12\x1d.nvfp4serve.v1.PrefillRequest\x1a\x1d.nvfp4serve.v1.PrefillMessage0\x01\x12\x43\n\x07GetLoad\x12\x1d.nvfp4serve.v1.GetLoadRequest\x1a\x19.nvfp4serve.v1.WorkerLoad\x12K\n\nGetMetrics\x12\x1d.nvfp4serve.v1.MetricsRequest\x1a\x1e.nvfp4serve.v1.MetricsResponse\x12\x43\n\nGetKVShare\x12\x1d.nvfp4serve.v1.KVShareRequest\x1a\x16.nvfp4serve.v1.KVShare\x12`\n\x0fReleaseTransfer\x12%.nvfp4serve.v1.ReleaseTransferRequest\x1a&.nvfp4serve.v1.ReleaseTransferResponse\x12Q\n\x0bPrefillLane\x12!.nvfp4serve.v1.PrefillLaneRequest\x1a\x1d.nvfp4serve.v1.PrefillMessage0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fnvfp4_serve_proto/prefill.proto\x12\rnvfp4serve.v1\x1a\x1envfp4_serve_proto/common.proto\"\xde\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\nprefix_len\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.nvfp4serve.v1.SamplingParams\x12\x30\n\x0f\x65xpected_layout\x18\x05 \x01(\x0b\x32\x17.nvfp4serve.v1.KVLayout\x12.\n\x08transfer\x18\x06 \x01(\x0b\x32\x1c.nvfp4serve.v1.TransferOffer\"\x85\x01\n\rTransferOffer\x12\x31\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1f.nvfp4serve.v1.TransferEndpoint\x12\x14\n\x0cipc_share_id\x18\x02 \x01(\t\x12\x12\n\ngrpc_lanes\x18\x03 \x01(\x05\x12\x17\n\x0frefs_all_layers\x18\x04 \x01(\x08\"\xe7\x01\n\x0ePrefillMessage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x06header\x18\x02 \x01(\x0b\x32\x1d.nvfp4serve.v1.TransferHeaderH\x00\x12)\n\x05pages\x18\x03 \x01(\x0b\x32\x18.nvfp4serve.v1.KVPageRunH\x00\x12*\n\x04\x64one\x18\x04 \x01(\x0b\x32\x1a.nvfp4serve.v1.PrefillDoneH\x00\x12.\n\tpage_refs\x18\x05 \x01(\x0b\x32\x19.nvfp4serve.v1.KVPageRefsH\x00\x42\t\n\x07payload\"\x97\x02\n\x0eTransferHeader\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.nvfp4serve.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x12\n\nprefix_len\x18\x03 \x01(\x05\x12\x12\n\nfirst_page\x18\x04 \x01(\x05\x12\x11\n\tnum_pages\x18\x05 \x01(\x05\x12\x0c\n\x04path\x18\x06 \x01(\t\x12\x31\n\x08\x65ndpoint\x18\x07 \x01(\x0b\x32\x1f.nvfp4serve.v1.TransferEndpoint\x12\x10\n\x08share_id\x18\x08 \x01(\t\x12\x13\n\x0btransfer_id\x18\t \x01(\t\x12\x16\n\x0ehold_timeout_s\x18\n \x01(\x02\x12\r\n\x05lanes\x18\x0b \x01(\x05\"7\n\x12PrefillLaneRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0c\n\x04lane\x18\x02 \x01(\x05\"{\n\tKVPageRun\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x12\n\nfirst_page\x18\x02 \x01(\x05\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\t\n\x01k\x18\x04 \x01(\x0c\x12\x10\n\x08k_scales\x18\x05 \x01(\x0c\x12\t\n\x01v\x18\x06 \x01(\x0c\x12\x10\n\x08v_scales\x18\x07 \x01(\x0c\"Y\n\nKVPageRefs\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x12\n\nfirst_page\x18\x02 \x01(\x05\x12\x14\n\x0csrc_page_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\"C\n\x0eKVShareRequest\x12\x31\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1f.nvfp4serve.v1.TransferEndpoint\"\xa1\x02\n\x07KVShare\x12\x31\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1f.nvfp4serve.v1.TransferEndpoint\x12\x10\n\x08share_id\x18\x02 \x01(\t\x12\'\n\x06layout\x18\x03 \x01(\x0b\x32\x17.nvfp4serve.v1.KVLayout\x12\x11\n\tnum_pages\x18\x04 \x01(\x03\x12,\n\x07tensors\x18\x05 \x03(\x0b\x32\x1b.nvfp4serve.v1.SharedTensor\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x15\n\rnixl_metadata\x18\x07 \x01(\x0c\x12\x12\n\nnixl_agent\x18\x08 \x01(\t\x12\x15\n\rnixl_mem_type\x18\t \x01(\t\x12\x16\n\x0enixl_device_id\x18\n \x01(\x05\"\xce\x02\n\x0cSharedTensor\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04part\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06stride\x18\x05 \x03(\x03\x12\x16\n\x0estorage_offset\x18\x06 \x01(\x03\x12\x12\n\nipc_handle\x18\x07 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x08 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\t \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\n \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x0b \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x0c \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\r \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x0e \x01(\x04\x12\x11\n\tnum_bytes\x18\x0f \x01(\x03\"-\n\x16ReleaseTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"+\n\x17ReleaseTransferResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"B\n\x0bPrefillDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\x05\x32\xe0\x03\n\x07Prefill\x12I\n\x07Prefill\x12\x1d.nvfp4serve.v1.PrefillRequest\x1a\x1d.nvfp4serve.v1.PrefillMessage0\x01\x12\x43\n\x07GetLoad\x12\x1d.nvfp4serve.v1.GetLoadRequest\x1a\x19.nvfp4serve.v1.WorkerLoad\x12K\n\nGetMetrics\x12\x1d.nvfp4serve.v1.MetricsRequest\x1a\x1e.nvfp4serve.v1.MetricsResponse\x12\x43\n\nGetKVShare\x12\x1d.nvfp4serve.v1.KVShareRequest\x1a\x16.nvfp4serve.v1.KVShare\x12`\n\x0fReleaseTransfer\x12%.nvfp4serve.v1.ReleaseTransferRequest\x1a&.nvfp4serve.v1.ReleaseTransferResponse\x12Q\n\x0bPrefillLane\x12!.nvfp4serve.v1.PrefillLaneRequest\x1a\x1d.nvfp4serve.v1.PrefillMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,30 +34,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=83
   _globals['_PREFILLREQUEST']._serialized_end=305
-  _globals['_TRANSFEROFFER']._serialized_start=307
-  _globals['_TRANSFEROFFER']._serialized_end=415
-  _globals['_PREFILLMESSAGE']._serialized_start=418
-  _globals['_PREFILLMESSAGE']._serialized_end=649
-  _globals['_TRANSFERHEADER']._serialized_start=652
-  _globals['_TRANSFERHEADER']._serialized_end=931
-  _globals['_PREFILLLANEREQUEST']._serialized_start=933
-  _globals['_PREFILLLANEREQUEST']._serialized_end=988
-  _globals['_KVPAGERUN']._serialized_start=990
-  _globals['_KVPAGERUN']._serialized_end=1113
-  _globals['_KVPAGEREFS']._serialized_start=1115
-  _globals['_KVPAGEREFS']._serialized_end=1204
-  _globals['_KVSHAREREQUEST']._serialized_start=1206
-  _globals['_KVSHAREREQUEST']._serialized_end=1273
-  _globals['_KVSHARE']._serialized_start=1276
-  _globals['_KVSHARE']._serialized_end=1565
-  _globals['_SHAREDTENSOR']._serialized_start=1568
-  _globals['_SHAREDTENSOR']._serialized_end=1902
-  _globals['_RELEASETRANSFERREQUEST']._serialized_start=1904
-  _globals['_RELEASETRANSFERREQUEST']._serialized_end=1949
-  _globals['_RELEASETRANSFERRESPONSE']._serialized_start=1951
-  _globals['_RELEASETRANSFERRESPONSE']._serialized_end=1994
-  _globals['_PREFILLDONE']._serialized_start=1996
-  _globals['_PREFILLDONE']._serialized_end=2062
-  _globals['_PREFILL']._serialized_start=2065
-  _globals['_PREFILL']._serialized_end=2545
+  _globals['_TRANSFEROFFER']._serialized_start=308
+  _globals['_TRANSFEROFFER']._serialized_end=441
+  _globals['_PREFILLMESSAGE']._serialized_start=444
+  _globals['_PREFILLMESSAGE']._serialized_end=675
+  _globals['_TRANSFERHEADER']._serialized_start=678
+  _globals['_TRANSFERHEADER']._serialized_end=957
+  _globals['_PREFILLLANEREQUEST']._serialized_start=959
+  _globals['_PREFILLLANEREQUEST']._serialized_end=1014
+  _globals['_KVPAGERUN']._serialized_start=1016
+  _globals['_KVPAGERUN']._serialized_end=1139
+  _globals['_KVPAGEREFS']._serialized_start=1141
+  _globals['_KVPAGEREFS']._serialized_end=1230
+  _globals['_KVSHAREREQUEST']._serialized_start=1232
+  _globals['_KVSHAREREQUEST']._serialized_end=1299
+  _globals['_KVSHARE']._serialized_start=1302
+  _globals['_KVSHARE']._serialized_end=1591
+  _globals['_SHAREDTENSOR']._serialized_start=1594
+  _globals['_SHAREDTENSOR']._serialized_end=1928
+  _globals['_RELEASETRANSFERREQUEST']._serialized_start=1930
+  _globals['_RELEASETRANSFERREQUEST']._serialized_end=1975
+  _globals['_RELEASETRANSFERRESPONSE']._serialized_start=1977
+  _globals['_RELEASETRANSFERRESPONSE']._serialized_end=2020
+  _globals['_PREFILLDONE']._serialized_start=2022
+  _globals['_PREFILLDONE']._serialized_end=2088
+  _globals['_PREFILL']._serialized_start=2091
+  _globals['_PREFILL']._serialized_end=2571
 # @@protoc_insertion_point(module_scope)

@@ -24,14 +24,16 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefix_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., expected_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., transfer: _Optional[_Union[TransferOffer, _Mapping]] = ...) -> None: ...
 
 class TransferOffer(_message.Message):
-    __slots__ = ("endpoint", "ipc_share_id", "grpc_lanes")
+    __slots__ = ("endpoint", "ipc_share_id", "grpc_lanes", "refs_all_layers")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     IPC_SHARE_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_LANES_FIELD_NUMBER: _ClassVar[int]
+    REFS_ALL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     endpoint: _common_pb2.TransferEndpoint
     ipc_share_id: str
     grpc_lanes: int
-    def __init__(self, endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., ipc_share_id: _Optional[str] = ..., grpc_lanes: _Optional[int] = ...) -> None: ...
+    refs_all_layers: bool
+    def __init__(self, endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., ipc_share_id: _Optional[str] = ..., grpc_lanes: _Optional[int] = ..., refs_all_layers: _Optional[bool] = ...) -> None: ...
 
 class PrefillMessage(_message.Message):
     __slots__ = ("request_id", "header", "pages", "done", "page_refs")

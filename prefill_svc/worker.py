@@ -217,15 +217,17 @@ class _Stream:
         if by_reference(self.path):
             if fence is not None:
                 await asyncio.to_thread(fence.wait)  # every page is written before any message names it
-            num_layers = w.layout.num_layers
-            for i in range(0, len(page_ids), w.refs_per_message):  # one message names a run's pages of every layer
-                if w.debug_delay:
-                    await asyncio.sleep(w.debug_delay)
-                self.hold.check()
-                refs = page_ids[i:i + w.refs_per_message]
-                yield prefill_pb2.PrefillMessage(request_id=self.rid, page_refs=prefill_pb2.KVPageRefs(
-                    layer=0, num_layers=num_layers, first_page=first + i, src_page_ids=refs))
-                self.num_bytes += len(refs) * w.engine.pool.page_bytes_per_layer * num_layers
+            # one message names a run's pages of every layer, or (a decode that does not read num_layers) of one
+            step = w.layout.num_layers if self.request.transfer.refs_all_layers else 1
+            for i in range(0, len(page_ids), w.refs_per_message):
+                for layer in range(0, w.layout.num_layers, step):
+                    if w.debug_delay:
+                        await asyncio.sleep(w.debug_delay)
+                    self.hold.check()
+                    refs = page_ids[i:i + w.refs_per_message]
+                    yield prefill_pb2.PrefillMessage(request_id=self.rid, page_refs=prefill_pb2.KVPageRefs(
+                        layer=layer, num_layers=step, first_page=first + i, src_page_ids=refs))
+                    self.num_bytes += len(refs) * w.engine.pool.page_bytes_per_layer * step
             self.hold.touch()
             return
         n = w.pages_per_message

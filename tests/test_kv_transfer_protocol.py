@@ -179,14 +179,16 @@ def test_cancelling_mid_transfer_frees_the_prefill_pages_held_for_the_copy(tiny_
     assert rep.ok and rep.num_in_use == 0
 
 
-async def raw_ipc_prefill(s: Pair, rid: str, ids: list[int]):
-    """A client that speaks the cuda-ipc protocol itself: share, offer, read up to PrefillDone."""
+async def raw_ipc_prefill(s: Pair, rid: str, ids: list[int], refs_all_layers: bool = True):
+    """A client that speaks the cuda-ipc protocol itself: share, offer, read up to PrefillDone
+    (``refs_all_layers`` False: a decode from before KVPageRefs.num_layers)."""
     ch = grpc.aio.insecure_channel(s.prefill_address)
     stub = prefill_pb2_grpc.PrefillStub(ch)
     share = await stub.GetKVShare(prefill_pb2.KVShareRequest(endpoint=DECODE_EP))
     call = stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=rid, token_ids=ids, sampling=common_pb2.SamplingParams(max_tokens=1),
-        transfer=prefill_pb2.TransferOffer(endpoint=DECODE_EP, ipc_share_id=share.share_id)))
+        transfer=prefill_pb2.TransferOffer(endpoint=DECODE_EP, ipc_share_id=share.share_id,
+                                           refs_all_layers=refs_all_layers)))
     stream = call.__aiter__()
     msgs = []
     while not msgs or msgs[-1].WhichOneof("payload") != "done":
@@ -330,3 +332,19 @@ def test_the_pool_is_shared_only_with_a_caller_the_path_rule_allows(tiny_model_d
     assert "states no transfer mode" in anonymous.error and not anonymous.tensors
     assert not near.error and near.share_id == s.prefill.share.share_id and near.endpoint == PREFILL_EP
     assert len(near.tensors) == 2 * 4 and near.num_pages == s.prefill.engine.pool.layers[0].k.shape[0]
+
+
+def test_a_decode_that_does_not_read_num_layers_gets_one_refs_message_per_layer(tiny_model_dir):
+    async def scenario():
+        async with services(tiny_model_dir) as s:
+            ch, _stub, call, _stream, msgs = await raw_ipc_prefill(s, "old", prompt(18), refs_all_layers=False)
+            call.cancel()
+            load = await s.prefill_idle()
+            await ch.close()
+            return msgs, load
+
+    msgs, load = asyncio.run(scenario())
+    assert [m.WhichOneof("payload") for m in msgs] == ["header", "page_refs", "page_refs", "done"]
+    refs = [m.page_refs for m in msgs[1:3]]
+    assert [(r.layer, r.num_layers, r.first_page, len(r.src_page_ids)) for r in refs] == [(0, 1, 0, 5), (1, 1, 0, 5)]
+    assert load.pool_pages_in_use == 0  # the cancelled stream freed its held pages
