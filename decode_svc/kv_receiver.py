@@ -284,8 +284,8 @@ class KVReceiver:
             if by_reference(path):
                 await self._release(peer_stubs.stub, ahead, h, time.perf_counter() - t_last, address)
             self._report(start, address, path, progress, received, seconds, writes.busy_s + lanes.busy_s(),
-                         f" over {len(lanes.lanes) + 1} lanes" if lanes.lanes else "" if reads is None else
-                         reads.summary())
+                         (f" over {len(lanes.lanes) + 1} lanes" if lanes.lanes else "") + importer.times.summary()
+                         if reads is None else reads.summary())
             return done.first_token_id
         except grpc.aio.AioRpcError as e:
             self.metrics.failed_transfers.labels(e.code().name.lower()).inc()

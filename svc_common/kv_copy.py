@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import math
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -156,6 +157,30 @@ class PageTableCache:
         return table
 
 
+class WriteTimes:
+    """Where one transfer's message writes spent their time, summed over its writer threads (seconds): staging
+    the bytes into pinned memory (allocation, id and part copies), waiting for the importer's lock, and under
+    it (the H2D copy and the page-copy launch). For the transfer's log line."""
+
+    def __init__(self) -> None:
+        self.stage_s = self.lock_wait_s = self.launch_s = 0.0
+        self.writes = 0
+        self._lock = threading.Lock()
+
+    def add(self, stage_s: float, lock_wait_s: float, launch_s: float) -> None:
+        with self._lock:
+            self.stage_s += stage_s
+            self.lock_wait_s += lock_wait_s
+            self.launch_s += launch_s
+            self.writes += 1
+
+    def summary(self) -> str:
+        if not self.writes:
+            return ""
+        return (f" in {self.writes} writes ({self.stage_s * 1e3:.1f} ms staging, {self.lock_wait_s * 1e3:.1f} ms "
+                f"waiting for the lock, {self.launch_s * 1e3:.1f} ms copying and launching)")
+
+
 class PageImporter:
     """One transfer's writes into the decode's pool (create one per pull). Message writes of consecutive pages
     are plain slice copies (a fresh request's pages mostly are consecutive), scattered ones one scatter per
@@ -173,6 +198,7 @@ class PageImporter:
         self._copy_pages = copy_pages_reference
         self._batched = False  # move_pages: one launch per kind of part for every layer of a batch
         self._tables = tables or PageTableCache()  # (layers, source addresses) -> their PageTables
+        self.times = WriteTimes()  # the message writes' (``write``)
         if pool.device.type == "cuda":  # triton: a GPU install's
             from nvfp4_kernels.page_copy_triton import ACCESS_BYTES, copy_pages
             if all(b % ACCESS_BYTES == 0 for b in self.page_bytes):  # else (tiny pages x heads) the reference
@@ -207,6 +233,7 @@ class PageImporter:
         if n != run.num_pages:
             raise ValueError(f"{n} destination pages for a run of {run.num_pages}")
         dst = _parts(self.pool, run.layer)
+        t0 = time.perf_counter()
         offsets, total = _staging_offsets(8 * n, [mv.nbytes for mv in run.parts])
         staged = torch.empty(total, dtype=torch.uint8, pin_memory=self.stream is not None)
         host = staged.numpy()
@@ -214,11 +241,14 @@ class PageImporter:
         for mv, at, t in zip(run.parts, offsets, dst, strict=True):
             if t is not None:
                 host[at:at + mv.nbytes] = np.frombuffer(mv, dtype=np.uint8)
+        t1 = time.perf_counter()
         with self._lock, _on(self.stream):
+            t2 = time.perf_counter()
             dev = staged.to(self.pool.device, non_blocking=True) if self.stream is not None else staged
             src = [None if t is None else dev[at:at + mv.nbytes].view(t.dtype).view(n, *t.shape[1:])
                    for mv, at, t in zip(run.parts, offsets, dst, strict=True)]
             self._copy_pages(src, dst, self._first_ids(n), dev[:8 * n].view(torch.int64), num_tokens, self._flag())
+        self.times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def _first_ids(self, n: int) -> torch.Tensor:
         """0..n-1 on the pool's device (the rows of a staged message), made once per size bound (under the lock)."""
