@@ -1,6 +1,6 @@
-"""One nixl transfer's reads into this decode's pool: per batch of KVPageRefs messages (a run of pages of a
-chunk, every layer: the prefill sends them back to back), one NIXL READ of the runs of consecutive pages of
-every part of each message's layer, waited for on the writer thread, then the written rows checked as
+"""One nixl transfer's reads into this decode's pool: per batch of page reads (a run of pages of a chunk, every
+layer: one KVPageRefs message names them all, or one per layer back to back), one NIXL READ of the runs of
+consecutive pages of every part of each layer, waited for on the writer thread, then the written rows checked as
 ``PageImporter.copy_from`` checks its copies (NaN/inf scales and values; ``finish`` raises), the checks of a
 run of pages in one launch for all of its layers (``PageImporter.check_written``).
 

@@ -197,7 +197,7 @@ class PageImporter:
         self._arange: torch.Tensor | None = None  # see _first_ids
         self._copy_pages = copy_pages_reference
         self._batched = False  # move_pages: one launch per kind of part for every layer of a batch
-        self._tables = tables or PageTableCache()  # (layers, source addresses) -> their PageTables
+        self._tables = tables if tables is not None else PageTableCache()  # (layers, source addresses) -> their PageTables
         self.times = WriteTimes()  # the message writes' (``write``)
         if pool.device.type == "cuda":  # triton: a GPU install's
             from nvfp4_kernels.page_copy_triton import ACCESS_BYTES, copy_pages

@@ -18,7 +18,7 @@
                       every layer of a batch move in one launch per kind.
 
 A page part is ``[S, Hk, X]`` slot-major, so a page's first ``t`` token slots are its first ``t * bytes/slot``
-bytes. The references are ``nvfp4_kernels.page_copy.copy_pages_reference`` and ``check_pages_reference``.
+bytes. The references are ``nvfp4_kernels.page_copy.copy_pages_reference`` and ``move_pages_reference``.
 """
 
 from __future__ import annotations
