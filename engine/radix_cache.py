@@ -62,8 +62,9 @@ from engine.radix_node import num_pages as node_pages
 # store of a few pages is latency-bound (on the H200, 36 layers: 4-35 GB/s for 1-8 pages, 44-49 GB/s for 64 pages
 # of 42-76 MB, 50-52 GB/s for 340-600 MB; docs/benchmarks/host_tier_copy.md), and a full pool otherwise evicts a
 # page or two per admission. In bytes, not pages: a page of an 8-layer model is a fifth of a 36-layer one's (64
-# pages of it stored at 38 GB/s in the agentic sweep). The extra pages are the least recently used and stay on
-# the host, so a later hit loads them instead of prefilling.
+# pages of it stored at 38 GB/s in the agentic sweep; 64 MiB batches did too, so the sweep's store rate is not
+# set by the batch size). The extra pages are the least recently used and stay on the host, so a later hit loads
+# them instead of prefilling.
 HOST_STORE_MIN_BYTES = 64 << 20
 
 

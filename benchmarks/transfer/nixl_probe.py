@@ -99,9 +99,10 @@ PROBE_KEYS = (OP_KEY, RUNS_KEY, LAYERS_KEY, DESCS_KEY, POLL_KEY, BUSY_KEY)
 # most telling first: when --budget-s runs out, the last ones are skipped. "default" is what the services run
 # (NixlAgent sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y and UCX_CUDA_IPC_MAX_POLL unless the environment says
 # otherwise). The fragmented rows read a fragmented pool's pages (4 runs per layer) of every layer in one batch,
-# as the decode does: as it reads now (READs of 32 descriptors), then with a busy Python thread beside it (a
-# service's GIL contention), as one READ, and as it read before (one READ of 128 descriptors, UCX's
-# MAX_POLL, a 0.2 ms poll), then each change alone.
+# as the decode does: as READs of 32 descriptors, then with a busy Python thread beside them (a service's GIL
+# contention), as one READ (how the decode reads now, chosen from these rows), alone and beside the busy
+# thread, and as it read before (one READ of 128 descriptors, UCX's MAX_POLL, a 0.2 ms poll), then each change
+# alone.
 _FRAGMENTED = f"{RUNS_KEY}=4 {LAYERS_KEY}=8"
 DEFAULT_SETTINGS = (
     "default",
