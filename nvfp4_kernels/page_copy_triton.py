@@ -2,6 +2,8 @@
 launch; ``move_pages``, the same pages of several layers (copied and checked, or checked alone), one launch
 per kind of part (values; block scales) through the ``PageTables`` of those layers.
 
+``copy_staged_pages`` is ``copy_pages`` from a received message copied to the device whole.
+
 ``copy_pages`` computes ``nvfp4_kernels.page_copy.copy_pages_reference`` byte for byte (copies and flag), with the
 host work of one kernel launch instead of a gather, a scatter and a check per part: the cuda-ipc transfer's
 copies are many small ones, bound by per-op host time.
@@ -17,7 +19,7 @@ import torch
 import triton
 
 from nvfp4_kernels.page_copy import check_kind
-from nvfp4_kernels.triton.page_copy import page_copy_kernel, page_table_kernel
+from nvfp4_kernels.triton.page_copy import page_copy_kernel, page_table_kernel, staged_copy_kernel
 
 ACCESS_BYTES = 16  # every page of every part is moved in whole accesses of this many bytes
 _MAX_BLOCK_WORDS = 2048  # int32 words per program and iteration: 8 KiB, 4 16-byte accesses per thread
@@ -79,6 +81,38 @@ def copy_pages(src: Sequence[torch.Tensor | None], dst: Sequence[torch.Tensor | 
         ks, kd, vs, vd, kss, ksd, vss, vsd, src_ids, dst_ids, flag, int(num_tokens), PAGE_SIZE=g.page_size,
         VAL_WORDS=g.val_words, VAL_BLOCK=_block(g.val_words), VAL_CHECK=g.val_check, SF_WORDS=g.sf_words,
         SF_BLOCK=_block(g.sf_words), COPY=copy, num_warps=4)
+
+
+def copy_staged_pages(staged: torch.Tensor, offsets: Sequence[int], num_pages: int, dst: Sequence[torch.Tensor | None],
+                      geometry: PageGeometry, num_tokens: int, flag: torch.Tensor) -> None:
+    """``copy_pages`` of ``num_pages`` pages from one staged buffer: ``staged`` (1-D uint8 on the parts' device)
+    holds the destination page ids as int64 at its start, and part p's pages consecutively from byte
+    ``offsets[p]`` (a multiple of 16; ignored for an absent part). ``geometry``: ``page_geometry(dst, dst)``,
+    computed once by the caller. One launch, no tensor made on the host: a received message's write costs its
+    copy to the device and this launch. MUTATES ``dst`` and ``flag``."""
+    if staged.dim() != 1 or staged.dtype != torch.uint8 or staged.device != dst[0].device:
+        raise ValueError(f"a staged buffer is 1-D uint8 on {dst[0].device}, got {tuple(staged.shape)} "
+                         f"{staged.dtype} on {staged.device}")
+    if num_pages <= 0:
+        return
+    if staged.data_ptr() % ACCESS_BYTES or 8 * num_pages > staged.numel():
+        raise ValueError(f"a staged buffer starts at a multiple of {ACCESS_BYTES} bytes with {num_pages} ids")
+    words = (geometry.val_words, geometry.sf_words, geometry.val_words, geometry.sf_words)
+    at = []
+    for name, t, off, w in zip(("k", "k_sf", "v", "v_sf"), dst, offsets, words, strict=True):
+        if t is None:
+            at.append(0)
+            continue
+        if off % ACCESS_BYTES or off < 8 * num_pages or off + num_pages * 4 * w > staged.numel():
+            raise ValueError(f"staged part {name} at byte {off} ({num_pages} pages of {4 * w} bytes) is not a "
+                             f"multiple of {ACCESS_BYTES} past the ids inside the {staged.numel()}-byte buffer")
+        at.append(off)
+    g = geometry
+    k, k_sf, v, v_sf = [dst[0] if t is None else t for t in dst]  # absent: never read
+    staged_copy_kernel[(num_pages, 4 if g.sf_words else 2)](
+        staged, k, v, k_sf, v_sf, flag, int(num_tokens), at[0], at[2], at[1], at[3], PAGE_SIZE=g.page_size,
+        VAL_WORDS=g.val_words, VAL_BLOCK=_block(g.val_words), VAL_CHECK=g.val_check, SF_WORDS=g.sf_words,
+        SF_BLOCK=_block(g.sf_words), num_warps=4)
 
 
 class PartTable(NamedTuple):

@@ -84,7 +84,7 @@ class PrefillLaneRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., lane: _Optional[int] = ...) -> None: ...
 
 class KVPageRun(_message.Message):
-    __slots__ = ("layer", "first_page", "num_pages", "k", "k_scales", "v", "v_scales")
+    __slots__ = ("layer", "first_page", "num_pages", "k", "k_scales", "v", "v_scales", "padding")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class KVPageRun(_message.Message):
     K_SCALES_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
     V_SCALES_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
     layer: int
     first_page: int
     num_pages: int
@@ -99,7 +100,8 @@ class KVPageRun(_message.Message):
     k_scales: bytes
     v: bytes
     v_scales: bytes
-    def __init__(self, layer: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., k: _Optional[bytes] = ..., k_scales: _Optional[bytes] = ..., v: _Optional[bytes] = ..., v_scales: _Optional[bytes] = ...) -> None: ...
+    padding: bytes
+    def __init__(self, layer: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., k: _Optional[bytes] = ..., k_scales: _Optional[bytes] = ..., v: _Optional[bytes] = ..., v_scales: _Optional[bytes] = ..., padding: _Optional[bytes] = ...) -> None: ...
 
 class KVPageRefs(_message.Message):
     __slots__ = ("layer", "first_page", "src_page_ids", "num_layers")

@@ -4,9 +4,10 @@
     prefill: pool pages of several messages --one gather per part on a side stream, after the fence of the
              chunk that wrote them--> one device buffer --one D2H copy--> pinned host memory
              --kv_wire.encode_page_run (one copy)--> each message's bytes
-    decode:  the message's bytes and the destination page ids --numpy copies into aligned offsets--> pinned
-             staging --one H2D copy on a side stream, one page-copy launch (every part)--> the request's pages;
-             scales (and fp8/bf16 values) checked in the same launch (nothing scanned on the host)
+    decode:  the destination page ids and the message's bytes (parts aligned by the sender) --two numpy
+             copies--> pinned staging --one H2D copy on a side stream, one page-copy launch (every part, read
+             where it lies in the message)--> the request's pages; scales (and fp8/bf16 values) checked in the
+             same launch (nothing scanned on the host); a message with unaligned parts is staged part by part
     cuda-ipc: the prefill's pages --one page-copy kernel per layer (every part, values checked in the same
               pass; nvfp4_kernels/page_copy_triton.py)--> the request's pages
     nixl:     NIXL's READ writes the request's pages (kv_transfer_nixl.py); check_written checks them (the
@@ -196,6 +197,8 @@ class PageImporter:
         self._bad: torch.Tensor | None = None  # device int32 flag: a written value or scale is NaN/inf
         self._arange: torch.Tensor | None = None  # see _first_ids
         self._copy_pages = copy_pages_reference
+        self._copy_staged = None  # copy_staged_pages: a message copied to the device whole, one launch
+        self._geometry = None  # page_geometry of this pool (the staged copy's launch)
         self._batched = False  # move_pages: one launch per kind of part for every layer of a batch
         self._tables = tables if tables is not None else PageTableCache()  # (layers, source addresses) -> their PageTables
         self.times = WriteTimes()  # the message writes' (``write``)
@@ -204,6 +207,7 @@ class PageImporter:
             if all(b % ACCESS_BYTES == 0 for b in self.page_bytes):  # else (tiny pages x heads) the reference
                 self._copy_pages = copy_pages
                 self._batched = True
+                self.use_staged_copy()
         # What each part's values are checked as (nvfp4_kernels.page_copy.check_kind: E4M3, bf16 or not at all)
         self._kinds = [None if t is None else check_kind(t) for t in _parts(pool, 0)]
 
@@ -213,6 +217,15 @@ class PageImporter:
             if mv.nbytes != run.num_pages * page:
                 raise ValueError(f"part {name} of layer {run.layer} has {mv.nbytes} bytes, {run.num_pages} "
                                  f"{self.pool.kv_dtype} pages need {run.num_pages * page}")
+
+    def use_staged_copy(self) -> None:
+        """Write messages whose parts lie 16-byte aligned (``kv_wire.PART_ALIGN``) with ``copy_staged_pages``: the
+        whole message in one copy to pinned memory, one to the device, one launch. On by default on a GPU (the
+        Triton interpreter's tests turn it on for CPU pools)."""
+        from nvfp4_kernels.page_copy_triton import copy_staged_pages, page_geometry
+        parts = _parts(self.pool, 0)
+        self._geometry = page_geometry(parts, parts)
+        self._copy_staged = copy_staged_pages
 
     def write(self, run: PageRunView, page_ids: Sequence[int], num_tokens: int) -> None:
         """MUTATES the pool: ``run``'s bytes into pages ``page_ids`` of ``run.layer``, of which the first
@@ -233,6 +246,9 @@ class PageImporter:
         if n != run.num_pages:
             raise ValueError(f"{n} destination pages for a run of {run.num_pages}")
         dst = _parts(self.pool, run.layer)
+        if self._copy_staged is not None and _lies_aligned(run, self.page_bytes):
+            self._write_whole(run, page_ids, num_tokens, dst)
+            return
         t0 = time.perf_counter()
         offsets, total = _staging_offsets(8 * n, [mv.nbytes for mv in run.parts])
         staged = torch.empty(total, dtype=torch.uint8, pin_memory=self.stream is not None)
@@ -248,6 +264,27 @@ class PageImporter:
             src = [None if t is None else dev[at:at + mv.nbytes].view(t.dtype).view(n, *t.shape[1:])
                    for mv, at, t in zip(run.parts, offsets, dst, strict=True)]
             self._copy_pages(src, dst, self._first_ids(n), dev[:8 * n].view(torch.int64), num_tokens, self._flag())
+        self.times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+    def _write_whole(self, run: PageRunView, page_ids: Sequence[int], num_tokens: int,
+                     dst: list[torch.Tensor | None]) -> None:
+        """``write`` of a message whose parts lie aligned in it: the destination ids, then the whole message, in
+        one staging buffer (two numpy copies), then one copy to the device and one launch under the lock. Four
+        waits for the GIL in all, where the part-by-part staging takes two dozen (each torch op releases it,
+        and winning it back behind the gRPC reader costs up to a switch interval)."""
+        n = len(page_ids)
+        t0 = time.perf_counter()
+        head = _aligned(8 * n)
+        staged = torch.empty(head + len(run.data), dtype=torch.uint8, pin_memory=self.stream is not None)
+        host = staged.numpy()
+        host[:8 * n].view(np.int64)[:] = page_ids
+        host[head:] = np.frombuffer(run.data, dtype=np.uint8)
+        t1 = time.perf_counter()
+        with self._lock, _on(self.stream):
+            t2 = time.perf_counter()
+            dev = staged.to(self.pool.device, non_blocking=True) if self.stream is not None else staged
+            self._copy_staged(dev, [head + a for a, _ in run.spans], n, dst, self._geometry, num_tokens,
+                              self._flag())
         self.times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def _first_ids(self, n: int) -> torch.Tensor:
@@ -331,21 +368,21 @@ class PageImporter:
 def message_from(frame: Frame, payloads: Sequence[torch.Tensor | None]) -> bytes:
     """The message ``frame`` frames, each part's bytes copied in from a 1-D uint8 host tensor (None: absent).
 
-    The payload copies run in torch, which releases the GIL, so the engine thread of the same process keeps
-    launching kernels meanwhile (``bytes.join`` holds the GIL for every byte). The bytes object is created
-    uninitialized and filled in place before any other code holds it: the C API's way to build bytes
-    (``PyBytes_FromStringAndSize(NULL, n)``)."""
+    The copies run in numpy, which releases the GIL for each payload (so the engine thread of the same process
+    keeps launching kernels meanwhile; ``bytes.join`` holds it for every byte) and keeps it for the few
+    framing bytes (no release, no wait to win it back). The bytes object is created uninitialized and filled
+    in place before any other code holds it: the C API's way to build bytes (``PyBytes_FromStringAndSize(NULL,
+    n)``)."""
     msg = _new_bytes(None, frame.total)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # frombuffer over bytes: writable here, as it is fresh
-        out = torch.frombuffer(msg, dtype=torch.uint8)
-    base = out.data_ptr()
-    ctypes.memmove(base, frame.head, len(frame.head))
+        out = torch.frombuffer(msg, dtype=torch.uint8).numpy()
+    out[:len(frame.head)] = np.frombuffer(frame.head, dtype=np.uint8)
     sizes = [0 if p is None else p.numel() for p in payloads]
     for prefix, p, at in zip(frame.prefixes, payloads, frame.payload_offsets(sizes), strict=True):
         if prefix:
-            ctypes.memmove(base + at - len(prefix), prefix, len(prefix))
-            out[at:at + p.numel()].copy_(p)
+            out[at - len(prefix):at] = np.frombuffer(prefix, dtype=np.uint8)
+            out[at:at + p.numel()] = p.numpy()
     return msg
 
 
@@ -353,6 +390,13 @@ def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
     """``ids`` as an int64 tensor on ``device``, copied without blocking the host (pinned source) on a GPU."""
     t = torch.from_numpy(np.fromiter(ids, dtype=np.int64, count=len(ids)))  # 4x torch.tensor(list)'s speed
     return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
+
+
+def _lies_aligned(run: PageRunView, page_bytes: Sequence[int]) -> bool:
+    """Whether every present part of ``run`` starts at a multiple of 16 bytes of its message (a sender that
+    aligns its parts, ``kv_wire.PART_ALIGN``; the spans are known: decoded here, not built by hand)."""
+    return len(run.spans) == len(page_bytes) and all(
+        a % 16 == 0 for (a, _), page in zip(run.spans, page_bytes, strict=True) if page)
 
 
 def _staging_offsets(head: int, sizes: Sequence[int]) -> tuple[list[int], int]:

@@ -8,8 +8,12 @@ buffers), and the decoder hands out zero-copy ``memoryview`` slices of the recei
 
     PrefillMessage  1: request_id (string)   3: pages (KVPageRun, length-delimited)
     KVPageRun       1: layer  2: first_page  3: num_pages (varints)   4: k  5: k_scales  6: v  7: v_scales
+                    8: padding (zero bytes before a part)
 
-Fields at their proto3 default (0, empty) are omitted, as protobuf does. The decoder accepts exactly one
+Fields at their proto3 default (0, empty) are omitted, as protobuf does. With ``align`` (the default,
+``PART_ALIGN``) a ``padding`` field goes before each part that would not start at a multiple of it, so a
+receiver can copy the whole message at once into aligned memory and read every part where it lies (16-byte
+accesses); protobuf parses the same parts either way. The decoder accepts exactly one
 ``pages`` payload and the request id; any other payload (header, page_refs, done) is left to protobuf
 (``decode_page_run`` returns None), and anything malformed raises ``WireError``.
 """
@@ -22,6 +26,8 @@ from typing import NamedTuple
 _WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
 _PAGES_FIELD = 3
 _PARTS = (4, 5, 6, 7)  # k, k_scales, v, v_scales
+_PADDING_FIELD = 8
+PART_ALIGN = 64  # parts start at multiples of this many bytes of the message (the senders' default)
 
 
 class WireError(ValueError):
@@ -72,7 +78,8 @@ def _tag(field: int, wire: int) -> bytes:
 
 class Frame(NamedTuple):
     """A page run message's framing: ``head`` (request id, run header) at offset 0, then for each part its
-    ``prefixes[i]`` (tag and length; empty for an absent part) immediately followed by its payload."""
+    ``prefixes[i]`` (padding where aligned, then tag and length; empty for an absent part) immediately
+    followed by its payload."""
 
     head: bytes
     prefixes: tuple[bytes, bytes, bytes, bytes]
@@ -88,32 +95,56 @@ class Frame(NamedTuple):
         return out
 
 
-def frame_page_run(request_id: str, layer: int, first_page: int, num_pages: int, sizes: Sequence[int]) -> Frame:
+def _padding(at: int, prefix: int, align: int) -> bytes:
+    """A padding field to place at offset ``at`` so that a part whose tag and length take ``prefix`` bytes
+    starts at a multiple of ``align`` (empty where it already does). The field is >= 2 bytes (tag, length)."""
+    gap = -(at + prefix) % align
+    if gap == 0:
+        return b""
+    size = gap if gap >= 2 else gap + align
+    return _tag(_PADDING_FIELD, _WIRE_LEN) + _varint(size - 2) + bytes(size - 2)  # size - 2 < 128: 1-byte length
+
+
+def frame_page_run(request_id: str, layer: int, first_page: int, num_pages: int, sizes: Sequence[int],
+                   align: int = PART_ALIGN) -> Frame:
     """The framing of ``PrefillMessage(request_id=..., pages=KVPageRun(layer, first_page, num_pages, ...))``
-    whose four parts (k, k_scales, v, v_scales) are ``sizes`` bytes long (0: absent)."""
+    whose four parts (k, k_scales, v, v_scales) are ``sizes`` bytes long (0: absent), each present part's
+    payload at a multiple of ``align`` bytes of the message (0 or 1: no padding, protobuf's own bytes)."""
     if len(sizes) != len(_PARTS):
         raise ValueError(f"a page run has {len(_PARTS)} parts (k, k_scales, v, v_scales), got {len(sizes)}")
+    if align < 0 or align > 64:
+        raise ValueError(f"parts align to 0..64 bytes, got {align}")
     head = bytearray()
     for field, value in ((1, layer), (2, first_page), (3, num_pages)):
         if value:
             head += _tag(field, _WIRE_VARINT) + _varint(value)
-    prefixes = tuple(_tag(field, _WIRE_LEN) + _varint(n) if n else b"" for field, n in zip(_PARTS, sizes,
-                                                                                              strict=True))
-    run_len = len(head) + sum(len(p) + n for p, n in zip(prefixes, sizes, strict=True))
+    tags = [_tag(field, _WIRE_LEN) + _varint(n) if n else b"" for field, n in zip(_PARTS, sizes, strict=True)]
     rid = request_id.encode()
-    top = (_tag(1, _WIRE_LEN) + _varint(len(rid)) + rid if rid else b"") + _tag(_PAGES_FIELD, _WIRE_LEN) + _varint(run_len)
-    return Frame(top + bytes(head), prefixes, len(top) + run_len)
+    top = _tag(1, _WIRE_LEN) + _varint(len(rid)) + rid if rid else b""
+    run_len_bytes = 1  # the run's length prefix; the padding depends on it, so settle both together
+    while True:
+        prefixes, at = [], len(top) + 1 + run_len_bytes + len(head)
+        for tag, n in zip(tags, sizes, strict=True):
+            pad = _padding(at, len(tag), align) if tag and align > 1 else b""
+            prefixes.append(pad + tag)
+            at += len(pad) + len(tag) + n
+        run_len = len(head) + sum(len(p) + n for p, n in zip(prefixes, sizes, strict=True))
+        if len(_varint(run_len)) == run_len_bytes:
+            break
+        run_len_bytes = len(_varint(run_len))
+    outer = top + _tag(_PAGES_FIELD, _WIRE_LEN) + _varint(run_len)
+    return Frame(outer + bytes(head), tuple(prefixes), len(outer) + run_len)
 
 
 def encode_page_run(request_id: str, layer: int, first_page: int, num_pages: int,
-                    parts: Sequence[Sequence[bytes | memoryview]]) -> bytes:
+                    parts: Sequence[Sequence[bytes | memoryview]], align: int = PART_ALIGN) -> bytes:
     """The serialized ``PrefillMessage(request_id=..., pages=KVPageRun(layer, first_page, num_pages, k, k_scales,
     v, v_scales))``; ``parts`` are the four payloads, each a list of byte buffers that concatenate to it (empty
-    for absent scales). One copy of each byte."""
+    for absent scales), each at a multiple of ``align`` bytes (``frame_page_run``). One copy of each byte."""
     if len(parts) != len(_PARTS):
         raise ValueError(f"a page run has {len(_PARTS)} parts (k, k_scales, v, v_scales), got {len(parts)}")
     frame = frame_page_run(request_id, layer, first_page, num_pages,
-                           [sum(memoryview(c).nbytes for c in chunks) for chunks in parts])
+                           [sum(memoryview(c).nbytes for c in chunks) for chunks in parts], align)
     pieces: list[bytes | memoryview] = [frame.head]
     for prefix, chunks in zip(frame.prefixes, parts, strict=True):
         if prefix:

@@ -160,12 +160,39 @@ def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
 
     g = torch.Generator().manual_seed(3)
     parts = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) if n else None for n in sizes]
-    built = message_from(frame_page_run("req-é", 3, 130, 2, sizes), parts)
     blobs = [b"" if p is None else bytes(p.numpy()) for p in parts]
     want = prefill_pb2.PrefillMessage(request_id="req-é", pages=prefill_pb2.KVPageRun(
         layer=3, first_page=130, num_pages=2, k=blobs[0], k_scales=blobs[1], v=blobs[2], v_scales=blobs[3]))
-    assert isinstance(built, bytes) and built == want.SerializeToString()
+    plain = message_from(frame_page_run("req-é", 3, 130, 2, sizes, align=0), parts)
+    assert isinstance(plain, bytes) and plain == want.SerializeToString()  # unaligned: protobuf's own bytes
+    built = message_from(frame_page_run("req-é", 3, 130, 2, sizes), parts)  # the senders' default: aligned
     assert built == encode_page_run("req-é", 3, 130, 2, [[b] if b else [] for b in blobs])
+    parsed = prefill_pb2.PrefillMessage.FromString(built)  # any protobuf client reads the same message
+    parsed.pages.ClearField("padding")
+    assert parsed == want and len(built) > len(plain)
+    run = decode_page_run(built)
+    assert [bytes(p) for p in run.parts] == blobs
+    assert all(a % 64 == 0 for (a, _), n in zip(run.spans, sizes, strict=True) if n)
+
+
+def test_aligned_framing_puts_every_part_at_a_multiple_of_64_whatever_the_header():
+    import os
+
+    from nvfp4_serve_proto import prefill_pb2
+    from svc_common.kv_wire import encode_page_run
+
+    rnd = random.Random(5)
+    for _ in range(200):  # request ids and run headers of every length; the run's length prefix of 1-4 bytes
+        sizes = [rnd.choice([0, 16, 1024, 8192 * rnd.randint(1, 300)]) for _ in range(4)]
+        blobs = [os.urandom(n) for n in sizes]
+        rid, layer, first = "r" * rnd.randint(0, 130), rnd.randint(0, 99), rnd.randint(0, 1 << 21)
+        msg = encode_page_run(rid, layer, first, 7, [[b] if b else [] for b in blobs])
+        run = decode_page_run(msg)
+        assert (run.request_id, run.layer, run.first_page, run.num_pages) == (rid, layer, first, 7)
+        assert [bytes(p) for p in run.parts] == blobs
+        assert all(a % 64 == 0 for (a, _), n in zip(run.spans, sizes, strict=True) if n), (sizes, run.spans)
+        pages = prefill_pb2.PrefillMessage.FromString(msg).pages
+        assert [pages.k, pages.k_scales, pages.v, pages.v_scales] == blobs and set(pages.padding) <= {0}
 
 
 _BATCHED_UNDER_INTERPRETER = """
@@ -204,6 +231,60 @@ for kv_dtype in ("nvfp4", "fp8_e4m3", "bf16"):
     assert cache.built == 2, cache.built
 print("batched ok")
 """
+
+
+_STAGED_UNDER_INTERPRETER = """
+import random, torch
+from svc_common.kv_copy import PageExporter, PageImporter
+from svc_common.kv_wire import decode_page_run, encode_page_run
+from tests.test_kv_copy import _pool, _rows
+for kv_dtype in ("nvfp4", "fp8_e4m3", "bf16"):
+    src, dst = _pool(kv_dtype, "cpu"), _pool(kv_dtype, "cpu", pages=128)
+    rnd = random.Random(6)
+    src_pages, dst_pages = rnd.sample(range(64), 12), rnd.sample(range(128), 12)
+    imp = PageImporter(dst)
+    imp.use_staged_copy()  # the GPU's whole-message path, run by Triton's interpreter on CPU tensors
+    for layer in range(2):
+        for msg in PageExporter(src).messages("r", layer, 0, src_pages, 5, None):  # aligned parts
+            run = decode_page_run(msg)
+            imp.write(run, dst_pages[run.first_page:run.first_page + run.num_pages], run.num_pages * 4)
+    imp.finish()
+    assert imp.times.writes == 6
+    for layer in range(2):
+        for a, b in zip(_rows(src, layer, src_pages), _rows(dst, layer, dst_pages), strict=True):
+            assert torch.equal(a, b), (kv_dtype, layer)
+    lkv = src.layers[1]
+    parts = [[] if t is None else [bytes(t.view(torch.uint8)[src_pages[:3]].numpy())]
+             for t in (lkv.k, lkv.k_sf, lkv.v, lkv.v_sf)]
+    bad = 1 if kv_dtype == "nvfp4" else 2  # a NaN/inf byte in page 1's slot 1: of k_sf, or of v's values
+    raw = bytearray(b"".join(parts[bad]))
+    per_page = len(raw) // 3
+    raw[per_page + per_page // 4 + 1] = 0x7F  # E4M3 NaN; with the next line the high byte of a bf16 +inf
+    if kv_dtype == "bf16":
+        raw[per_page + per_page // 4] = 0x80
+    parts[bad] = [bytes(raw)]
+    for num_tokens, fails in ((5, False), (6, True)):  # slot 1 of page 1 is the prompt's token 5
+        for align in (64, 0):  # aligned: the staged launch; protobuf's own bytes: part by part
+            imp = PageImporter(dst)
+            imp.use_staged_copy()
+            imp.write(decode_page_run(encode_page_run("r", 1, 0, 3, parts, align=align)), dst_pages[:3], num_tokens)
+            try:
+                imp.finish()
+                assert not fails, (kv_dtype, num_tokens, align)
+            except ValueError:
+                assert fails, (kv_dtype, num_tokens, align)
+print("staged ok")
+"""
+
+
+def test_the_whole_message_write_under_the_triton_interpreter_equals_indexing():
+    """``PageImporter.write`` of aligned messages as a GPU runs it (the message staged whole, one launch),
+    under Triton's interpreter: bytes equal indexing; a NaN/inf inside the prompt's slots fails the write,
+    one slot past it does not, on the staged path and on the part-by-part path of unaligned messages."""
+    pytest.importorskip("triton")
+    from tests.triton_interpreter import run_interpreted
+    res = run_interpreted(_STAGED_UNDER_INTERPRETER)
+    assert res.returncode == 0 and "staged ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
 
 
 def test_the_batched_copy_and_check_path_under_the_triton_interpreter_equals_indexing():

@@ -10,6 +10,9 @@
                           1: E4M3 bytes, fp8 pools; 2: bf16 values)
     part 2 = k_sf, 3 = v_sf   SF_WORDS words per page (nvfp4 only; 0 = absent), always E4M3
 
+``staged_copy_kernel``  ``page_copy_kernel`` with every source part in one staged buffer (a received message,
+                      copied to the device whole, the destination ids before it).
+
 ``page_table_kernel``  grid (num_pages, num_segments): program (i, s) does what ``page_copy_kernel`` does for
                       one part, for segment s of a table: row ``TABLE[s]`` = (source base address, destination
                       base address) of one part tensor of one layer, WORDS words per page, checked as CHECK
@@ -61,15 +64,12 @@ def _page_part(SRC, DST, src_page, dst_page, checked_bytes, FLAG, WORDS: tl.cons
         tl.store(FLAG, 1, mask=bad != 0)  # the only value ever stored: an OR into the flag
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # one compile per pool shape, whatever the prompt length
-def page_copy_kernel(K_SRC, K_DST, V_SRC, V_DST, KSF_SRC, KSF_DST, VSF_SRC, VSF_DST, SRC_IDS, DST_IDS, FLAG,
-                     num_tokens, PAGE_SIZE: tl.constexpr, VAL_WORDS: tl.constexpr, VAL_BLOCK: tl.constexpr,
-                     VAL_CHECK: tl.constexpr, SF_WORDS: tl.constexpr, SF_BLOCK: tl.constexpr,
-                     COPY: tl.constexpr):
-    i = tl.program_id(0)
-    part = tl.program_id(1)
-    src_page = tl.load(SRC_IDS + i).to(tl.int64)
-    dst_page = tl.load(DST_IDS + i).to(tl.int64)
+@triton.jit
+def _page_of_parts(K_SRC, K_DST, V_SRC, V_DST, KSF_SRC, KSF_DST, VSF_SRC, VSF_DST, src_page, dst_page, i, part,
+                   FLAG, num_tokens, PAGE_SIZE: tl.constexpr, VAL_WORDS: tl.constexpr, VAL_BLOCK: tl.constexpr,
+                   VAL_CHECK: tl.constexpr, SF_WORDS: tl.constexpr, SF_BLOCK: tl.constexpr, COPY: tl.constexpr):
+    """Part ``part`` (0 k, 1 v, 2 k_sf, 3 v_sf) of the ``i``-th page of a copy: source page ``src_page`` to
+    destination page ``dst_page``, its prompt slots (of ``num_tokens`` from the copy's first page) checked."""
     slots = tl.minimum(tl.maximum(num_tokens - i * PAGE_SIZE, 0), PAGE_SIZE)  # prompt slots in this page
     if part < 2:
         if COPY or VAL_CHECK != 0:
@@ -84,6 +84,32 @@ def page_copy_kernel(K_SRC, K_DST, V_SRC, V_DST, KSF_SRC, KSF_DST, VSF_SRC, VSF_
             _page_part(KSF_SRC, KSF_DST, src_page, dst_page, checked, FLAG, SF_WORDS, SF_BLOCK, 1, COPY)
         else:
             _page_part(VSF_SRC, VSF_DST, src_page, dst_page, checked, FLAG, SF_WORDS, SF_BLOCK, 1, COPY)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile per pool shape, whatever the prompt length
+def page_copy_kernel(K_SRC, K_DST, V_SRC, V_DST, KSF_SRC, KSF_DST, VSF_SRC, VSF_DST, SRC_IDS, DST_IDS, FLAG,
+                     num_tokens, PAGE_SIZE: tl.constexpr, VAL_WORDS: tl.constexpr, VAL_BLOCK: tl.constexpr,
+                     VAL_CHECK: tl.constexpr, SF_WORDS: tl.constexpr, SF_BLOCK: tl.constexpr,
+                     COPY: tl.constexpr):
+    i = tl.program_id(0)
+    src_page = tl.load(SRC_IDS + i).to(tl.int64)
+    dst_page = tl.load(DST_IDS + i).to(tl.int64)
+    _page_of_parts(K_SRC, K_DST, V_SRC, V_DST, KSF_SRC, KSF_DST, VSF_SRC, VSF_DST, src_page, dst_page, i,
+                   tl.program_id(1), FLAG, num_tokens, PAGE_SIZE, VAL_WORDS, VAL_BLOCK, VAL_CHECK, SF_WORDS,
+                   SF_BLOCK, COPY)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile per pool shape (offsets: multiples of 16 bytes)
+def staged_copy_kernel(STAGED, K_DST, V_DST, KSF_DST, VSF_DST, FLAG, num_tokens, k_at, v_at, ksf_at, vsf_at,
+                       PAGE_SIZE: tl.constexpr, VAL_WORDS: tl.constexpr, VAL_BLOCK: tl.constexpr,
+                       VAL_CHECK: tl.constexpr, SF_WORDS: tl.constexpr, SF_BLOCK: tl.constexpr):
+    """``page_copy_kernel`` from one staged buffer (a received page run message copied to the device whole):
+    the destination ids are int64 at its start, part p's pages are consecutive from byte offset ``*_at``."""
+    i = tl.program_id(0)
+    dst_page = tl.load(STAGED.to(tl.pointer_type(tl.int64), bitcast=True) + i)
+    _page_of_parts(STAGED + k_at, K_DST, STAGED + v_at, V_DST, STAGED + ksf_at, KSF_DST, STAGED + vsf_at, VSF_DST,
+                   i, dst_page, i, tl.program_id(1), FLAG, num_tokens, PAGE_SIZE, VAL_WORDS, VAL_BLOCK, VAL_CHECK,
+                   SF_WORDS, SF_BLOCK, True)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one compile per part geometry, whatever the prompt or layers
