@@ -62,6 +62,9 @@ def _nvfp4_decode_kernels() -> tuple[str, ...]:
     return NVFP4_DECODE_KERNELS
 
 
+HOST_COPY_PATHS = ("auto", "direct", "staged")  # engine.host_pool.CopyPath's values, and auto
+
+
 def _host_cache_fields(size: HostCacheSize) -> dict[str, int]:
     return {"host_cache_bytes": size.num_bytes, "host_cache_tokens": size.num_tokens}
 
@@ -106,6 +109,11 @@ class CacheConfig:
         name="--host-cache-size", parse=host_cache_size_arg, default=HostCacheSize(), has_default=True, metavar="SIZE",
         to_fields=_host_cache_fields, forward_default=False))
     host_cache_tokens: int = 0
+    host_copy_path: str = field(default="auto", metadata=flag(
+        "how host-tier batches cross (CUDA): direct (one kernel reads/writes the pinned host pages over the bus), "
+        "staged (a gather into device memory, then the copy engines, one copy per run of host pages; kernels "
+        "beside it keep their SMs), auto (direct where kernels can map the host pages, else staged)",
+        choices=HOST_COPY_PATHS))
     # Rows of the ONE pair of workspace buffers (FP8, or BF16 for a bf16 cache) shared by all layers.
     # Bounds prefix + chunk of every extend batch; None -> min(model context, pool capacity).
     workspace_tokens: int | None = field(default=None, metadata=flag(
@@ -115,6 +123,8 @@ class CacheConfig:
         if self.host_cache_bytes < 0 or self.host_cache_tokens < 0 or (self.host_cache_bytes and self.host_cache_tokens):
             raise ValueError("--host-cache-size takes bytes or tokens, not both, and not below 0 "
                              f"(got {self.host_cache_bytes} bytes, {self.host_cache_tokens} tokens)")
+        if self.host_copy_path not in HOST_COPY_PATHS:
+            raise ValueError(f"--host-copy-path must be one of {HOST_COPY_PATHS}, got {self.host_copy_path!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if self.kv_rotation not in KV_ROTATIONS:

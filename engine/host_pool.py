@@ -341,7 +341,7 @@ def make_host_pool(pool: KVPool, config: CacheConfig) -> HostPool | None:
                            f"{page_bytes} bytes here ({pool.kv_dtype}); give at least {page_bytes} bytes or "
                            f"{pool.page_size}tokens, or 0 for no host tier")
     try:
-        host = HostPool(pool, num_pages)
+        host = HostPool(pool, num_pages, None if config.host_copy_path == "auto" else CopyPath(config.host_copy_path))
     except RuntimeError as e:  # pinned allocation failed: too much for this host
         raise StartupError(f"cannot allocate the host tier ({num_pages * page_bytes / 2**30:.2f} GiB of "
                            f"{'pinned' if pool.device.type == 'cuda' else 'host'} memory): {e}; lower "

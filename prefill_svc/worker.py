@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +44,8 @@ _MESSAGES_PER_EXPORT = 8  # messages gathered and copied to host at once (one ga
 
 
 _NO_FAULTS = FaultInjection()  # frozen: one shared default
+
+log = logging.getLogger(__name__)
 
 
 class PrefillWorker:
@@ -188,6 +191,8 @@ class _Stream:
         self.path = ""
         self.num_bytes = 0
         self.t_header = 0.0
+        self.export_s = 0.0  # grpc: seconds the exports of page messages ran (on worker threads)
+        self.export_wait_s = 0.0  # grpc: seconds this stream waited for an export to send its messages
 
     async def start(self) -> prefill_pb2.PrefillMessage:
         w = self.w
@@ -234,15 +239,22 @@ class _Stream:
         unit = n * _MESSAGES_PER_EXPORT
         runs = [(layer, i) for layer in range(w.layout.num_layers) for i in range(0, len(page_ids), unit)]
 
+        def timed(layer: int, i: int) -> list[bytes]:
+            t0 = time.perf_counter()
+            try:
+                return w.exporter.messages(self.rid, layer, first + i, page_ids[i:i + unit], n, fence)
+            finally:
+                self.export_s += time.perf_counter() - t0
+
         def export(k: int) -> asyncio.Future[list[bytes]]:
-            layer, i = runs[k]
-            return asyncio.ensure_future(asyncio.to_thread(
-                w.exporter.messages, self.rid, layer, first + i, page_ids[i:i + unit], n, fence))
+            return asyncio.ensure_future(asyncio.to_thread(timed, *runs[k]))
 
         ahead = export(0) if runs else None  # the next unit is gathered while this one is sent
         try:
             for k in range(len(runs)):
+                t_wait = time.perf_counter()
                 msgs, ahead = await ahead, (export(k + 1) if k + 1 < len(runs) else None)
+                self.export_wait_s += time.perf_counter() - t_wait
                 lane = self.lanes.lane_of(runs[k][0]) if self.lanes is not None else 0
                 for msg in msgs:
                     if w.debug_delay:
@@ -269,8 +281,12 @@ class _Stream:
         if self.lanes is not None:
             await self.lanes.drained()
         self.completed = True
-        self.w.metrics.observe_transfer(self.num_bytes, time.perf_counter() - self.t_header,
-                                        len(self.request.token_ids) - self.request.prefix_len)
+        seconds = time.perf_counter() - self.t_header
+        self.w.metrics.observe_transfer(self.num_bytes, seconds, len(self.request.token_ids) - self.request.prefix_len)
+        if self.path == PATH_GRPC:  # whether the sender kept up: the stream's waits for its page exports
+            log.info("request %s: %.1f MB of pages via grpc in %.1f ms after the header; %.1f ms exporting them, "
+                     "%.1f ms of the stream's time waiting for an export (each waits for its chunk's writes first)",
+                     self.rid, self.num_bytes / 1e6, seconds * 1e3, self.export_s * 1e3, self.export_wait_s * 1e3)
 
     def close(self) -> None:
         if self.lanes is not None:

@@ -367,6 +367,22 @@ def test_a_host_tier_too_small_for_one_page_is_refused_in_one_line():
     assert make_host_pool(pool, CacheConfig(page_size=S)) is None
 
 
+def test_host_copy_path_picks_how_batches_cross_and_rejects_others(capsys):
+    from decode_svc.config import build_arg_parser
+    from engine.host_pool import CopyPath
+
+    pool = make_pool("nvfp4")
+    size = 10 * S * pool.bytes_per_token
+    for given, want in (("auto", CopyPath.DIRECT), ("direct", CopyPath.DIRECT), ("staged", CopyPath.STAGED)):
+        host = make_host_pool(pool, CacheConfig(page_size=S, host_cache_bytes=size, host_copy_path=given))
+        assert host.path is want and host.stats().copy_path is want
+    with pytest.raises(ValueError, match="--host-copy-path must be one of"):
+        CacheConfig(host_copy_path="dma")
+    with pytest.raises(SystemExit):
+        build_arg_parser().parse_args(["--host-copy-path", "dma"])
+    assert "--host-copy-path" in capsys.readouterr().err
+
+
 def test_decode_parser_rejects_a_bad_host_cache_size(capsys):
     from decode_svc.config import build_arg_parser
 

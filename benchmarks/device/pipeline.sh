@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy are on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big are on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -109,12 +109,14 @@ fi
 # the agentic trace with and without a host tier (HOSTTIER_SIZES; 32 GB is about 5x the GPU pool, and the
 # trace's 48 sessions need ~34 GB of FP8 pages), at two concurrencies of the sweep (HOSTTIER_CONCURRENCY); a
 # point lasts HOSTTIER_POINT_S (at 40 s some 50-270 turns of C=40 are never sent, so the sessions stop short of
-# their full context: NVFP4's pool then still holds every session); HOSTTIER_DTYPES, HOSTTIER_TIMEOUT_S
+# their full context: NVFP4's pool then still holds every session); HOSTTIER_DTYPES, HOSTTIER_TIMEOUT_S;
+# HOSTTIER_UP_ARGS: more `nvfp4-serve up` flags (e.g. --host-copy-path staged)
 stage hosttier ${HOSTTIER_TIMEOUT_S:-600} python3 -m nvfp4_serve.cli bench --trace docs/benchmarks/agentic_trace_h200.jsonl \
   --concurrency ${HOSTTIER_CONCURRENCY:-24 40} --sessions-per-concurrency 1 --max-point-duration-s ${HOSTTIER_POINT_S:-40} \
   --kv-dtypes ${HOSTTIER_DTYPES:-fp8_e4m3 nvfp4} --equal-pool-bytes 393216 --host-cache-sizes ${HOSTTIER_SIZES:-0 32GB} --no-progress \
   --out docs/benchmarks/${HOSTTIER_OUT:-agentic_host_tier}.json --report docs/benchmarks/${HOSTTIER_OUT:-agentic_host_tier}.md \
-  --launch-log $R/agentic_host.launch.log --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --page-size 16
+  --launch-log $R/agentic_host.launch.log --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --page-size 16 \
+  ${HOSTTIER_UP_ARGS:-}
 # 1M input (+1,024 output = the model's 1,048,576 context) at concurrency 1: the workspace must hold the whole
 # prompt, so it grows to 1M tokens (2 GiB FP8, +1.5 GiB) and --mem-fraction-static grows by 1.5/140 to keep the
 # fp8/nvfp4 pools as large as in issue5; bf16 cannot hold 1M in that memory. No warmup (it would be a 2nd 1M prefill).
@@ -133,7 +135,11 @@ stage gpu_unit 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kv
 stage profile 200 python3 -m benchmarks.transfer.profile_copy --out docs/benchmarks/transfer_profile.json \
   --trace $R/transfer_profile_trace.txt
 stage transfer 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
-  --num-layers 8 --lengths 32768 --paths ${TRANSFER_PATHS:-grpc grpc-lanes cuda-ipc} --log-dir $R/logs_tr
+  --num-layers 8 --lengths 32768 --paths ${TRANSFER_PATHS:-grpc grpc-lanes cuda-ipc} --log-dir $R/logs_tr ${TRANSFER_ARGS:-}
+# on demand: the gRPC path with 16 MiB messages (its raw grpcio anchor at the same size), beside stage transfer's
+stage transfer_big 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
+  --num-layers 8 --lengths 32768 --paths grpc --message-bytes 16777216 --log-dir $R/logs_tr_big \
+  --out-json docs/benchmarks/transfer_grpc_16mib.json --out-md docs/benchmarks/transfer_grpc_16mib.md
 # where the gRPC transfer's CPU time goes, per process and thread (py-spy: its wheel in .whl for that run; with
 # the 64 MiB carry limit, the web wheels fastapi/pydantic/starlette/uvicorn can stay out, this stage needs none)
 stage spy 300 python3 -m benchmarks.transfer.spy_transfer --model /tmp/q8b --num-layers 8 --length 32768 \
