@@ -189,6 +189,26 @@ def test_page_copy_kernel_compiles_for_sm90a_with_16_byte_accesses(tmp_path, val
     sass = _sass(k, tmp_path)
     assert "STL" not in sass and "LDL" not in sass
 
+@pytest.mark.parametrize("val_words, val_check, sf_words", [(2048, 0, 256), (4096, 1, 0), (8192, 2, 0)],
+                         ids=["nvfp4", "fp8", "bf16"])
+def test_the_staged_copy_kernel_reads_a_message_16_bytes_at_a_time_from_aligned_offsets(tmp_path, val_words,
+                                                                                       val_check, sf_words):
+    from nvfp4_kernels.page_copy_triton import _block
+    from nvfp4_kernels.triton.page_copy import staged_copy_kernel
+
+    values = {0: "*u8", 1: "*fp8e4nv", 2: "*bf16"}[val_check]
+    sig = {"STAGED": "*u8", "K_DST": values, "V_DST": values, "KSF_DST": "*fp8e4nv", "VSF_DST": "*fp8e4nv",
+           "FLAG": "*i32", "num_tokens": "i32", **{n: "i64" for n in ("k_at", "v_at", "ksf_at", "vsf_at")}}
+    k = _compile(staged_copy_kernel, sig, {
+        "PAGE_SIZE": 16, "VAL_WORDS": val_words, "VAL_BLOCK": _block(val_words), "VAL_CHECK": val_check,
+        "SF_WORDS": sf_words, "SF_BLOCK": _block(sf_words)}, arch=90,
+        divisible=("k_at", "v_at", "ksf_at", "vsf_at"))  # multiples of 16: the aligned framing's offsets
+    ptx = k.asm["ptx"]
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx and "atom." not in ptx
+    sass = _sass(k, tmp_path)
+    assert "STL" not in sass and "LDL" not in sass
+
+
 _INTERPRETED = textwrap.dedent("""
     import math, os, sys
     import torch
