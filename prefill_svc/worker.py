@@ -17,6 +17,7 @@ So TTFT is the prompt's compute plus the last chunk's transfer, not compute plus
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import math
@@ -41,6 +42,9 @@ from svc_common.metrics import ServiceMetrics
 _HEADER_MARGIN = 4096  # bytes kept free in each message for the protobuf framing
 _PAGE_ID_BYTES = 5  # most bytes of one packed int32 page id in a KVPageRefs message
 _MESSAGES_PER_EXPORT = 8  # messages gathered and copied to host at once (one gather, one device->host copy)
+# exports of a stream in flight while its messages go out: one export at a time kept the stream waiting for a
+# third of a ready transfer (the export, ~2 GB/s on one thread, was slower than the stream's send)
+_EXPORTS_AHEAD = 3
 
 
 _NO_FAULTS = FaultInjection()  # frozen: one shared default
@@ -249,11 +253,13 @@ class _Stream:
         def export(k: int) -> asyncio.Future[list[bytes]]:
             return asyncio.ensure_future(asyncio.to_thread(timed, *runs[k]))
 
-        ahead = export(0) if runs else None  # the next unit is gathered while this one is sent
+        ahead: collections.deque[asyncio.Future[list[bytes]]] = collections.deque()  # the next units, exporting
         try:
             for k in range(len(runs)):
+                while len(ahead) < _EXPORTS_AHEAD and k + len(ahead) < len(runs):
+                    ahead.append(export(k + len(ahead)))
                 t_wait = time.perf_counter()
-                msgs, ahead = await ahead, (export(k + 1) if k + 1 < len(runs) else None)
+                msgs = await ahead.popleft()
                 self.export_wait_s += time.perf_counter() - t_wait
                 lane = self.lanes.lane_of(runs[k][0]) if self.lanes is not None else 0
                 for msg in msgs:
@@ -265,8 +271,8 @@ class _Stream:
                     else:
                         yield msg
         finally:
-            if ahead is not None:
-                ahead.cancel()  # an export already running ends on its thread; its bytes are dropped
+            for f in ahead:
+                f.cancel()  # an export already running ends on its thread; its bytes are dropped
 
     async def end_lanes(self) -> None:
         """Before PrefillDone: every lane's stream ends after its last queued page."""

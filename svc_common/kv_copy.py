@@ -65,10 +65,23 @@ def _on(stream: torch.cuda.Stream | None):
 
 
 class PageExporter:
+    """Thread-safe: several exports run at once (the prefill keeps ``_EXPORTS_AHEAD`` of a stream's in
+    flight), each on its thread's own side stream, so one export's synchronize never waits for another's."""
+
     def __init__(self, pool: KVPool):
         self.pool = pool
-        self.stream = _side_stream(pool.device)
+        self._streams = threading.local()
         self.page_bytes = part_page_bytes(pool)
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """This thread's side stream (None for a host pool)."""
+        if self.pool.device.type != "cuda":
+            return None
+        s = getattr(self._streams, "stream", None)
+        if s is None:
+            s = self._streams.stream = torch.cuda.Stream(self.pool.device)
+        return s
 
     def messages(self, request_id: str, layer: int, first_page: int, page_ids: Sequence[int],
                  pages_per_message: int, fence: Fence | None) -> list[bytes]:
@@ -82,13 +95,14 @@ class PageExporter:
         if n == 0:
             return []
         tensors = _parts(self.pool, layer)
-        if self.stream is None:
+        stream = self.stream
+        if stream is None:
             return [self._host_message(request_id, layer, first_page + i, ids[i:i + pages_per_message], tensors)
                     for i in range(0, n, pages_per_message)]
         sizes = [n * b for b in self.page_bytes]
-        with _on(self.stream):
+        with _on(stream):
             if fence is not None:
-                fence.order(self.stream)
+                fence.order(stream)
             idx = _device_ids(ids, self.pool.device)
             buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.pool.device)
             offset = 0
@@ -99,7 +113,7 @@ class PageExporter:
                 offset += size
             host = torch.empty(buf.shape, dtype=torch.uint8, pin_memory=True)
             host.copy_(buf, non_blocking=True)
-            self.stream.synchronize()  # the gather and the copy to host: this thread only
+            stream.synchronize()  # the gather and the copy to host: this thread's stream only
         out = []
         for i in range(0, n, pages_per_message):
             m = min(pages_per_message, n - i)
