@@ -134,10 +134,7 @@ class HostPool:
             self.pages, self._registered = page_locked((num_pages, self.page_bytes))
         else:
             self.pages, self._registered = torch.empty((num_pages, self.page_bytes), dtype=torch.uint8), False
-        # high priority: a batch's blocks are scheduled ahead of the compute kernels' waiting ones. A store runs
-        # beside decode steps and prefill chunks; at equal priority it got what SMs they left (38 GB/s in the
-        # agentic benchmark against 46-52 alone, docs/benchmarks/host_tier_copy.md)
-        self._stream = torch.cuda.Stream(pool.device, priority=-1) if cuda else None
+        self._stream = torch.cuda.Stream(pool.device) if cuda else None
         self.path = path or (self._direct_works() if cuda else CopyPath.DIRECT)
         self._free = list(range(num_pages))  # min-heap: allocation hands out the smallest ids (runs stay long)
         self._owned = [False] * num_pages

@@ -44,7 +44,7 @@ _PAGE_ID_BYTES = 5  # most bytes of one packed int32 page id in a KVPageRefs mes
 _MESSAGES_PER_EXPORT = 8  # messages gathered and copied to host at once (one gather, one device->host copy)
 # exports of a stream in flight while its messages go out: one export at a time kept the stream waiting for a
 # third of a ready transfer (the export, ~2 GB/s on one thread, was slower than the stream's send)
-_EXPORTS_AHEAD = 3
+_EXPORTS_AHEAD = 2
 
 
 _NO_FAULTS = FaultInjection()  # frozen: one shared default
@@ -164,6 +164,23 @@ class PrefillWorker:
             self.loop.abort(req.rid)  # frees (or caches) its transient pages whatever ended the stream
 
 
+def _export_units(num_layers: int, num_pages: int, per_message: int, max_messages: int
+                  ) -> list[tuple[int, int, int]]:
+    """(layer, first page, pages) of each export of a stream's pages, in send order: every layer's pages in
+    order, the first export one message, each next one twice as many messages up to ``max_messages``. The
+    stream sends nothing before its first export is complete: a small first one starts it early; the large
+    ones after it cost fewer gathers and copies per byte."""
+    out, size = [], per_message
+    for layer in range(num_layers):
+        i = 0
+        while i < num_pages:
+            m = min(size, num_pages - i)
+            out.append((layer, i, m))
+            i += m
+            size = min(2 * size, per_message * max_messages)
+    return out
+
+
 async def _latest(events: asyncio.Queue):
     """The next event, skipping progress already superseded by a later event in the queue."""
     ev = await events.get()
@@ -240,13 +257,12 @@ class _Stream:
             self.hold.touch()
             return
         n = w.pages_per_message
-        unit = n * _MESSAGES_PER_EXPORT
-        runs = [(layer, i) for layer in range(w.layout.num_layers) for i in range(0, len(page_ids), unit)]
+        runs = _export_units(w.layout.num_layers, len(page_ids), n, _MESSAGES_PER_EXPORT)
 
-        def timed(layer: int, i: int) -> list[bytes]:
+        def timed(layer: int, i: int, m: int) -> list[bytes]:
             t0 = time.perf_counter()
             try:
-                return w.exporter.messages(self.rid, layer, first + i, page_ids[i:i + unit], n, fence)
+                return w.exporter.messages(self.rid, layer, first + i, page_ids[i:i + m], n, fence)
             finally:
                 self.export_s += time.perf_counter() - t0
 

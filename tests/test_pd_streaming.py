@@ -131,3 +131,16 @@ def test_the_prefills_compute_time_excludes_the_wait_behind_earlier_pages(tiny_m
     elapsed, computed = asyncio.run(scenario())
     assert elapsed >= 5.5  # chunk 0's two page messages, then the rest of both layers: 4 x 1.5 s at least
     assert computed < 2.5  # five chunks of a 2-layer tiny model (0.2-0.9 s on 2 busy cores), not 3 s or more
+
+
+def test_a_streams_exports_start_with_one_message_and_double_up_to_the_export_size():
+    from prefill_svc.worker import _export_units
+
+    units = _export_units(num_layers=2, num_pages=2048, per_message=227, max_messages=8)
+    assert [m for _, _, m in units[:4]] == [227, 454, 908, 459]  # 1, 2, 4 messages, then the layer's rest
+    assert units[4:] == [(1, 0, 1816), (1, 1816, 232)]  # 8 messages at most
+    for layer in range(2):  # every page of every layer once, in order
+        runs = [(i, m) for lay, i, m in units if lay == layer]
+        assert [i for i, _ in runs] == [sum(m for _, m in runs[:k]) for k in range(len(runs))]
+        assert sum(m for _, m in runs) == 2048
+    assert _export_units(1, 3, 5, 8) == [(0, 0, 3)] and _export_units(3, 0, 5, 8) == []
