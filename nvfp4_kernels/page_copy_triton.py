@@ -2,8 +2,7 @@
 launch; ``move_pages``, the same pages of several layers (copied and checked, or checked alone), one launch
 per kind of part (values; block scales) through the ``PageTables`` of those layers.
 
-``copy_staged_pages`` is ``copy_pages`` from a received message copied to the device whole; ``gather_messages``
-the sender's reverse: pages into messages laid out as they go on the wire.
+``copy_staged_pages`` is ``copy_pages`` from a received message copied to the device whole.
 
 ``copy_pages`` computes ``nvfp4_kernels.page_copy.copy_pages_reference`` byte for byte (copies and flag), with the
 host work of one kernel launch instead of a gather, a scatter and a check per part: the cuda-ipc transfer's
@@ -20,12 +19,7 @@ import torch
 import triton
 
 from nvfp4_kernels.page_copy import check_kind
-from nvfp4_kernels.triton.page_copy import (
-    message_gather_kernel,
-    page_copy_kernel,
-    page_table_kernel,
-    staged_copy_kernel,
-)
+from nvfp4_kernels.triton.page_copy import page_copy_kernel, page_table_kernel, staged_copy_kernel
 
 ACCESS_BYTES = 16  # every page of every part is moved in whole accesses of this many bytes
 _MAX_BLOCK_WORDS = 2048  # int32 words per program and iteration: 8 KiB, 4 16-byte accesses per thread
@@ -119,30 +113,6 @@ def copy_staged_pages(staged: torch.Tensor, offsets: Sequence[int], num_pages: i
         staged, k, v, k_sf, v_sf, flag, int(num_tokens), at[0], at[2], at[1], at[3], PAGE_SIZE=g.page_size,
         VAL_WORDS=g.val_words, VAL_BLOCK=_block(g.val_words), VAL_CHECK=g.val_check, SF_WORDS=g.sf_words,
         SF_BLOCK=_block(g.sf_words), num_warps=4)
-
-
-def gather_messages(src: Sequence[torch.Tensor | None], src_ids: torch.Tensor, out: torch.Tensor,
-                    part_at: torch.Tensor, pages_per_message: int, geometry: PageGeometry) -> None:
-    """Pages ``src_ids`` of one layer's parts ``src`` (k, k_sf, v, v_sf) into page run messages laid out in
-    ``out`` (1-D uint8, on their device): page j goes to slot ``j % pages_per_message`` of message
-    ``j // pages_per_message``, whose parts start at ``part_at[message]`` (int64 [messages, 4], bytes into
-    ``out``, columns k, v, k_sf, v_sf, each a multiple of 16; the caller frames the messages around them).
-    ``geometry``: ``page_geometry(src, src)``. One launch. MUTATES ``out``."""
-    n = src_ids.numel()
-    if n == 0:
-        return
-    if out.dim() != 1 or out.dtype != torch.uint8 or out.device != src[0].device or out.data_ptr() % ACCESS_BYTES:
-        raise ValueError(f"messages are gathered into a 1-D uint8 buffer on {src[0].device} at a multiple of "
-                         f"{ACCESS_BYTES} bytes, got {tuple(out.shape)} {out.dtype} on {out.device}")
-    num_messages = -(-n // pages_per_message)
-    if part_at.dtype != torch.int64 or tuple(part_at.shape) != (num_messages, 4) or part_at.device != out.device:
-        raise ValueError(f"part_at must be int64 [{num_messages}, 4] on {out.device}, got {tuple(part_at.shape)} "
-                         f"{part_at.dtype} on {part_at.device}")
-    g = geometry
-    k, k_sf, v, v_sf = [src[0] if t is None else t for t in src]  # absent: never read
-    message_gather_kernel[(n, 4 if g.sf_words else 2)](
-        k, v, k_sf, v_sf, src_ids, out, part_at, int(pages_per_message), VAL_WORDS=g.val_words,
-        VAL_BLOCK=_block(g.val_words), SF_WORDS=g.sf_words, SF_BLOCK=_block(g.sf_words), num_warps=4)
 
 
 class PartTable(NamedTuple):

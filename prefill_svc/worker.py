@@ -45,7 +45,7 @@ _PAGE_ID_BYTES = 5  # most bytes of one packed int32 page id in a KVPageRefs mes
 _MESSAGES_PER_EXPORT = 8  # messages gathered and copied to host at once (one gather, one device->host copy)
 # exports of a stream in flight while its messages go out: one export at a time kept the stream waiting for a
 # third of a ready transfer (the export, ~2 GB/s on one thread, was slower than the stream's send)
-_EXPORTS_AHEAD = 3
+_EXPORTS_AHEAD = 2
 
 
 _NO_FAULTS = FaultInjection()  # frozen: one shared default

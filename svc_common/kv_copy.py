@@ -72,22 +72,6 @@ class PageExporter:
         self.pool = pool
         self._streams = threading.local()
         self.page_bytes = part_page_bytes(pool)
-        self._gather = None  # gather_messages: pages into messages as they go on the wire, one launch
-        self._geometry = None
-        if pool.device.type == "cuda":
-            self.use_message_gather()
-
-    def use_message_gather(self) -> None:
-        """Gather a layer's pages straight into wire order (``gather_messages``: each message's parts where the
-        aligned framing puts them) so that each message is then ONE host copy. On by default on a GPU (the
-        Triton interpreter's tests turn it on for CPU pools). Pools whose pages are not whole 16-byte words
-        (tiny test shapes) keep the gather per part."""
-        from nvfp4_kernels.page_copy_triton import ACCESS_BYTES, gather_messages, page_geometry
-        if any(b % ACCESS_BYTES for b in self.page_bytes):
-            return
-        parts = _parts(self.pool, 0)
-        self._geometry = page_geometry(parts, parts)
-        self._gather = gather_messages
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
@@ -104,46 +88,42 @@ class PageExporter:
         """The serialized PrefillMessages of ``page_ids`` of ``layer`` (sequence pages from ``first_page``), at
         most ``pages_per_message`` pages each. Blocks (call on a worker thread); reads only, after ``fence``.
 
-        On a GPU: one launch gathers the pages into one device buffer in wire order (each message's parts where
-        its aligned framing puts them, ``gather_messages``), one copy of it into pinned host memory (torch's
-        caching host allocator: no fresh pages), then each message framed there and copied out (one host copy,
-        one GIL release)."""
+        On a GPU: one gather per part into one device buffer, one copy of it into pinned host memory (torch's
+        caching host allocator: no fresh pages), then each message framed from views of it (one host copy)."""
         ids = [int(p) for p in page_ids]
         n = len(ids)
         if n == 0:
             return []
         tensors = _parts(self.pool, layer)
         stream = self.stream
-        if stream is None and self._gather is None:
+        if stream is None:
             return [self._host_message(request_id, layer, first_page + i, ids[i:i + pages_per_message], tensors)
                     for i in range(0, n, pages_per_message)]
-        frames, starts, at = [], [], []  # each message's (framing, payload sizes), start, parts' starts
-        total = 0
-        for i in range(0, n, pages_per_message):
-            m = min(pages_per_message, n - i)
-            sizes = [m * b for b in self.page_bytes]
-            frame = frame_page_run(request_id, layer, first_page + i, m, sizes)
-            k, k_sf, v, v_sf = (total + a if b else 0 for a, b in zip(frame.payload_offsets(sizes), sizes,
-                                                                     strict=True))
-            frames.append((frame, sizes))
-            starts.append(total)
-            at.append((k, v, k_sf, v_sf))  # the kernel's part order
-            total = _aligned(total + frame.total)  # every message, so every part, at a multiple of _ALIGN
+        sizes = [n * b for b in self.page_bytes]
         with _on(stream):
             if fence is not None:
                 fence.order(stream)
             idx = _device_ids(ids, self.pool.device)
-            part_at = _device_ids([a for row in at for a in row], self.pool.device).view(len(at), 4)
-            buf = torch.empty(total, dtype=torch.uint8, device=self.pool.device)
-            self._gather(tensors, idx, buf, part_at, pages_per_message, self._geometry)
-            if stream is not None:
-                host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-                host.copy_(buf, non_blocking=True)
-                stream.synchronize()  # the gather and the copy to host: this thread's stream only
-            else:
-                host = buf  # a host pool under Triton's interpreter (tests)
-        host_np = host.numpy()
-        return [message_at(frame, sizes, host_np, start) for (frame, sizes), start in zip(frames, starts, strict=True)]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.pool.device)
+            offset = 0
+            for t, size in zip(tensors, sizes, strict=True):
+                if t is not None:
+                    torch.index_select(t.view(torch.uint8).view(t.shape[0], -1), 0, idx,
+                                       out=buf[offset:offset + size].view(n, -1))
+                offset += size
+            host = torch.empty(buf.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(buf, non_blocking=True)
+            stream.synchronize()  # the gather and the copy to host: this thread's stream only
+        out = []
+        for i in range(0, n, pages_per_message):
+            m = min(pages_per_message, n - i)
+            payloads, offset = [], 0
+            for size, page in zip(sizes, self.page_bytes, strict=True):
+                payloads.append(host[offset + i * page:offset + (i + m) * page] if page else None)
+                offset += size
+            frame = frame_page_run(request_id, layer, first_page + i, m, [m * b for b in self.page_bytes])
+            out.append(message_from(frame, payloads))
+        return out
 
     def _host_message(self, request_id: str, layer: int, first_page: int, ids: list[int],
                       tensors: list[torch.Tensor | None]) -> bytes:
@@ -399,21 +379,24 @@ class PageImporter:
             raise ValueError("the pages carry NaN or inf scales or values")
 
 
-def message_at(frame: Frame, sizes: Sequence[int], host: np.ndarray, start: int) -> bytes:
-    """The message ``frame`` frames (payloads of ``sizes`` bytes) whose payloads already lie in ``host``
-    (uint8) where the frame puts them, from byte ``start``: the framing bytes written around them there, then
-    the whole message copied out in one numpy copy (the GIL released once; the bytes object made
-    uninitialized: ``PyBytes_FromStringAndSize(NULL, n)``, the C API's way to build bytes, filled before any
-    other code holds it). MUTATES ``host`` (the framing bytes)."""
-    host[start:start + len(frame.head)] = np.frombuffer(frame.head, dtype=np.uint8)
-    for prefix, at in zip(frame.prefixes, frame.payload_offsets(sizes), strict=True):
-        if prefix:
-            host[start + at - len(prefix):start + at] = np.frombuffer(prefix, dtype=np.uint8)
+def message_from(frame: Frame, payloads: Sequence[torch.Tensor | None]) -> bytes:
+    """The message ``frame`` frames, each part's bytes copied in from a 1-D uint8 host tensor (None: absent).
+
+    The copies run in numpy, which releases the GIL for each payload (so the engine thread of the same process
+    keeps launching kernels meanwhile; ``bytes.join`` holds it for every byte) and keeps it for the few
+    framing bytes (no release, no wait to win it back). The bytes object is created uninitialized and filled
+    in place before any other code holds it: the C API's way to build bytes (``PyBytes_FromStringAndSize(NULL,
+    n)``)."""
     msg = _new_bytes(None, frame.total)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # frombuffer over bytes: writable here, as it is fresh
         out = torch.frombuffer(msg, dtype=torch.uint8).numpy()
-    out[:] = host[start:start + frame.total]
+    out[:len(frame.head)] = np.frombuffer(frame.head, dtype=np.uint8)
+    sizes = [0 if p is None else p.numel() for p in payloads]
+    for prefix, p, at in zip(frame.prefixes, payloads, frame.payload_offsets(sizes), strict=True):
+        if prefix:
+            out[at - len(prefix):at] = np.frombuffer(prefix, dtype=np.uint8)
+            out[at:at + p.numel()] = p.numpy()
     return msg
 
 

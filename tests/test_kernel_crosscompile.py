@@ -209,22 +209,6 @@ def test_the_staged_copy_kernel_reads_a_message_16_bytes_at_a_time_from_aligned_
     assert "STL" not in sass and "LDL" not in sass
 
 
-@pytest.mark.parametrize("val_words, sf_words, values", [(2048, 256, "*u8"), (4096, 0, "*fp8e4nv")],
-                         ids=["nvfp4", "fp8"])
-def test_the_message_gather_kernel_moves_16_bytes_at_a_time_on_sm90a(tmp_path, val_words, sf_words, values):
-    from nvfp4_kernels.page_copy_triton import _block
-    from nvfp4_kernels.triton.page_copy import message_gather_kernel
-
-    sig = {"K_SRC": values, "V_SRC": values, "KSF_SRC": "*fp8e4nv", "VSF_SRC": "*fp8e4nv", "SRC_IDS": "*i64",
-           "OUT": "*u8", "AT": "*i64", "pages_per_message": "i32"}
-    k = _compile(message_gather_kernel, sig, {"VAL_WORDS": val_words, "VAL_BLOCK": _block(val_words),
-                                              "SF_WORDS": sf_words, "SF_BLOCK": _block(sf_words)}, arch=90)
-    ptx = k.asm["ptx"]
-    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx  # the part offsets are known multiples of 16
-    sass = _sass(k, tmp_path)
-    assert "STL" not in sass and "LDL" not in sass
-
-
 _INTERPRETED = textwrap.dedent("""
     import math, os, sys
     import torch

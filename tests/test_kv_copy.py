@@ -153,33 +153,24 @@ def test_an_e4m3_nan_in_a_message_fails_the_write_only_inside_the_prompt(device,
 
 
 @pytest.mark.parametrize("sizes", [(64, 8, 64, 8), (96, 0, 96, 0)])
-def test_a_message_framed_around_its_payloads_is_the_protobuf_serialization(sizes):
-    import numpy as np
-
+def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
     from nvfp4_serve_proto import prefill_pb2
-    from svc_common.kv_copy import message_at
+    from svc_common.kv_copy import message_from
     from svc_common.kv_wire import encode_page_run, frame_page_run
 
-    rnd = random.Random(3)
-    blobs = [bytes(rnd.randrange(256) for _ in range(n)) for n in sizes]
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) if n else None for n in sizes]
+    blobs = [b"" if p is None else bytes(p.numpy()) for p in parts]
     want = prefill_pb2.PrefillMessage(request_id="req-é", pages=prefill_pb2.KVPageRun(
         layer=3, first_page=130, num_pages=2, k=blobs[0], k_scales=blobs[1], v=blobs[2], v_scales=blobs[3]))
-
-    def built(align: int, start: int) -> bytes:  # the exporter's way: payloads placed first, then framed
-        frame = frame_page_run("req-é", 3, 130, 2, sizes, align=align)
-        host = np.full(start + frame.total + 7, 0xEE, dtype=np.uint8)
-        for at, blob in zip(frame.payload_offsets(sizes), blobs, strict=True):
-            host[start + at:start + at + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-        return message_at(frame, sizes, host, start)
-
-    plain = built(0, 128)
+    plain = message_from(frame_page_run("req-é", 3, 130, 2, sizes, align=0), parts)
     assert isinstance(plain, bytes) and plain == want.SerializeToString()  # unaligned: protobuf's own bytes
-    aligned = built(64, 64)  # the senders' default
-    assert aligned == encode_page_run("req-é", 3, 130, 2, [[b] if b else [] for b in blobs])
-    parsed = prefill_pb2.PrefillMessage.FromString(aligned)  # any protobuf client reads the same message
+    built = message_from(frame_page_run("req-é", 3, 130, 2, sizes), parts)  # the senders' default: aligned
+    assert built == encode_page_run("req-é", 3, 130, 2, [[b] if b else [] for b in blobs])
+    parsed = prefill_pb2.PrefillMessage.FromString(built)  # any protobuf client reads the same message
     parsed.pages.ClearField("padding")
-    assert parsed == want and len(aligned) > len(plain)
-    run = decode_page_run(aligned)
+    assert parsed == want and len(built) > len(plain)
+    run = decode_page_run(built)
     assert [bytes(p) for p in run.parts] == blobs
     assert all(a % 64 == 0 for (a, _), n in zip(run.spans, sizes, strict=True) if n)
 
@@ -284,35 +275,6 @@ for kv_dtype in ("nvfp4", "fp8_e4m3", "bf16"):
                 assert fails, (kv_dtype, num_tokens, align)
 print("staged ok")
 """
-
-
-_GATHER_UNDER_INTERPRETER = """
-import random, torch
-from svc_common.kv_copy import PageExporter
-from tests.test_kv_copy import _pool
-for kv_dtype in ("nvfp4", "fp8_e4m3", "bf16"):
-    src = _pool(kv_dtype, "cpu")
-    pages = random.Random(7).sample(range(64), 13)
-    ref = PageExporter(src)  # a host pool's messages: encode_page_run
-    gathered = PageExporter(src)
-    gathered.use_message_gather()  # the GPU's path: one launch into wire order, each message one copy
-    assert gathered._gather is not None
-    for layer in range(2):
-        want = ref.messages("req", layer, 9, pages, 5, None)
-        got = gathered.messages("req", layer, 9, pages, 5, None)
-        assert len(got) == 3 and got == want, (kv_dtype, layer)
-print("gather ok")
-"""
-
-
-def test_the_message_gather_under_the_triton_interpreter_builds_the_host_paths_bytes():
-    """``PageExporter.messages`` as a GPU runs it (the pages gathered into wire order in one launch, each
-    message framed around them and copied once), under Triton's interpreter: byte for byte the messages of
-    the host path (``encode_page_run``), full and partial messages, every dtype."""
-    pytest.importorskip("triton")
-    from tests.triton_interpreter import run_interpreted
-    res = run_interpreted(_GATHER_UNDER_INTERPRETER)
-    assert res.returncode == 0 and "gather ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
 
 
 def test_the_whole_message_write_under_the_triton_interpreter_equals_indexing():

@@ -13,9 +13,6 @@
 ``staged_copy_kernel``  ``page_copy_kernel`` with every source part in one staged buffer (a received message,
                       copied to the device whole, the destination ids before it).
 
-``message_gather_kernel``  the reverse for the gRPC sender: pages of one layer into page run messages laid out
-                      one after another, every part where the aligned framing puts it (no check).
-
 ``page_table_kernel``  grid (num_pages, num_segments): program (i, s) does what ``page_copy_kernel`` does for
                       one part, for segment s of a table: row ``TABLE[s]`` = (source base address, destination
                       base address) of one part tensor of one layer, WORDS words per page, checked as CHECK
@@ -126,29 +123,3 @@ def page_table_kernel(TABLE, SRC_IDS, DST_IDS, FLAG, num_tokens, PAGE_SIZE: tl.c
     dst_page = tl.load(DST_IDS + i).to(tl.int64)
     slots = tl.minimum(tl.maximum(num_tokens - i * PAGE_SIZE, 0), PAGE_SIZE)
     _page_part(src, dst, src_page, dst_page, slots * (WORDS * 4 // PAGE_SIZE), FLAG, WORDS, BLOCK, CHECK, COPY)
-
-
-@triton.jit
-def message_gather_kernel(K_SRC, V_SRC, KSF_SRC, VSF_SRC, SRC_IDS, OUT, AT, pages_per_message,
-                          VAL_WORDS: tl.constexpr, VAL_BLOCK: tl.constexpr, SF_WORDS: tl.constexpr,
-                          SF_BLOCK: tl.constexpr):
-    """Pages of one layer into messages laid out one after another in ``OUT`` (page run messages as they go on
-    the wire): program (j, part) copies page ``SRC_IDS[j]`` of one part (0 k, 1 v, 2 k_sf, 3 v_sf) to slot
-    ``j % pages_per_message`` of that part in message ``j // pages_per_message``, whose part starts at byte
-    ``AT[message * 4 + part]`` of ``OUT`` (a multiple of 16: the aligned framing). Nothing is checked: the
-    pages are this process's own."""
-    j = tl.program_id(0)
-    part = tl.program_id(1)
-    src_page = tl.load(SRC_IDS + j).to(tl.int64)
-    msg = j // pages_per_message
-    slot = (j % pages_per_message).to(tl.int64)
-    at = tl.multiple_of(tl.load(AT + msg * 4 + part), 16)
-    dst = OUT + at
-    if part == 0:
-        _page_part(K_SRC, dst, src_page, slot, 0, AT, VAL_WORDS, VAL_BLOCK, 0, True)
-    elif part == 1:
-        _page_part(V_SRC, dst, src_page, slot, 0, AT, VAL_WORDS, VAL_BLOCK, 0, True)
-    elif part == 2:
-        _page_part(KSF_SRC, dst, src_page, slot, 0, AT, SF_WORDS, SF_BLOCK, 0, True)
-    else:
-        _page_part(VSF_SRC, dst, src_page, slot, 0, AT, SF_WORDS, SF_BLOCK, 0, True)
