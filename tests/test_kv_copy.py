@@ -152,6 +152,47 @@ def test_an_e4m3_nan_in_a_message_fails_the_write_only_inside_the_prompt(device,
         bad.finish()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8_e4m3"])
+@pytest.mark.parametrize("align", [64, 0], ids=["aligned", "protobuf-bytes"])
+def test_aligned_and_unaligned_messages_write_the_same_pages_and_checks(device, kv_dtype, align):
+    """A message from this service's prefill (parts aligned: on a GPU the whole-message launch) and one of
+    protobuf's own bytes (another sender: parts staged one by one) write the same bytes and fail the same NaN."""
+    from svc_common.kv_copy import _lies_aligned
+    from svc_common.kv_wire import encode_page_run
+
+    src, dst = _pool(kv_dtype, device), _pool(kv_dtype, device, pages=96)
+    pages, targets = [3, 4, 5, 40, 41], [90, 10, 11, 12, 0]
+    lkv = src.layers[1]
+
+    def message(bad: bool) -> bytes:
+        parts = [[] if t is None else [bytes(t.view(torch.uint8)[pages].cpu().numpy())]
+                 for t in (lkv.k, lkv.k_sf, lkv.v, lkv.v_sf)]
+        if bad:  # page 3 of the run, token slot 1: the prompt's token 9
+            i = 1 if kv_dtype == "nvfp4" else 2  # k_sf, or v's E4M3 values
+            raw = bytearray(parts[i][0])
+            per_page = len(raw) // len(pages)
+            raw[2 * per_page + per_page // 4] = 0x7F
+            parts[i] = [bytes(raw)]
+        return encode_page_run("r", 1, 0, len(pages), parts, align=align)
+
+    run = decode_page_run(message(False))
+    assert _lies_aligned(run, PageImporter(dst).page_bytes) == (align == 64)
+    imp = PageImporter(dst)
+    imp.write(run, targets, len(pages) * 4)
+    imp.finish()
+    for a, b in zip(_rows(src, 1, pages), _rows(dst, 1, targets), strict=True):
+        assert torch.equal(a, b)
+    for num_tokens, fails in ((9, False), (10, True)):
+        imp = PageImporter(dst)
+        imp.write(decode_page_run(message(True)), targets, num_tokens)
+        if fails:
+            with pytest.raises(ValueError, match="NaN or inf"):
+                imp.finish()
+        else:
+            imp.finish()
+
+
 @pytest.mark.parametrize("sizes", [(64, 8, 64, 8), (96, 0, 96, 0)])
 def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
     from nvfp4_serve_proto import prefill_pb2
