@@ -214,7 +214,7 @@ class _Stream:
         self.num_bytes = 0
         self.t_header = 0.0
         self.export_s = 0.0  # grpc: seconds the exports of page messages ran (on worker threads, summed)
-        self._export_s = threading.Lock()  # exports run on several threads at once
+        self._export_lock = threading.Lock()  # exports run on several threads at once
         self.export_wait_s = 0.0  # grpc: seconds this stream waited for an export to send its messages
         self.first_message_s = 0.0  # grpc: from the header to the first page message handed to gRPC
 
@@ -267,7 +267,7 @@ class _Stream:
             try:
                 return w.exporter.messages(self.rid, layer, first + i, page_ids[i:i + m], n, fence)
             finally:
-                with self._export_s:
+                with self._export_lock:
                     self.export_s += time.perf_counter() - t0
 
         def export(k: int) -> asyncio.Future[list[bytes]]:

@@ -44,6 +44,7 @@ _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # (NULL, n): an uniniti
 _new_bytes.argtypes, _new_bytes.restype = [ctypes.c_void_p, ctypes.c_ssize_t], ctypes.py_object
 _MAX_SLICE_RUNS = 16  # up to this many runs of consecutive pages are copied run by run (a host pool's export)
 _ALIGN = 64  # staged parts start at multiples of this (the page copy's 16-byte accesses, dtype views)
+_ACCESS = 16  # nvfp4_kernels.page_copy_triton.ACCESS_BYTES (imported there only with triton)
 
 
 def _parts(pool: KVPool, layer: int) -> list[torch.Tensor | None]:
@@ -76,12 +77,9 @@ class PageExporter:
     @property
     def stream(self) -> torch.cuda.Stream | None:
         """This thread's side stream (None for a host pool)."""
-        if self.pool.device.type != "cuda":
-            return None
-        s = getattr(self._streams, "stream", None)
-        if s is None:
-            s = self._streams.stream = torch.cuda.Stream(self.pool.device)
-        return s
+        if not hasattr(self._streams, "stream"):
+            self._streams.stream = _side_stream(self.pool.device)
+        return self._streams.stream
 
     def messages(self, request_id: str, layer: int, first_page: int, page_ids: Sequence[int],
                  pages_per_message: int, fence: Fence | None) -> list[bytes]:
@@ -407,10 +405,10 @@ def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _lies_aligned(run: PageRunView, page_bytes: Sequence[int]) -> bool:
-    """Whether every present part of ``run`` starts at a multiple of 16 bytes of its message (a sender that
+    """Whether every present part of ``run`` starts at a multiple of ``_ACCESS`` bytes of its message (a sender that
     aligns its parts, ``kv_wire.PART_ALIGN``; the spans are known: decoded here, not built by hand)."""
     return len(run.spans) == len(page_bytes) and all(
-        a % 16 == 0 for (a, _), page in zip(run.spans, page_bytes, strict=True) if page)
+        a % _ACCESS == 0 for (a, _), page in zip(run.spans, page_bytes, strict=True) if page)
 
 
 def _staging_offsets(head: int, sizes: Sequence[int]) -> tuple[list[int], int]:
