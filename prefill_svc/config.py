@@ -1,6 +1,6 @@
 """Prefill service configuration.
 
-The service's own flags (``--kv-transfer``, ``--kv-hold-timeout``, ``--kv-message-bytes``) are declared once, as
+The service's own flags (``--kv-transfer``, ``--kv-hold-timeout``, ``--kv-message-bytes``, ``--kv-sender``, ...) are declared once, as
 ``Flag`` metadata on their ``PrefillConfig`` fields; the parser and the config of parsed flags are generated from
 them (``svc_common/config_flags.py``). The server, TLS, engine and fault-injection flags come from their own
 modules."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig, flag
 from svc_common.config_flags import add_flags, config_from_flags
@@ -17,6 +18,13 @@ from svc_common.fault_injection import FaultInjection, add_fault_args, faults_fr
 from svc_common.kv_transfer import TRANSFER_MODES, check_mode
 from svc_common.service_main import add_server_args, server_fields
 from svc_common.tls import TLSConfig, add_tls_args, tls_from_args
+
+if TYPE_CHECKING:
+    import torch
+
+
+SENDER_THREAD, SENDER_PROCESS = "thread", "process"
+KV_SENDERS = ("auto", SENDER_THREAD, SENDER_PROCESS)
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,12 @@ class PrefillConfig:
     kv_lane_timeout_s: float = field(default=30.0, metadata=flag(
         "grpc path with lanes: seconds the prefill waits for the decode to open or read each extra stream of a "
         "transfer before failing it", name="--kv-lane-timeout"))
+    # grpc path: which process frames and sends page messages (prefill_svc/sender_process.py)
+    kv_sender: str = field(default="auto", metadata=flag(
+        "grpc path: where page messages are framed and sent: process (a sender process beside the engine serves "
+        "this service's port and reads the pool where the engine wrote it, so the engine never waits for the "
+        "GIL behind gRPC's copies), thread (in the engine's process), auto (process when the pool is on CUDA)",
+        choices=KV_SENDERS))
     faults: FaultInjection = field(default_factory=FaultInjection)  # tests only (svc_common/fault_injection.py)
 
     def __post_init__(self) -> None:
@@ -58,8 +72,17 @@ class PrefillConfig:
             raise ValueError(f"--kv-message-bytes must be >= 1, got {self.kv_message_bytes}")
         if not self.kv_hold_timeout_s > 0:
             raise ValueError(f"--kv-hold-timeout must be > 0 seconds, got {self.kv_hold_timeout_s}")
+        if self.kv_sender not in KV_SENDERS:
+            raise ValueError(f"--kv-sender must be one of {', '.join(KV_SENDERS)}, got {self.kv_sender!r}")
         if not self.kv_lane_timeout_s > 0:
             raise ValueError(f"--kv-lane-timeout must be > 0 seconds, got {self.kv_lane_timeout_s}")
+
+
+def sender_of(config: PrefillConfig, device: torch.device) -> str:
+    """SENDER_PROCESS or SENDER_THREAD: ``--kv-sender``, with auto resolved for the pool's ``device``."""
+    if config.kv_sender != "auto":
+        return config.kv_sender
+    return SENDER_PROCESS if device.type == "cuda" else SENDER_THREAD
 
 
 def build_arg_parser() -> argparse.ArgumentParser:

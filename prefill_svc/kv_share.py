@@ -31,6 +31,7 @@ from svc_common.kv_transfer import (
     PATH_GRPC,
     PATH_IPC,
     PATH_NIXL,
+    PATH_RELAY,
     PathChoice,
     TransferMetrics,
     describe,
@@ -124,8 +125,10 @@ class KVShareSource:
 
     def __init__(self, pool: KVPool, layout: common_pb2.KVLayout, mode: str, hold_timeout_s: float,
                  metrics: TransferMetrics, endpoint: common_pb2.TransferEndpoint | None = None,
-                 exporter: Exporter = export_share, nixl_exporter: NixlExporter = export_nixl):
+                 exporter: Exporter = export_share, nixl_exporter: NixlExporter = export_nixl,
+                 relayed: bool = False):
         self.pool = pool
+        self.relayed = relayed  # every caller comes through this prefill's sender process: grpc becomes relay
         self.layout = layout
         self.mode = mode
         self.hold_timeout_s = hold_timeout_s
@@ -182,10 +185,13 @@ class KVShareSource:
 
     def choose(self, request: prefill_pb2.PrefillRequest) -> PathChoice:
         """The path of one request's transfer; counted in the metrics (warns when cuda-ipc or nixl was asked
-        for on this end and another path is taken)."""
+        for on this end and another path is taken). Behind a sender process, a grpc transfer is counted as
+        grpc (what the decode gets) and taken as PATH_RELAY (the sender sends the bytes)."""
         choice = self._choose(request)
         peer = f"decode {request.transfer.endpoint.hostname or '?'} {request.transfer.endpoint.device or '?'}"
         self.metrics.count(peer, choice, wanted=wanted_path(self.mode))
+        if self.relayed and choice.path == PATH_GRPC:
+            return PathChoice(PATH_RELAY, choice.reason, choice.detail)
         return choice
 
     def _choose(self, request: prefill_pb2.PrefillRequest) -> PathChoice:

@@ -135,6 +135,19 @@ class TransferLanes:
         self._open[t.transfer_id] = t
         return t
 
+    def lanes_for(self, offered: int, num_layers: int, num_pages: int) -> int:
+        """Streams of a transfer whose decode offered ``offered`` (TransferOffer.grpc_lanes): at most
+        ``MAX_LANES`` and one per layer; one when no page travels."""
+        return min(offered, MAX_LANES, num_layers) if num_pages else 1
+
+    async def serve_lane(self, request) -> AsyncIterator[bytes]:
+        """One PrefillLane stream (a ``PrefillLaneRequest``): the lane's page messages, then the end."""
+        if not request.transfer_id or len(request.transfer_id) > 64 or not request.transfer_id.isalnum():
+            raise InvalidRequest("transfer_id must be the 1-64 letters and digits of a transfer header")
+        transfer = self.open_lane(request.transfer_id, request.lane)
+        async for msg in transfer.stream(request.lane):
+            yield msg
+
     def open_lane(self, transfer_id: str, lane: int) -> LaneTransfer:
         """The transfer a PrefillLane request names, with ``lane`` marked opened (once)."""
         t = self._open.get(transfer_id)

@@ -53,7 +53,8 @@ _UNARY = {  # method -> (request, response) message classes
 }
 
 
-def add_to_server(servicer: PrefillServicer, server: grpc.aio.Server) -> None:
+def add_to_server(servicer: prefill_pb2_grpc.PrefillServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` (this module's, or the sender process's) on ``server``."""
     handlers = {name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name), request_deserializer=req.FromString,
                                                           response_serializer=resp.SerializeToString)
                 for name, (req, resp) in _UNARY.items()}

@@ -9,7 +9,9 @@ The header states the path (``prefill_svc/kv_share.py`` chooses it per request):
     cuda-ipc  KVPageRefs messages name the source pages, one message per run of pages for every layer; the
     nixl      decode copies them out of this process's pool (CUDA IPC) or reads them with NIXL (this process's
               registered pool); each chunk's pool writes are complete before a message names its pages, and
-              the pages stay held until ReleaseTransfer, the end of the stream, or the hold deadline.
+              the pages stay held until ReleaseTransfer, the end of the stream, or the hold deadline;
+    relay     as cuda-ipc, to this prefill's own sender process (``--kv-sender process``), which sends the
+              pages' bytes as the grpc path: the callers of the service never see this path.
 
 So TTFT is the prompt's compute plus the last chunk's transfer, not compute plus the whole transfer.
 """
@@ -17,11 +19,9 @@ So TTFT is the prompt's compute plus the last chunk's transfer, not compute plus
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import math
-import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -31,21 +31,25 @@ from engine.outcome import Failure, FailureKind, FinishReason
 from engine.request import PrefillProgress, Request, StepOutput
 from nvfp4_serve_proto import prefill_pb2
 from prefill_svc.kv_share import Hold, KVShareSource
-from prefill_svc.lanes import MAX_LANES, LaneTransfer, TransferLanes
+from prefill_svc.lanes import LaneTransfer, TransferLanes
+from prefill_svc.page_sender import HEADER_MARGIN, PageSender, pages_per_message
 from svc_common.convert import check_token_ids, sampling_from_proto
 from svc_common.errors import InvalidRequest, PrefillUnavailable, check_request_id, service_error
 from svc_common.fault_injection import FaultInjection
 from svc_common.kv_copy import PageExporter
-from svc_common.kv_transfer import PATH_GRPC, PATH_NIXL, TRANSFER_MODES, TransferMetrics, by_reference
+from svc_common.kv_transfer import (
+    PATH_GRPC,
+    PATH_NIXL,
+    PATH_RELAY,
+    TRANSFER_MODES,
+    TransferMetrics,
+    by_reference,
+)
+from svc_common.kv_transfer_ipc import pool_view
 from svc_common.layout import check_layout, layout_of
 from svc_common.metrics import ServiceMetrics
 
-_HEADER_MARGIN = 4096  # bytes kept free in each message for the protobuf framing
 _PAGE_ID_BYTES = 5  # most bytes of one packed int32 page id in a KVPageRefs message
-_MESSAGES_PER_EXPORT = 8  # messages gathered and copied to host at once (one gather, one device->host copy)
-# exports of a stream in flight while its messages go out: one export at a time kept the stream waiting for a
-# third of a ready transfer (the export, ~2 GB/s on one thread, was slower than the stream's send)
-_EXPORTS_AHEAD = 2
 
 
 _NO_FAULTS = FaultInjection()  # frozen: one shared default
@@ -57,7 +61,9 @@ class PrefillWorker:
     def __init__(self, loop: EngineLoop, max_message_bytes: int, metrics: ServiceMetrics,
                  faults: FaultInjection = _NO_FAULTS,
                  kv_transfer: str = "auto", kv_hold_timeout_s: float = 60.0, kv_message_bytes: int = 4 << 20,
-                 kv_lane_timeout_s: float = 30.0):
+                 kv_lane_timeout_s: float = 30.0, relayed: bool = False):
+        """``relayed``: a sender process beside this one serves every caller (prefill_svc/sender_process.py); a
+        transfer that would send page bytes names its pages instead (PATH_RELAY) and the sender sends them."""
         self.loop = loop
         self.debug_delay = faults.transfer_delay_s  # tests only (svc_common/fault_injection.py); 0 in a deployment
         self.debug_header_delay = faults.header_delay_s
@@ -67,16 +73,13 @@ class PrefillWorker:
         self.layout = layout_of(self.engine)
         self.metrics = metrics
         self.page_size = self.layout.page_size
-        page_bytes = self.engine.pool.page_bytes_per_layer
-        if max_message_bytes - _HEADER_MARGIN < page_bytes:
-            raise ValueError(f"one KV page of one layer is {page_bytes} bytes, over --max-message-bytes "
-                             f"{max_message_bytes}: lower --page-size or raise the limit")
-        self.pages_per_message = max(1, min(max_message_bytes - _HEADER_MARGIN, kv_message_bytes) // page_bytes)
-        self.refs_per_message = (max_message_bytes - _HEADER_MARGIN) // _PAGE_ID_BYTES
-        self.exporter = PageExporter(self.engine.pool)
+        self.pages_per_message = pages_per_message(max_message_bytes, kv_message_bytes,
+                                                   self.engine.pool.page_bytes_per_layer)
+        self.refs_per_message = (max_message_bytes - HEADER_MARGIN) // _PAGE_ID_BYTES
+        self.exporter = PageExporter(pool_view(self.engine.pool))
         self.transfer_metrics = TransferMetrics(metrics)
         self.share = KVShareSource(self.engine.pool, self.layout, kv_transfer, kv_hold_timeout_s,
-                                   self.transfer_metrics)
+                                   self.transfer_metrics, relayed=relayed)
         self.lanes = TransferLanes(kv_lane_timeout_s)
 
     def _validate(self, request: prefill_pb2.PrefillRequest) -> list[int]:
@@ -96,13 +99,9 @@ class PrefillWorker:
             raise InvalidRequest(f"transfer.grpc_lanes must be >= 0, got {request.transfer.grpc_lanes}")
         return ids
 
-    async def lane(self, request: prefill_pb2.PrefillLaneRequest) -> AsyncIterator[bytes]:
+    def lane(self, request: prefill_pb2.PrefillLaneRequest) -> AsyncIterator[bytes]:
         """One lane of a grpc transfer with lanes (``prefill_svc/lanes.py``): its page messages, then the end."""
-        if not request.transfer_id or len(request.transfer_id) > 64 or not request.transfer_id.isalnum():
-            raise InvalidRequest("transfer_id must be the 1-64 letters and digits of a transfer header")
-        transfer = self.lanes.open_lane(request.transfer_id, request.lane)
-        async for msg in transfer.stream(request.lane):
-            yield msg
+        return self.lanes.serve_lane(request)
 
     async def prefill(self, request: prefill_pb2.PrefillRequest) -> AsyncIterator[prefill_pb2.PrefillMessage | bytes]:
         """The transfer stream of one prompt. Pages go out as the engine writes them: after each chunk of the
@@ -165,23 +164,6 @@ class PrefillWorker:
             self.loop.abort(req.rid)  # frees (or caches) its transient pages whatever ended the stream
 
 
-def _export_units(num_layers: int, num_pages: int, per_message: int, max_messages: int
-                  ) -> list[tuple[int, int, int]]:
-    """(layer, first page, pages) of each export of a stream's pages, in send order: every layer's pages in
-    order, the first export one message, each next one twice as many messages up to ``max_messages``. The
-    stream sends nothing before its first export is complete: a small first one starts it early; the large
-    ones after it cost fewer gathers and copies per byte."""
-    out, size = [], per_message
-    for layer in range(num_layers):
-        i = 0
-        while i < num_pages:
-            m = min(size, num_pages - i)
-            out.append((layer, i, m))
-            i += m
-            size = min(2 * size, per_message * max_messages)
-    return out
-
-
 async def _latest(events: asyncio.Queue):
     """The next event, skipping progress already superseded by a later event in the queue."""
     ev = await events.get()
@@ -193,12 +175,13 @@ async def _latest(events: asyncio.Queue):
 class _Stream:
     """One prompt's transfer: its header, then page messages for each run of pages as it becomes ready.
 
-    grpc      each (layer, run) as one pre-serialized KVPageRun message (``PageExporter``: up to
-              ``_MESSAGES_PER_EXPORT`` runs of a layer gathered on a side stream after the chunk's fence, copied
-              to pinned host memory at once, each framed without protobuf copies);
+    grpc      each (layer, run) as one pre-serialized KVPageRun message (``prefill_svc/page_sender.py``: a few
+              runs of a layer gathered on a side stream after the chunk's fence, copied to pinned host memory
+              at once, each framed without protobuf copies);
     cuda-ipc  each run's source page ids, every layer in one message, once the chunk's writes are complete
-    nixl      (the decode copies them out of this pool); the hold keeps the pages until ReleaseTransfer, the
-              stream's end, or ``hold_timeout_s`` after the last message.
+    nixl      (the decode copies them out of this pool; relay: this prefill's sender process sends their
+    relay     bytes); the hold keeps the pages until ReleaseTransfer, the stream's end, or ``hold_timeout_s``
+              after the last message.
     """
 
     def __init__(self, worker: PrefillWorker, request: prefill_pb2.PrefillRequest, rid: str, first_page: int,
@@ -213,10 +196,7 @@ class _Stream:
         self.path = ""
         self.num_bytes = 0
         self.t_header = 0.0
-        self.export_s = 0.0  # grpc: seconds the exports of page messages ran (on worker threads, summed)
-        self._export_lock = threading.Lock()  # exports run on several threads at once
-        self.export_wait_s = 0.0  # grpc: seconds this stream waited for an export to send its messages
-        self.first_message_s = 0.0  # grpc: from the header to the first page message handed to gRPC
+        self.sender: PageSender | None = None  # grpc: this transfer's page messages
 
     async def start(self) -> prefill_pb2.PrefillMessage:
         w = self.w
@@ -229,13 +209,16 @@ class _Stream:
         if by_reference(choice.path):
             self.hold = w.share.holds.open(w.share.hold_timeout_s)
             header.transfer_id, header.hold_timeout_s = self.hold.transfer_id, self.hold.timeout_s
-        lanes = min(self.request.transfer.grpc_lanes, MAX_LANES, w.layout.num_layers) if self.num_pages else 1
+        lanes = w.lanes.lanes_for(self.request.transfer.grpc_lanes, w.layout.num_layers, self.num_pages)
         if choice.path == PATH_GRPC and lanes > 1:
             self.lanes = w.lanes.open(lanes)
             header.transfer_id, header.lanes = self.lanes.transfer_id, lanes
         if choice.path == PATH_NIXL:
             w.share.nixl_agent.serve_begin()
             self.serving = True
+        if choice.path == PATH_GRPC:
+            self.sender = PageSender(w.exporter, self.rid, w.pages_per_message, w.layout.num_layers, self.lanes,
+                                     w.debug_delay)
         self.started, self.t_header = True, time.perf_counter()
         return prefill_pb2.PrefillMessage(request_id=self.rid, header=header)
 
@@ -247,7 +230,7 @@ class _Stream:
             if fence is not None:
                 await asyncio.to_thread(fence.wait)  # every page is written before any message names it
             # one message names a run's pages of every layer, or (a decode that does not read num_layers) of one
-            step = w.layout.num_layers if self.request.transfer.refs_all_layers else 1
+            step = w.layout.num_layers if self.request.transfer.refs_all_layers or self.path == PATH_RELAY else 1
             for i in range(0, len(page_ids), w.refs_per_message):
                 for layer in range(0, w.layout.num_layers, step):
                     if w.debug_delay:
@@ -259,42 +242,9 @@ class _Stream:
                     self.num_bytes += len(refs) * w.engine.pool.page_bytes_per_layer * step
             self.hold.touch()
             return
-        n = w.pages_per_message
-        runs = _export_units(w.layout.num_layers, len(page_ids), n, _MESSAGES_PER_EXPORT)
-
-        def timed(layer: int, i: int, m: int) -> list[bytes]:
-            t0 = time.perf_counter()
-            try:
-                return w.exporter.messages(self.rid, layer, first + i, page_ids[i:i + m], n, fence)
-            finally:
-                with self._export_lock:
-                    self.export_s += time.perf_counter() - t0
-
-        def export(k: int) -> asyncio.Future[list[bytes]]:
-            return asyncio.ensure_future(asyncio.to_thread(timed, *runs[k]))
-
-        ahead: collections.deque[asyncio.Future[list[bytes]]] = collections.deque()  # the next units, exporting
-        try:
-            for k in range(len(runs)):
-                while len(ahead) < _EXPORTS_AHEAD and k + len(ahead) < len(runs):
-                    ahead.append(export(k + len(ahead)))
-                t_wait = time.perf_counter()
-                msgs = await ahead.popleft()
-                self.export_wait_s += time.perf_counter() - t_wait
-                lane = self.lanes.lane_of(runs[k][0]) if self.lanes is not None else 0
-                for msg in msgs:
-                    if w.debug_delay:
-                        await asyncio.sleep(w.debug_delay)
-                    if not self.num_bytes:
-                        self.first_message_s = time.perf_counter() - self.t_header
-                    self.num_bytes += len(msg)
-                    if lane:
-                        await self.lanes.put(lane, msg)
-                    else:
-                        yield msg
-        finally:
-            for f in ahead:
-                f.cancel()  # an export already running ends on its thread; its bytes are dropped
+        async for msg in self.sender.pages(page_ids, first, fence):
+            yield msg
+        self.num_bytes = self.sender.num_bytes
 
     async def end_lanes(self) -> None:
         """Before PrefillDone: every lane's stream ends after its last queued page."""
@@ -311,11 +261,8 @@ class _Stream:
         self.completed = True
         seconds = time.perf_counter() - self.t_header
         self.w.metrics.observe_transfer(self.num_bytes, seconds, len(self.request.token_ids) - self.request.prefix_len)
-        if self.path == PATH_GRPC:  # whether the sender kept up: the stream's waits for its page exports
-            log.info("request %s: %.1f MB of pages via grpc in %.1f ms after the header, the first message after "
-                     "%.1f ms; %.1f ms exporting them, %.1f ms of the stream's time waiting for an export (each waits "
-                     "for its chunk's writes first)", self.rid, self.num_bytes / 1e6, seconds * 1e3,
-                     self.first_message_s * 1e3, self.export_s * 1e3, self.export_wait_s * 1e3)
+        if self.sender is not None:
+            self.sender.log_line(seconds, "engine process")
 
     def close(self) -> None:
         if self.lanes is not None:

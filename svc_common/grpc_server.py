@@ -187,28 +187,44 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None = 
 
 async def start_and_wait(server: grpc.aio.Server, service_names: Sequence[str], role: str, host: str,
                          port: int, metrics=None, metrics_port: int | None = None,
-                         tls: TLSConfig | None = None, alive: Callable[[], bool] | None = None) -> int:
+                         tls: TLSConfig | None = None, alive: Callable[[], bool] | None = None, *,
+                         unix_path: str | None = None, dead: Callable[[], str] | None = None,
+                         on_started: Callable[[], None] | None = None) -> int:
     """Register health + reflection, bind, start, print the "ready on HOST:PORT" line the launcher and
     tests wait for, then block until SIGINT/SIGTERM and stop the server gracefully. Returns the port.
 
+    ``unix_path``: listen on that Unix socket instead (plaintext, no ready line: a link inside one service,
+    reachable by its user only through the socket's directory); returns 0. ``on_started`` runs once the
+    server accepts calls, before ``alive`` is first polled.
+
     ``alive`` (the engine loop's liveness) is polled: when it turns False the service reports NOT_SERVING,
-    drops its streams and raises, so the process exits non-zero instead of hanging every request."""
+    drops its streams and raises, so the process exits non-zero instead of hanging every request; ``dead``
+    says what died (default: the engine loop thread)."""
     if metrics is not None and metrics_port is not None:
         metrics.serve_http(metrics_port, host)
     health = await add_health_and_reflection(server, service_names)
-    bound = bind(server, host, port, tls)
-    await server.start()
-    print(f"{role} service ready on {host}:{bound}", flush=True)
+    if unix_path is not None:
+        if server.add_insecure_port(f"unix:{unix_path}") == 0:
+            raise RuntimeError(f"cannot bind gRPC server to unix:{unix_path}")
+        bound = 0
+        await server.start()
+    else:
+        bound = bind(server, host, port, tls)
+        await server.start()
+        print(f"{role} service ready on {host}:{bound}", flush=True)
+    if on_started is not None:
+        on_started()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     watchdog = asyncio.ensure_future(_watch(alive, stop)) if alive is not None else None
     await stop.wait()
     if watchdog is not None and watchdog.done() and watchdog.result():
-        log.critical("%s service: the engine loop died; exiting so that it can be restarted", role)
+        what = dead() if dead is not None else "engine loop thread died (its traceback is above)"
+        log.critical("%s service: %s; exiting so that it can be restarted", role, what)
         await health.enter_graceful_shutdown()
         await server.stop(grace=0)
-        raise RuntimeError(f"{role} service: engine loop thread died (its traceback is above)")
+        raise RuntimeError(f"{role} service: {what}")
     if watchdog is not None:
         watchdog.cancel()
     await health.enter_graceful_shutdown()

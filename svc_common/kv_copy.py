@@ -36,7 +36,7 @@ import torch
 from engine.fence import Fence
 from engine.kv_pool import KVPool
 from nvfp4_kernels.page_copy import check_kind, copy_pages_reference, move_pages_reference
-from svc_common.kv_transfer_ipc import page_runs
+from svc_common.kv_transfer_ipc import PoolView, page_runs
 from svc_common.kv_wire import Frame, PageRunView, encode_page_run, frame_page_run
 
 PARTS = ("k", "k_sf", "v", "v_sf")
@@ -52,9 +52,17 @@ def _parts(pool: KVPool, layer: int) -> list[torch.Tensor | None]:
     return [lkv.k, lkv.k_sf, lkv.v, lkv.v_sf]
 
 
+def _view_parts(view: PoolView, layer: int) -> list[torch.Tensor | None]:
+    return [view.layers[layer].get(name) for name in PARTS]
+
+
+def _page_bytes(parts: Sequence[torch.Tensor | None]) -> list[int]:
+    return [0 if t is None else math.prod(t.shape[1:]) * t.element_size() for t in parts]
+
+
 def part_page_bytes(pool: KVPool) -> list[int]:
     """Bytes of one page of each part (k, k_sf, v, v_sf; 0 for absent scales)."""
-    return [0 if t is None else math.prod(t.shape[1:]) * t.element_size() for t in _parts(pool, 0)]
+    return _page_bytes(_parts(pool, 0))
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -66,19 +74,25 @@ def _on(stream: torch.cuda.Stream | None):
 
 
 class PageExporter:
-    """Thread-safe: several exports run at once (the prefill keeps ``_EXPORTS_AHEAD`` of a stream's in
+    """Reads pages of a pool: this process's (``pool_view``), or the engine's that a prefill's sender process
+    opened at start-up. Thread-safe: several exports run at once (the prefill keeps a few of a stream's in
     flight), each on its thread's own side stream, so one export's synchronize never waits for another's."""
 
-    def __init__(self, pool: KVPool):
-        self.pool = pool
+    def __init__(self, view: PoolView):
+        self.view = view
+        self.device = view.layers[0]["k"].device
         self._streams = threading.local()
-        self.page_bytes = part_page_bytes(pool)
+        self.page_bytes = _page_bytes(_view_parts(view, 0))
+
+    @property
+    def page_bytes_per_layer(self) -> int:
+        return sum(self.page_bytes)
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
         """This thread's side stream (None for a host pool)."""
         if not hasattr(self._streams, "stream"):
-            self._streams.stream = _side_stream(self.pool.device)
+            self._streams.stream = _side_stream(self.device)
         return self._streams.stream
 
     def messages(self, request_id: str, layer: int, first_page: int, page_ids: Sequence[int],
@@ -92,7 +106,10 @@ class PageExporter:
         n = len(ids)
         if n == 0:
             return []
-        tensors = _parts(self.pool, layer)
+        if not 0 <= layer < len(self.view.layers) or min(ids) < 0 or max(ids) >= self.view.num_pages:
+            raise ValueError(f"pages {min(ids)}..{max(ids)} of layer {layer}: the pool has {len(self.view.layers)} "
+                             f"layers of {self.view.num_pages} pages")
+        tensors = _view_parts(self.view, layer)
         stream = self.stream
         if stream is None:
             return [self._host_message(request_id, layer, first_page + i, ids[i:i + pages_per_message], tensors)
@@ -101,8 +118,8 @@ class PageExporter:
         with _on(stream):
             if fence is not None:
                 fence.order(stream)
-            idx = _device_ids(ids, self.pool.device)
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.pool.device)
+            idx = _device_ids(ids, self.device)
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
             offset = 0
             for t, size in zip(tensors, sizes, strict=True):
                 if t is not None:

@@ -46,6 +46,10 @@ TRANSFER_MODES = ("auto", "grpc", "cuda-ipc", "nixl")
 PATH_GRPC = "grpc"
 PATH_IPC = "cuda-ipc"
 PATH_NIXL = "nixl"
+# Between a prefill's engine process and its own sender process only (prefill_svc/sender_process.py): the engine
+# names source pages as on cuda-ipc, and the sender, which opened the pool when it was started, sends their bytes
+# as the grpc path. Never in a header a decode receives.
+PATH_RELAY = "relay"
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -96,7 +100,7 @@ def local_endpoint(device: torch.device | str, mode: str) -> common_pb2.Transfer
 
 def by_reference(path: str) -> bool:
     """``path`` names source pages (KVPageRefs) held by the prefill until ReleaseTransfer, not page bytes."""
-    return path in (PATH_IPC, PATH_NIXL)
+    return path in (PATH_IPC, PATH_NIXL, PATH_RELAY)
 
 
 def wanted_path(mode: str) -> str:

@@ -10,6 +10,7 @@ import torch
 
 from engine.kv_pool import KVPool
 from svc_common.kv_copy import PARTS, PageExporter, PageImporter
+from svc_common.kv_transfer_ipc import pool_view
 from svc_common.kv_wire import decode_page_run
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -43,7 +44,7 @@ def test_messages_then_writes_move_every_byte_of_scattered_pages(device, kv_dtyp
     rnd = random.Random(1)
     src_pages = rnd.sample(range(64), 21)  # scattered: more runs than are copied slice by slice
     dst_pages = list(range(30, 40)) + rnd.sample(range(30), 11)
-    exporter, importer = PageExporter(src), PageImporter(dst)
+    exporter, importer = PageExporter(pool_view(src)), PageImporter(dst)
     for layer in range(2):
         msgs = exporter.messages("r", layer, 5, src_pages, 4, None)
         assert len(msgs) == 6  # 21 pages, 4 per message
@@ -124,7 +125,7 @@ def test_a_nan_scale_in_the_prompt_fails_the_copy_and_one_past_it_does_not(devic
 def test_an_inf_bf16_value_in_a_message_fails_the_write(device):
     src, dst = _pool("bf16", device), _pool("bf16", device)
     src.layers[0].v.view(torch.uint8)[9, 2, 1, 6:8] = torch.tensor([0x80, 0x7F], dtype=torch.uint8)  # +inf
-    run = decode_page_run(PageExporter(src).messages("r", 0, 0, [8, 9], 2, None)[0])
+    run = decode_page_run(PageExporter(pool_view(src)).messages("r", 0, 0, [8, 9], 2, None)[0])
     ok = PageImporter(dst)
     ok.write(run, [0, 1], 6)  # slot 2 of the second page is token 6: outside a 6-token prompt
     ok.finish()
@@ -142,7 +143,7 @@ def test_an_e4m3_nan_in_a_message_fails_the_write_only_inside_the_prompt(device,
     src, dst = _pool(kv_dtype, device), _pool(kv_dtype, device)
     t = getattr(src.layers[1], part).view(torch.uint8)
     t[9, 2].view(-1)[0] = byte  # second page of the run, token slot 2: token 4 + 2 = 6 of the prompt
-    run = decode_page_run(PageExporter(src).messages("r", 1, 0, [8, 9], 2, None)[0])
+    run = decode_page_run(PageExporter(pool_view(src)).messages("r", 1, 0, [8, 9], 2, None)[0])
     ok = PageImporter(dst)
     ok.write(run, [0, 1], 6)  # a 6-token prompt ends before that slot
     ok.finish()
@@ -277,6 +278,7 @@ print("batched ok")
 _STAGED_UNDER_INTERPRETER = """
 import random, torch
 from svc_common.kv_copy import PageExporter, PageImporter
+from svc_common.kv_transfer_ipc import pool_view
 from svc_common.kv_wire import decode_page_run, encode_page_run
 from tests.test_kv_copy import _pool, _rows
 for kv_dtype in ("nvfp4", "fp8_e4m3", "bf16"):
@@ -286,7 +288,7 @@ for kv_dtype in ("nvfp4", "fp8_e4m3", "bf16"):
     imp = PageImporter(dst)
     imp.use_staged_copy()  # the GPU's whole-message path, run by Triton's interpreter on CPU tensors
     for layer in range(2):
-        for msg in PageExporter(src).messages("r", layer, 0, src_pages, 5, None):  # aligned parts
+        for msg in PageExporter(pool_view(src)).messages("r", layer, 0, src_pages, 5, None):  # aligned parts
             run = decode_page_run(msg)
             imp.write(run, dst_pages[run.first_page:run.first_page + run.num_pages], run.num_pages * 4)
     imp.finish()

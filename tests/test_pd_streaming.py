@@ -134,13 +134,14 @@ def test_the_prefills_compute_time_excludes_the_wait_behind_earlier_pages(tiny_m
 
 
 def test_a_streams_exports_start_with_one_message_and_double_up_to_the_export_size():
-    from prefill_svc.worker import _export_units
+    from prefill_svc.page_sender import export_units
 
-    units = _export_units(num_layers=2, num_pages=2048, per_message=227, max_messages=8)
+    units = export_units(range(2), num_pages=2048, per_message=227, max_messages=8)
     assert [m for _, _, m in units[:4]] == [227, 454, 908, 459]  # 1, 2, 4 messages, then the layer's rest
     assert units[4:] == [(1, 0, 1816), (1, 1816, 232)]  # 8 messages at most
     for layer in range(2):  # every page of every layer once, in order
         runs = [(i, m) for lay, i, m in units if lay == layer]
         assert [i for i, _ in runs] == [sum(m for _, m in runs[:k]) for k in range(len(runs))]
         assert sum(m for _, m in runs) == 2048
-    assert _export_units(1, 3, 5, 8) == [(0, 0, 3)] and _export_units(3, 0, 5, 8) == []
+    assert export_units(range(1), 3, 5, 8) == [(0, 0, 3)] and export_units(range(3), 0, 5, 8) == []
+    assert [lay for lay, _, _ in export_units(range(2, 4), 6, 5, 8)] == [2, 2, 3]  # a run of some layers

@@ -29,7 +29,7 @@ from engine.kv_pool import KVPool
 from nvfp4_serve_proto import prefill_pb2
 from svc_common.host_malloc import keep_freed_blocks
 from svc_common.kv_copy import PARTS, PageExporter, PageImporter
-from svc_common.kv_transfer_ipc import export_share, open_share
+from svc_common.kv_transfer_ipc import export_share, open_share, pool_view
 from svc_common.kv_wire import decode_page_run
 
 
@@ -138,7 +138,7 @@ def main() -> None:
     parent.send(b"done")
     proc.join(timeout=30)
 
-    exporter = PageExporter(src)
+    exporter = PageExporter(pool_view(src))
     per_msg = max(1, (1 << 20) // src.page_bytes_per_layer)
     unit = per_msg * 8  # as the prefill service exports: 8 messages per gather
     runs = [(layer, i) for layer in range(args.layers) for i in range(0, n, unit)]

@@ -1,0 +1,164 @@
+"""A prefill service with its sender process (``--kv-sender process``): the sender serves the port and sends the
+grpc path's page bytes out of the engine's pool, opened across processes (shared memory on CPU). Real
+processes on free ports, driven over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import stat
+import time
+
+import grpc
+import pytest
+
+from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.test_services import gen_request, generate, integrity, metric, procs, prompt, run  # noqa: F401
+
+SENDER = ("--kv-sender", "process")
+
+
+def _reference(model_dir: str, kv_dtype: str, ids: list[int], max_tokens: int) -> list[int]:
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    eng = Engine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32",
+                              cache=CacheConfig(kv_dtype=kv_dtype, page_size=4, max_total_tokens=4096)))
+    return eng.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+
+
+async def _prefill_metric(address: str, name: str) -> float:
+    async with grpc.aio.insecure_channel(address) as ch:
+        text = (await prefill_pb2_grpc.PrefillStub(ch).GetMetrics(common_pb2.MetricsRequest())).prometheus_text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+async def _prefill_idle(address: str) -> common_pb2.WorkerLoad:
+    async with grpc.aio.insecure_channel(address) as ch:
+        for _ in range(100):
+            load = await prefill_pb2_grpc.PrefillStub(ch).GetLoad(common_pb2.GetLoadRequest())
+            if load.pool_pages_in_use == 0 and load.num_running == 0:
+                break
+            await asyncio.sleep(0.1)
+    return load
+
+
+def _sender_pid(proc) -> int:
+    return int(re.search(r"prefill sender process (\d+) started", proc.output).group(1))
+
+
+def test_greedy_through_a_sender_process_equals_the_engine_and_the_pages_go_as_grpc_bytes(
+        procs, tiny_model_dir, kv_dtype="nvfp4"):  # noqa: F811 - fp8 below, with lanes
+    args = ("--model", tiny_model_dir, "--kv-cache-dtype", kv_dtype, "--page-size", "4")
+    p = procs("prefill_svc", *args, *SENDER)
+    d = procs("decode_svc", *args, "--kv-transfer", "grpc")
+    ids = prompt(37)
+    tokens, msgs = run(generate(d.address, gen_request("a", ids, p.address, max_tokens=10)))
+    assert tokens == _reference(tiny_model_dir, kv_dtype, ids, 10)
+    assert msgs[-1].finish_reason == decode_pb2.FINISH_REASON_LENGTH
+    rep = run(integrity(d.address))
+    assert rep.ok and rep.num_in_use == 0
+    # counted as what the decode got (grpc, pages in bytes), sent by the sender process
+    assert run(_prefill_metric(p.address, 'nvfp4_prefill_kv_transfer_path_total{path="grpc"}')) == 1
+    assert run(metric(d.address, "nvfp4_decode_kv_transfer_bytes_total")) > 0
+    assert "via grpc (sender process)" in p.output
+    assert run(_prefill_idle(p.address)).pool_pages_in_use == 0  # released: the engine freed its pages
+
+
+def test_nvfp4_bytes_are_0_5625_of_fp8_and_lanes_work_through_the_sender(procs, tiny_model_dir):  # noqa: F811
+    ids = prompt(64)
+    sent = {}
+    for dt in ("nvfp4", "fp8_e4m3"):
+        args = ("--model", tiny_model_dir, "--kv-cache-dtype", dt, "--page-size", "4")
+        p = procs("prefill_svc", *args, *SENDER, "--kv-message-bytes", "256")
+        d = procs("decode_svc", *args, "--kv-transfer", "grpc", "--kv-grpc-lanes", "3")
+        tokens, _ = run(generate(d.address, gen_request("t", ids, p.address, max_tokens=4)))
+        assert tokens == _reference(tiny_model_dir, dt, ids, 4)
+        sent[dt] = run(metric(d.address, "nvfp4_decode_kv_transfer_bytes_total"))
+        assert "over 2 lanes" in d.output  # the tiny model has two layers: one lane each
+    assert sent["fp8_e4m3"] > 0
+    assert sent["nvfp4"] == pytest.approx(0.5625 * sent["fp8_e4m3"])
+
+
+def test_a_transfer_cancelled_mid_stream_frees_every_page_on_both_sides(procs, tiny_model_dir):  # noqa: F811
+    args = ("--model", tiny_model_dir, "--page-size", "4")
+    # five chunks, each chunk's pages named 1 s apart: a cancel at 1.5 s lands mid-transfer
+    p = procs("prefill_svc", *args, *SENDER, "--chunked-prefill-size", "8", "--debug-transfer-delay-s", "1.0")
+    d = procs("decode_svc", *args, "--kv-transfer", "grpc")
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(d.address) as ch:
+            call = decode_pb2_grpc.DecodeStub(ch).Generate(gen_request("x", prompt(40), p.address))
+            await asyncio.sleep(1.5)
+            call.cancel()
+        return await _prefill_idle(p.address)
+
+    load = run(scenario())
+    assert load.pool_pages_in_use == 0 and load.num_running == 0
+    rep = run(integrity(d.address))
+    assert rep.ok and rep.num_in_use == 0
+    tokens, _ = run(generate(d.address, gen_request("after", prompt(12), p.address, max_tokens=3)))
+    assert len(tokens) == 3  # both stay up
+
+
+def test_the_engines_answers_reach_the_caller_with_their_status(procs, tiny_model_dir):  # noqa: F811
+    p = procs("prefill_svc", "--model", tiny_model_dir, "--page-size", "4", *SENDER)
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(p.address) as ch:
+            stub = prefill_pb2_grpc.PrefillStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                async for _ in stub.Prefill(prefill_pb2.PrefillRequest(request_id="b", token_ids=[1, 10**7])):
+                    pass
+            with pytest.raises(grpc.aio.AioRpcError) as lane:
+                async for _ in stub.PrefillLane(prefill_pb2.PrefillLaneRequest(transfer_id="abc", lane=1)):
+                    pass
+            released = await stub.ReleaseTransfer(prefill_pb2.ReleaseTransferRequest(transfer_id="nope"))
+            load = await stub.GetLoad(common_pb2.GetLoadRequest())
+            return bad.value, lane.value, released, load
+
+    bad, lane, released, load = run(scenario())
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocab" in bad.details()
+    assert lane.code() == grpc.StatusCode.NOT_FOUND
+    assert not released.released and load.role == "prefill" and load.pool_pages_total > 0
+
+
+def test_the_engines_socket_is_private_and_each_process_ends_with_the_other(procs, tiny_model_dir):  # noqa: F811
+    p = procs("prefill_svc", "--model", tiny_model_dir, "--page-size", "4", *SENDER)
+    sockets = [os.path.join("/tmp", n) for n in os.listdir("/tmp") if n.startswith("nvfp4-prefill-")]
+    mine = [s for s in sockets if os.stat(s).st_uid == os.getuid()]
+    assert mine and all(stat.S_IMODE(os.stat(s).st_mode) == 0o700 for s in mine)
+    os.kill(_sender_pid(p), signal.SIGKILL)  # the sender dies: the service exits non-zero (to be restarted)
+    assert p.popen.wait(timeout=30) != 0
+    assert "its sender process exited" in p.output
+
+    q = procs("prefill_svc", "--model", tiny_model_dir, "--page-size", "4", *SENDER)
+    pid = _sender_pid(q)
+    q.stop(sig_kill=True)  # the engine's process dies: its sender follows
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the sender process outlived the engine's process")
+
+
+def test_auto_takes_the_sender_process_for_a_cuda_pool_only(tiny_model_dir):
+    import torch
+
+    from engine.config import EngineConfig
+    from prefill_svc.config import PrefillConfig, sender_of
+
+    cfg = PrefillConfig(engine=EngineConfig(model_dir=tiny_model_dir, device="cpu"))
+    assert sender_of(cfg, torch.device("cpu")) == "thread"
+    assert sender_of(cfg, torch.device("cuda", 0)) == "process"
+    for choice in ("thread", "process"):
+        assert sender_of(PrefillConfig(engine=cfg.engine, kv_sender=choice), torch.device("cuda", 0)) == choice
+    with pytest.raises(ValueError, match="--kv-sender"):
+        PrefillConfig(engine=cfg.engine, kv_sender="fork")
