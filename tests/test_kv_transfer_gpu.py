@@ -85,13 +85,16 @@ def _nixl_cannot_start() -> str:
     return "" if out.returncode == 0 else (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:300]
 
 
-@pytest.mark.parametrize("path", ["cuda-ipc", "grpc", "nixl"])
+@pytest.mark.parametrize("path", ["cuda-ipc", "grpc", "grpc-thread", "nixl"])
 @pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8_e4m3"])
 def test_greedy_through_prefill_and_decode_processes_equals_the_engine(model_dir, kv_dtype, path):
+    """grpc: the prefill's sender process (the default on CUDA) sends the bytes; grpc-thread: its engine process."""
     if path == "nixl" and (why := _nixl_cannot_start()):
         pytest.skip(f"nixl cannot be imported or its UCX agent cannot start here ({why}); install the nixl extra")
+    sender = ("--kv-sender", "thread") if path == "grpc-thread" else ()
+    path = path.removesuffix("-thread")
     args = ("--model", model_dir, "--kv-cache-dtype", kv_dtype, *GPU, "--kv-transfer", path)
-    p = start("prefill_svc", *args)
+    p = start("prefill_svc", *args, *sender)
     d = start("decode_svc", *args, "--prefill-addresses", p.address)
     try:
         prompts = [prompt(137), prompt(45, offset=11)]
@@ -110,6 +113,7 @@ def test_greedy_through_prefill_and_decode_processes_equals_the_engine(model_dir
         assert "opened the KV pool of prefill" in d.output if path == "cuda-ipc" else "NIXL agent decode-" in d.output
     else:
         assert metric(dtext, 'nvfp4_decode_kv_transfer_grpc_reasons_total{reason="kv_transfer_grpc"}') == 2
+        assert ("via grpc (engine process)" if sender else "via grpc (sender process)") in p.output
     assert load.pool_pages_in_use == 0
     assert rep.ok and rep.num_in_use == 0
 

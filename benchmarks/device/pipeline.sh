@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big are on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big, transfer_thread are on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -136,6 +136,11 @@ stage profile 200 python3 -m benchmarks.transfer.profile_copy --out docs/benchma
   --trace $R/transfer_profile_trace.txt
 stage transfer 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
   --num-layers 8 --lengths 32768 --paths ${TRANSFER_PATHS:-grpc grpc-lanes cuda-ipc} --log-dir $R/logs_tr ${TRANSFER_ARGS:-}
+# on demand: the gRPC path sent by the prefill's engine process itself (--kv-sender thread), beside stage transfer's
+# sender process: the before/after of the same run
+stage transfer_thread 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
+  --num-layers 8 --lengths 32768 --paths grpc --kv-sender thread --log-dir $R/logs_tr_thread \
+  --out-json docs/benchmarks/transfer_grpc_thread.json --out-md docs/benchmarks/transfer_grpc_thread.md
 # on demand: the gRPC path with 16 MiB messages (its raw grpcio anchor at the same size), beside stage transfer's
 stage transfer_big 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
   --num-layers 8 --lengths 32768 --paths grpc --message-bytes 16777216 --log-dir $R/logs_tr_big \

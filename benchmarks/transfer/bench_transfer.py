@@ -54,6 +54,7 @@ from benchmarks.transfer.services import (
     wait_ready,
 )
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
+from prefill_svc.config import KV_SENDERS
 
 TRANSPORTS = ("grpc", "cuda-ipc", "nixl")  # the decode's --kv-transfer (and its metrics' path label)
 GRPC_LANES = "grpc-lanes"  # grpc with the decode's --kv-grpc-lanes (--grpc-lanes of this script)
@@ -82,6 +83,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", nargs="+", type=int, default=[32768, 163840], help="prompt lengths (tokens)")
     p.add_argument("--paths", nargs="+", default=list(DEFAULT_PATHS), choices=PATHS)
     p.add_argument("--grpc-lanes", type=int, default=4, help="the grpc-lanes path's decode --kv-grpc-lanes")
+    p.add_argument("--kv-sender", default="auto", choices=KV_SENDERS,
+                   help="the prefills' --kv-sender: which process sends the grpc path's page bytes")
     p.add_argument("--prefill-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the prefill services")
     p.add_argument("--decode-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the decode services")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the script")
@@ -146,7 +149,7 @@ def start_services(a: argparse.Namespace, model: Path, log_dir: Path) -> dict[st
             commons[kv] = common
             started[kv] = {"prefill": spawn(f"prefill-{kv}", "prefill_svc",
                                             [*common, "--kv-hold-timeout", "300",
-                                             "--kv-message-bytes", str(a.message_bytes),
+                                             "--kv-message-bytes", str(a.message_bytes), "--kv-sender", a.kv_sender,
                                              *(["--kv-transfer", "nixl"] if "nixl" in a.paths else [])],
                                             log_dir, a.prefill_gpu if a.device == "cuda" else None)}
             every.append(started[kv]["prefill"])
@@ -282,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                   "num_kv_heads": cfg["num_key_value_heads"], "head_dim": cfg.get("head_dim"),
                   "page_size": a.page_size, "chunk_size": a.chunked_prefill_size, "decode_tokens": a.decode_tokens, "ready_repeats": a.ready_repeats,
                   "prefill_gpu": a.prefill_gpu, "decode_gpu": a.decode_gpu, "device": a.device,
+                  "kv_sender": a.kv_sender,
                   "grpc_lanes": a.grpc_lanes if GRPC_LANES in a.paths else None},
         "rows": rows, "summary": summarize(rows), "anchors": anchors}
     attach_anchors(rows, anchors)

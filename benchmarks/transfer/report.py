@@ -72,6 +72,10 @@ def anchor_table(anchors: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_SENDERS = {"auto": "their sender process on a GPU (`--kv-sender auto`)", "process": "their sender process",
+            "thread": "their engine process (`--kv-sender thread`)"}
+
+
 def markdown(doc: dict[str, Any]) -> str:
     s = doc["setup"]
     met = [x["goal_met"] for x in doc["summary"]]
@@ -83,7 +87,8 @@ def markdown(doc: dict[str, Any]) -> str:
         (f"GPU: {doc['gpu']} (prefill on GPU {s['prefill_gpu']}, decode on GPU {s['decode_gpu']}). Model: "
         f"{s['model']} ({s['num_layers']} layers, {s['num_kv_heads']} KV heads x head_dim {s['head_dim']}), "
         f"page {s['page_size']}, chunked prefill {s['chunk_size']}, {s['decode_tokens']} generated tokens per "
-        f"request, one request at a time on idle services, unique random prompts (no cache hits), each then "
+        f"request, the prefills' grpc page bytes sent by {_SENDERS.get(s.get('kv_sender', ''), 'their engine process')}, "
+        f"one request at a time on idle services, unique random prompts (no cache hits), each then "
         f"sent again (\"ready\": the prefill's cache holds its pages; the best of {s.get('ready_repeats', 1)} "
         f"transfers, as each anchor is the best of its repeats), then once through the decode's own engine "
         f"(\"colocated TTFT\": no prefill service, the colocated prompt path)."), "",
