@@ -5,7 +5,7 @@ Used where the bytes leave: by the engine's process (``prefill_svc/worker.py``, 
 the sender process beside it (``prefill_svc/sender_stream.py``, ``--kv-sender process``), which exports the same
 pages out of the pool it opened at start-up.
 
-    pages(ids, first, fence) --exports (gather + one D2H copy + framing, ``_EXPORTS_AHEAD`` in flight on worker
+    pages(ids, first, fence) --exports (gather + one D2H copy + framing, a few in flight on worker
     threads), each a few messages of one layer--> messages in layer order, lane by lane
 
 Invariants: messages leave in ``_export_units`` order (every layer's pages in sequence order); a cancelled
@@ -28,8 +28,10 @@ from svc_common.kv_copy import PageExporter
 HEADER_MARGIN = 4096  # bytes kept free in each message for the protobuf framing
 _MESSAGES_PER_EXPORT = 8  # messages gathered and copied to host at once (one gather, one device->host copy)
 # exports of a stream in flight while its messages go out: one export at a time kept the stream waiting for a
-# third of a ready transfer (the export, ~2 GB/s on one thread, was slower than the stream's send)
-_EXPORTS_AHEAD = 2
+# third of a ready transfer (the export, ~2 GB/s on one thread, was slower than the stream's send). In the
+# engine's process a third one measured worse (its threads wait for the GIL behind the engine thread); the
+# sender process shares its GIL with nothing else and keeps three in flight.
+EXPORTS_AHEAD = 2
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +68,12 @@ class PageSender:
 
     def __init__(self, exporter: PageExporter, rid: str, per_message: int, num_layers: int,
                  lanes: LaneTransfer | None = None, debug_delay_s: float = 0.0,
-                 before_export: Callable[[], None] | None = None):
+                 before_export: Callable[[], None] | None = None, exports_ahead: int = EXPORTS_AHEAD):
         self.exporter, self.rid, self.per_message, self.num_layers = exporter, rid, per_message, num_layers
         self.lanes = lanes  # the transfer's other streams (None: every message on this stream)
         self.debug_delay_s = debug_delay_s  # tests only (svc_common/fault_injection.py)
         self.before_export = before_export  # raises to stop the transfer before an export reads the pool
+        self.exports_ahead = exports_ahead
         self.num_bytes = 0
         self.t_start = time.perf_counter()
         self.export_s = 0.0  # seconds the exports ran (on worker threads, summed)
@@ -102,7 +105,7 @@ class PageSender:
         ahead: collections.deque[asyncio.Future[list[bytes]]] = collections.deque()  # the next units, exporting
         try:
             for k in range(len(runs)):
-                while len(ahead) < _EXPORTS_AHEAD and k + len(ahead) < len(runs):
+                while len(ahead) < self.exports_ahead and k + len(ahead) < len(runs):
                     ahead.append(export(k + len(ahead)))
                 t_wait = time.perf_counter()
                 msgs = await ahead.popleft()

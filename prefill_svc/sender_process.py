@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 
@@ -92,8 +93,15 @@ class EngineSocket:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+# The GIL switch interval of the sender (CPython's default: 5 ms). Its export threads release the GIL for each
+# copy and need it back in between; behind the gRPC thread (which holds it while copying each sent message)
+# a 5 ms interval can keep one waiting that long every time.
+SWITCH_INTERVAL_S = 5e-4
+
+
 def _main(spec: SenderSpec, num_pages: int, layers: list[dict[str, torch.Tensor]]) -> None:
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     if any(set(layer) - set(PARTS) for layer in layers):
         raise ValueError("the engine handed the sender unknown pool parts")
     try:

@@ -32,6 +32,7 @@ from svc_common.kv_copy import PageExporter
 from svc_common.kv_transfer import PATH_GRPC, PATH_RELAY
 
 _RELEASE_TIMEOUT_S = 30.0
+_EXPORTS_AHEAD = 3  # prefill_svc/page_sender.py: EXPORTS_AHEAD
 log = logging.getLogger(__name__)
 
 
@@ -120,7 +121,8 @@ class _Relayed:
             out.transfer_id, out.lanes = self.lanes.transfer_id, lanes
         self.hold_deadline = time.monotonic() + h.hold_timeout_s
         self.sender = PageSender(self.ctx.exporter, self.request.request_id, self.ctx.per_message,
-                                 self.ctx.num_layers, self.lanes, before_export=self._check_hold)
+                                 self.ctx.num_layers, self.lanes, before_export=self._check_hold,
+                                 exports_ahead=_EXPORTS_AHEAD)
         return prefill_pb2.PrefillMessage(request_id=msg.request_id, header=out)
 
     def _check_hold(self) -> None:
