@@ -18,6 +18,7 @@ from svc_common.kv_transfer_ipc import pool_view
 from svc_common.metrics import ServiceMetrics
 from svc_common.tls import TLSConfig
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 
@@ -54,6 +55,7 @@ async def _serve_behind_sender(config: PrefillConfig, worker: PrefillWorker, loo
     spec = SenderSpec(config.host, config.port, socket.path, config.max_message_bytes, config.kv_message_bytes,
                       config.kv_lane_timeout_s, config.tls, logging.getLogger().getEffectiveLevel())
     sender = SenderProcess(spec, pool_view(worker.engine.pool))
+    log.info("the engine's process listens on unix:%s for its sender process only", socket.path)
 
     def alive() -> bool:
         return loop.is_alive() and sender.is_alive()

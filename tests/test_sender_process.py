@@ -105,36 +105,51 @@ def test_a_transfer_cancelled_mid_stream_frees_every_page_on_both_sides(procs, t
     assert len(tokens) == 3  # both stay up
 
 
-def test_the_engines_answers_reach_the_caller_with_their_status(procs, tiny_model_dir):  # noqa: F811
-    p = procs("prefill_svc", "--model", tiny_model_dir, "--page-size", "4", *SENDER)
+def test_the_engines_answers_reach_the_caller_with_their_status_and_the_token_guards_both_links(
+        procs, tiny_model_dir):  # noqa: F811
+    token = "sk-sender-test-5b1c"
+    p = procs("prefill_svc", "--model", tiny_model_dir, "--page-size", "4", *SENDER, "--service-token", token)
+    md = (("authorization", f"Bearer {token}"),)
 
     async def scenario():
         async with grpc.aio.insecure_channel(p.address) as ch:
             stub = prefill_pb2_grpc.PrefillStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as bad:
-                async for _ in stub.Prefill(prefill_pb2.PrefillRequest(request_id="b", token_ids=[1, 10**7])):
+                async for _ in stub.Prefill(prefill_pb2.PrefillRequest(request_id="b", token_ids=[1, 10**7]),
+                                            metadata=md):
                     pass
             with pytest.raises(grpc.aio.AioRpcError) as lane:
-                async for _ in stub.PrefillLane(prefill_pb2.PrefillLaneRequest(transfer_id="abc", lane=1)):
+                async for _ in stub.PrefillLane(prefill_pb2.PrefillLaneRequest(transfer_id="abc", lane=1),
+                                                metadata=md):
                     pass
-            released = await stub.ReleaseTransfer(prefill_pb2.ReleaseTransferRequest(transfer_id="nope"))
-            load = await stub.GetLoad(common_pb2.GetLoadRequest())
-            return bad.value, lane.value, released, load
+            with pytest.raises(grpc.aio.AioRpcError) as anon:
+                await stub.GetLoad(common_pb2.GetLoadRequest())
+            released = await stub.ReleaseTransfer(prefill_pb2.ReleaseTransferRequest(transfer_id="nope"),
+                                                  metadata=md)
+            load = await stub.GetLoad(common_pb2.GetLoadRequest(), metadata=md)
+        socket = re.search(r"listens on (unix:\S+) for its sender", p.output).group(1)
+        async with grpc.aio.insecure_channel(socket) as ch:  # the Unix link without the token
+            with pytest.raises(grpc.aio.AioRpcError) as inner:
+                await prefill_pb2_grpc.PrefillStub(ch).GetLoad(common_pb2.GetLoadRequest())
+        assert inner.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        return bad.value, lane.value, anon.value, released, load
 
-    bad, lane, released, load = run(scenario())
+    bad, lane, anon, released, load = run(scenario())
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocab" in bad.details()
     assert lane.code() == grpc.StatusCode.NOT_FOUND
+    assert anon.code() == grpc.StatusCode.UNAUTHENTICATED
+    # answered by the engine's process, through the Unix link that requires the same token
     assert not released.released and load.role == "prefill" and load.pool_pages_total > 0
 
 
 def test_the_engines_socket_is_private_and_each_process_ends_with_the_other(procs, tiny_model_dir):  # noqa: F811
     p = procs("prefill_svc", "--model", tiny_model_dir, "--page-size", "4", *SENDER)
-    sockets = [os.path.join("/tmp", n) for n in os.listdir("/tmp") if n.startswith("nvfp4-prefill-")]
-    mine = [s for s in sockets if os.stat(s).st_uid == os.getuid()]
-    assert mine and all(stat.S_IMODE(os.stat(s).st_mode) == 0o700 for s in mine)
+    directory = os.path.dirname(re.search(r"listens on unix:(\S+) for its sender", p.output).group(1))
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700 and os.stat(directory).st_uid == os.getuid()
     os.kill(_sender_pid(p), signal.SIGKILL)  # the sender dies: the service exits non-zero (to be restarted)
     assert p.popen.wait(timeout=30) != 0
     assert "its sender process exited" in p.output
+    assert not os.path.exists(directory)  # the socket's directory goes with the process
 
     q = procs("prefill_svc", "--model", tiny_model_dir, "--page-size", "4", *SENDER)
     pid = _sender_pid(q)
