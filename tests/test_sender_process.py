@@ -51,35 +51,25 @@ def _sender_pid(proc) -> int:
     return int(re.search(r"prefill sender process (\d+) started", proc.output).group(1))
 
 
-def test_greedy_through_a_sender_process_equals_the_engine_and_the_pages_go_as_grpc_bytes(
-        procs, tiny_model_dir, kv_dtype="nvfp4"):  # noqa: F811 - fp8 below, with lanes
-    args = ("--model", tiny_model_dir, "--kv-cache-dtype", kv_dtype, "--page-size", "4")
-    p = procs("prefill_svc", *args, *SENDER)
-    d = procs("decode_svc", *args, "--kv-transfer", "grpc")
-    ids = prompt(37)
-    tokens, msgs = run(generate(d.address, gen_request("a", ids, p.address, max_tokens=10)))
-    assert tokens == _reference(tiny_model_dir, kv_dtype, ids, 10)
-    assert msgs[-1].finish_reason == decode_pb2.FINISH_REASON_LENGTH
-    rep = run(integrity(d.address))
-    assert rep.ok and rep.num_in_use == 0
-    # counted as what the decode got (grpc, pages in bytes), sent by the sender process
-    assert run(_prefill_metric(p.address, 'nvfp4_prefill_kv_transfer_path_total{path="grpc"}')) == 1
-    assert run(metric(d.address, "nvfp4_decode_kv_transfer_bytes_total")) > 0
-    assert "via grpc (sender process)" in p.output
-    assert run(_prefill_idle(p.address)).pool_pages_in_use == 0  # released: the engine freed its pages
-
-
-def test_nvfp4_bytes_are_0_5625_of_fp8_and_lanes_work_through_the_sender(procs, tiny_model_dir):  # noqa: F811
+def test_greedy_through_a_sender_process_and_its_lanes_equals_the_engine_with_nvfp4_at_0_5625_of_fp8s_bytes(
+        procs, tiny_model_dir):  # noqa: F811
     ids = prompt(64)
     sent = {}
     for dt in ("nvfp4", "fp8_e4m3"):
         args = ("--model", tiny_model_dir, "--kv-cache-dtype", dt, "--page-size", "4")
         p = procs("prefill_svc", *args, *SENDER, "--kv-message-bytes", "256")
         d = procs("decode_svc", *args, "--kv-transfer", "grpc", "--kv-grpc-lanes", "3")
-        tokens, _ = run(generate(d.address, gen_request("t", ids, p.address, max_tokens=4)))
+        tokens, msgs = run(generate(d.address, gen_request("t", ids, p.address, max_tokens=4)))
         assert tokens == _reference(tiny_model_dir, dt, ids, 4)
+        assert msgs[-1].finish_reason == decode_pb2.FINISH_REASON_LENGTH
         sent[dt] = run(metric(d.address, "nvfp4_decode_kv_transfer_bytes_total"))
         assert "over 2 lanes" in d.output  # the tiny model has two layers: one lane each
+        rep = run(integrity(d.address))
+        assert rep.ok and rep.num_in_use == 0
+        # counted as what the decode got (grpc, pages in bytes), sent by the sender process
+        assert run(_prefill_metric(p.address, 'nvfp4_prefill_kv_transfer_path_total{path="grpc"}')) == 1
+        assert "via grpc (sender process)" in p.output
+        assert run(_prefill_idle(p.address)).pool_pages_in_use == 0  # released: the engine freed its pages
     assert sent["fp8_e4m3"] > 0
     assert sent["nvfp4"] == pytest.approx(0.5625 * sent["fp8_e4m3"])
 
@@ -105,11 +95,12 @@ def test_a_transfer_cancelled_mid_stream_frees_every_page_on_both_sides(procs, t
     assert len(tokens) == 3  # both stay up
 
 
-def test_the_engines_answers_reach_the_caller_with_their_status_and_the_token_guards_both_links(
+def test_the_engines_answers_reach_the_caller_the_token_guards_both_links_and_each_process_ends_with_the_other(
         procs, tiny_model_dir):  # noqa: F811
     token = "sk-sender-test-5b1c"
     p = procs("prefill_svc", "--model", tiny_model_dir, "--page-size", "4", *SENDER, "--service-token", token)
     md = (("authorization", f"Bearer {token}"),)
+    socket = re.search(r"listens on unix:(\S+) for its sender", p.output).group(1)
 
     async def scenario():
         async with grpc.aio.insecure_channel(p.address) as ch:
@@ -127,24 +118,19 @@ def test_the_engines_answers_reach_the_caller_with_their_status_and_the_token_gu
             released = await stub.ReleaseTransfer(prefill_pb2.ReleaseTransferRequest(transfer_id="nope"),
                                                   metadata=md)
             load = await stub.GetLoad(common_pb2.GetLoadRequest(), metadata=md)
-        socket = re.search(r"listens on (unix:\S+) for its sender", p.output).group(1)
-        async with grpc.aio.insecure_channel(socket) as ch:  # the Unix link without the token
+        async with grpc.aio.insecure_channel(f"unix:{socket}") as ch:  # the Unix link without the token
             with pytest.raises(grpc.aio.AioRpcError) as inner:
                 await prefill_pb2_grpc.PrefillStub(ch).GetLoad(common_pb2.GetLoadRequest())
-        assert inner.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        return bad.value, lane.value, anon.value, released, load
+        return bad.value, lane.value, anon.value, inner.value, released, load
 
-    bad, lane, anon, released, load = run(scenario())
+    bad, lane, anon, inner, released, load = run(scenario())
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocab" in bad.details()
     assert lane.code() == grpc.StatusCode.NOT_FOUND
-    assert anon.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert anon.code() == inner.code() == grpc.StatusCode.UNAUTHENTICATED
     # answered by the engine's process, through the Unix link that requires the same token
     assert not released.released and load.role == "prefill" and load.pool_pages_total > 0
 
-
-def test_the_engines_socket_is_private_and_each_process_ends_with_the_other(procs, tiny_model_dir):  # noqa: F811
-    p = procs("prefill_svc", "--model", tiny_model_dir, "--page-size", "4", *SENDER)
-    directory = os.path.dirname(re.search(r"listens on unix:(\S+) for its sender", p.output).group(1))
+    directory = os.path.dirname(socket)
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700 and os.stat(directory).st_uid == os.getuid()
     os.kill(_sender_pid(p), signal.SIGKILL)  # the sender dies: the service exits non-zero (to be restarted)
     assert p.popen.wait(timeout=30) != 0

@@ -25,6 +25,7 @@ PREFILL_FLAGS = {
     "--kv-hold-timeout": (["7.5"], {lambda c: c.kv_hold_timeout_s: 7.5}),
     "--kv-message-bytes": (["65536"], {lambda c: c.kv_message_bytes: 65536}),
     "--kv-lane-timeout": (["3.25"], {lambda c: c.kv_lane_timeout_s: 3.25}),
+    "--kv-sender": (["process"], {lambda c: c.kv_sender: "process"}),
 }
 DECODE_FLAGS = {
     "--kv-transfer": (["cuda-ipc"], {lambda c: c.kv_transfer: "cuda-ipc"}),
