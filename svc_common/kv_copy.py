@@ -27,7 +27,6 @@ import ctypes
 import math
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -42,6 +41,8 @@ from svc_common.kv_wire import Frame, PageRunView, encode_page_run, frame_page_r
 PARTS = ("k", "k_sf", "v", "v_sf")
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # (NULL, n): an uninitialized bytes object of n bytes
 _new_bytes.argtypes, _new_bytes.restype = [ctypes.c_void_p, ctypes.c_ssize_t], ctypes.py_object
+_bytes_data = ctypes.pythonapi.PyBytes_AsString  # the address of a bytes object's buffer
+_bytes_data.argtypes, _bytes_data.restype = [ctypes.py_object], ctypes.c_void_p
 _MAX_SLICE_RUNS = 16  # up to this many runs of consecutive pages are copied run by run (a host pool's export)
 _ALIGN = 64  # staged parts start at multiples of this (the page copy's 16-byte accesses, dtype views)
 _ACCESS = 16  # nvfp4_kernels.page_copy_triton.ACCESS_BYTES (imported there only with triton)
@@ -129,12 +130,13 @@ class PageExporter:
             host = torch.empty(buf.shape, dtype=torch.uint8, pin_memory=True)
             host.copy_(buf, non_blocking=True)
             stream.synchronize()  # the gather and the copy to host: this thread's stream only
+        flat = host.numpy()  # numpy views from here: slicing them holds the GIL for nanoseconds, releases it never
         out = []
         for i in range(0, n, pages_per_message):
             m = min(pages_per_message, n - i)
             payloads, offset = [], 0
             for size, page in zip(sizes, self.page_bytes, strict=True):
-                payloads.append(host[offset + i * page:offset + (i + m) * page] if page else None)
+                payloads.append(flat[offset + i * page:offset + (i + m) * page] if page else None)
                 offset += size
             frame = frame_page_run(request_id, layer, first_page + i, m, [m * b for b in self.page_bytes])
             out.append(message_from(frame, payloads))
@@ -394,8 +396,8 @@ class PageImporter:
             raise ValueError("the pages carry NaN or inf scales or values")
 
 
-def message_from(frame: Frame, payloads: Sequence[torch.Tensor | None]) -> bytes:
-    """The message ``frame`` frames, each part's bytes copied in from a 1-D uint8 host tensor (None: absent).
+def message_from(frame: Frame, payloads: Sequence[np.ndarray | None]) -> bytes:
+    """The message ``frame`` frames, each part's bytes copied in from a 1-D uint8 array (None: absent).
 
     The copies run in numpy, which releases the GIL for each payload (so the engine thread of the same process
     keeps launching kernels meanwhile; ``bytes.join`` holds it for every byte) and keeps it for the few
@@ -403,15 +405,14 @@ def message_from(frame: Frame, payloads: Sequence[torch.Tensor | None]) -> bytes
     in place before any other code holds it: the C API's way to build bytes (``PyBytes_FromStringAndSize(NULL,
     n)``)."""
     msg = _new_bytes(None, frame.total)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # frombuffer over bytes: writable here, as it is fresh
-        out = torch.frombuffer(msg, dtype=torch.uint8).numpy()
+    # a writable view of the fresh object's buffer (no other code holds it yet)
+    out = np.frombuffer((ctypes.c_ubyte * frame.total).from_address(_bytes_data(msg)), dtype=np.uint8)
     out[:len(frame.head)] = np.frombuffer(frame.head, dtype=np.uint8)
-    sizes = [0 if p is None else p.numel() for p in payloads]
+    sizes = [0 if p is None else p.size for p in payloads]
     for prefix, p, at in zip(frame.prefixes, payloads, frame.payload_offsets(sizes), strict=True):
         if prefix:
             out[at - len(prefix):at] = np.frombuffer(prefix, dtype=np.uint8)
-            out[at:at + p.numel()] = p.numpy()
+            out[at:at + p.size] = p
     return msg
 
 

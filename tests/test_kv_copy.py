@@ -201,8 +201,8 @@ def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
     from svc_common.kv_wire import encode_page_run, frame_page_run
 
     g = torch.Generator().manual_seed(3)
-    parts = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) if n else None for n in sizes]
-    blobs = [b"" if p is None else bytes(p.numpy()) for p in parts]
+    parts = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).numpy() if n else None for n in sizes]
+    blobs = [b"" if p is None else bytes(p) for p in parts]
     want = prefill_pb2.PrefillMessage(request_id="req-é", pages=prefill_pb2.KVPageRun(
         layer=3, first_page=130, num_pages=2, k=blobs[0], k_scales=blobs[1], v=blobs[2], v_scales=blobs[3]))
     plain = message_from(frame_page_run("req-é", 3, 130, 2, sizes, align=0), parts)
