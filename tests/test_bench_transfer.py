@@ -11,15 +11,14 @@ from benchmarks.transfer.report import summarize
 
 def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_path):
     out_json, out_md = tmp_path / "transfer.json", tmp_path / "transfer.md"
-    rc = main(["--model", tiny_model_dir, "--device", "cpu", "--dtype", "float32", "--lengths", "40", "72",
+    rc = main(["--model", tiny_model_dir, "--device", "cpu", "--dtype", "float32", "--lengths", "40",
                "--paths", "grpc", "grpc-lanes", "--grpc-lanes", "2", "--decode-tokens", "3", "--warmup-len", "8", "--page-size", "4",
                "--anchor-bytes", str(8 << 20), "--ready-repeats", "2",
                "--log-dir", str(tmp_path / "logs"), "--out-json", str(out_json), "--out-md", str(out_md)])
     assert rc == 0
     doc = json.loads(out_json.read_text())
     rows = {(r["kv_dtype"], r["prompt_len"], r["path"]): r for r in doc["rows"]}
-    assert sorted(rows) == [(kv, n, p) for kv in ("fp8_e4m3", "nvfp4") for n in (40, 72)
-                            for p in ("grpc", "grpc-lanes")]
+    assert sorted(rows) == [(kv, 40, p) for kv in ("fp8_e4m3", "nvfp4") for p in ("grpc", "grpc-lanes")]
     for (kv, n, _), r in rows.items():
         assert r["path_used"] == "grpc" and r["generated_tokens"] == 3  # grpc-lanes is grpc over 2 streams
         assert r["ttft_s"] > 0 and r["prefill_compute_s"] > 0 and r["transfer_s"] > 0
@@ -32,7 +31,7 @@ def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_
         assert len(r["ready_gbps_each"]) == 2 and r["ready_transfer_gbps"] == max(r["ready_gbps_each"])
         assert r["colocated_ttft_s"] > 0 and r["prefill_of_colocated"] == r["colocated_ttft_s"] / r["prefill_compute_s"]
     assert [(s["path"], s["prompt_len"]) for s in doc["summary"]] == \
-        [("grpc", 40), ("grpc", 72), ("grpc-lanes", 40), ("grpc-lanes", 72)]
+        [("grpc", 40), ("grpc-lanes", 40)]
     assert doc["setup"]["grpc_lanes"] == 2
     assert all(s["bytes_ratio"] == 0.5625 for s in doc["summary"])
     assert doc["summary"] == summarize(doc["rows"]) and doc["goal_ratio"] == 0.6

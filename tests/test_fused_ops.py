@@ -100,7 +100,9 @@ _INTERPRETED = textwrap.dedent("""
 
     worst = 0.0
     for outliers in (False, True):
-        for t in (1, 7, 32):  # 32: a row count divisible by 16 (what Triton specializes on)
+        # 32: a row count divisible by 16 (what Triton specializes on); the outlier inputs' numerics need no
+        # second odd row count (each row is its own program)
+        for t in ((1, 7, 32) if not outliers else (1, 32)):
             for n in (4096, 1000):
                 x, r = inputs((t, n), outliers), inputs((t, n), outliers)
                 w = (1 + 0.3 * torch.randn(n)).to(BF)
@@ -114,7 +116,8 @@ _INTERPRETED = textwrap.dedent("""
             for inter in (12288, 1000):
                 gu = inputs((t, 2 * inter), outliers) * 4
                 worst = max(worst, check("silu_mul", fused_ops.silu_mul(gu), ref.silu_mul(gu)))
-            for hq, hk, d in ((32, 8, 128), (8, 2, 128), (4, 2, 96)):
+            # the 32 x 8 head shape at the odd row counts only: under the interpreter it costs 15 s at 32 rows
+            for hq, hk, d in ((32, 8, 128), (8, 2, 128), (4, 2, 96))[1 if t == 32 else 0:]:
                 cos, sin = rope_tables(d, 1e6, None, 40960, 8192)
                 pos = torch.randint(0, 8192, (t,))
                 qkv = inputs((t, (hq + 2 * hk) * d), outliers)

@@ -91,7 +91,7 @@ def test_a_transfer_cancelled_mid_stream_frees_every_page_on_both_sides(procs, t
     assert load.pool_pages_in_use == 0 and load.num_running == 0
     rep = run(integrity(d.address))
     assert rep.ok and rep.num_in_use == 0
-    tokens, _ = run(generate(d.address, gen_request("after", prompt(12), p.address, max_tokens=3)))
+    tokens, _ = run(generate(d.address, gen_request("after", prompt(6), p.address, max_tokens=3)))
     assert len(tokens) == 3  # both stay up
 
 
