@@ -16,6 +16,7 @@ import pytest
 
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.test_services import gen_request, generate, integrity, metric, procs, prompt, run  # noqa: F401
+from tests.test_timeouts import prefill_is_idle
 
 SENDER = ("--kv-sender", "process")
 
@@ -35,16 +36,6 @@ async def _prefill_metric(address: str, name: str) -> float:
         text = (await prefill_pb2_grpc.PrefillStub(ch).GetMetrics(common_pb2.MetricsRequest())).prometheus_text
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
-
-
-async def _prefill_idle(address: str) -> common_pb2.WorkerLoad:
-    async with grpc.aio.insecure_channel(address) as ch:
-        for _ in range(100):
-            load = await prefill_pb2_grpc.PrefillStub(ch).GetLoad(common_pb2.GetLoadRequest())
-            if load.pool_pages_in_use == 0 and load.num_running == 0:
-                break
-            await asyncio.sleep(0.1)
-    return load
 
 
 def _sender_pid(proc) -> int:
@@ -69,7 +60,7 @@ def test_greedy_through_a_sender_process_and_its_lanes_equals_the_engine_with_nv
         # counted as what the decode got (grpc, pages in bytes), sent by the sender process
         assert run(_prefill_metric(p.address, 'nvfp4_prefill_kv_transfer_path_total{path="grpc"}')) == 1
         assert "via grpc (sender process)" in p.output
-        assert run(_prefill_idle(p.address)).pool_pages_in_use == 0  # released: the engine freed its pages
+        assert run(prefill_is_idle(p.address)).pool_pages_in_use == 0  # released: the engine freed its pages
     assert sent["fp8_e4m3"] > 0
     assert sent["nvfp4"] == pytest.approx(0.5625 * sent["fp8_e4m3"])
 
@@ -85,7 +76,7 @@ def test_a_transfer_cancelled_mid_stream_frees_every_page_on_both_sides(procs, t
             call = decode_pb2_grpc.DecodeStub(ch).Generate(gen_request("x", prompt(40), p.address))
             await asyncio.sleep(1.5)
             call.cancel()
-        return await _prefill_idle(p.address)
+        return await prefill_is_idle(p.address)
 
     load = run(scenario())
     assert load.pool_pages_in_use == 0 and load.num_running == 0
