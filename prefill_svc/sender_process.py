@@ -117,6 +117,7 @@ async def _serve(spec: SenderSpec, view: PoolView) -> None:
     from nvfp4_serve_proto import prefill_pb2, prefill_pb2_grpc
     from prefill_svc.lanes import TransferLanes
     from prefill_svc.page_sender import pages_per_message
+    from prefill_svc.sender_metrics import SenderMetrics
     from prefill_svc.sender_servicer import SenderServicer
     from prefill_svc.sender_stream import SenderContext
     from prefill_svc.servicer import add_to_server
@@ -131,7 +132,7 @@ async def _serve(spec: SenderSpec, view: PoolView) -> None:
                            server_options(spec.max_message_bytes))
     ctx = SenderContext(exporter, prefill_pb2_grpc.PrefillStub(channel), TransferLanes(spec.lane_timeout_s),
                         pages_per_message(spec.max_message_bytes, spec.kv_message_bytes, exporter.page_bytes_per_layer),
-                        len(view.layers))
+                        len(view.layers), SenderMetrics())
     server = build_server(spec.max_message_bytes, spec.tls)
     add_to_server(SenderServicer(ctx), server)
     parent = multiprocessing.parent_process()

@@ -1,6 +1,6 @@
 """Thin gRPC servicer of a prefill's sender process: the Prefill service as callers know it. Prefill streams go
 through ``sender_stream.relay_prefill``, lanes are served here, every other call is the engine process's
-answer (its status included)."""
+answer (its status included; GetMetrics with the sender's own counters appended)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,10 @@ class SenderServicer(prefill_pb2_grpc.PrefillServicer):
         return await self._forward("GetLoad", request)
 
     async def GetMetrics(self, request, context):
-        return await self._forward("GetMetrics", request)
+        """The engine process's metrics, then the sender's own (``prefill_svc/sender_metrics.py``)."""
+        out = await self._forward("GetMetrics", request)
+        out.prometheus_text += self.ctx.metrics.text()
+        return out
 
     async def GetKVShare(self, request, context):
         return await self._forward("GetKVShare", request)

@@ -27,6 +27,7 @@ import grpc
 from nvfp4_serve_proto import prefill_pb2, prefill_pb2_grpc
 from prefill_svc.lanes import LaneTransfer, TransferLanes
 from prefill_svc.page_sender import PageSender
+from prefill_svc.sender_metrics import SenderMetrics
 from svc_common.errors import PrefillUnavailable, ServiceError, TransferTimeout
 from svc_common.kv_copy import PageExporter
 from svc_common.kv_transfer import PATH_GRPC, PATH_RELAY
@@ -58,6 +59,7 @@ class SenderContext:
     lanes: TransferLanes
     per_message: int  # pages of one layer per message
     num_layers: int
+    metrics: SenderMetrics
 
 
 async def relay_prefill(ctx: SenderContext, request: prefill_pb2.PrefillRequest
@@ -159,6 +161,8 @@ class _Relayed:
             self.sender.log_line(time.perf_counter() - self.sender.t_start, "sender process")
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.ctx.metrics.observe(self.sender, self.completed)
         if self.lanes is not None:
             self.ctx.lanes.close(self.lanes, None if self.completed else
                                  PrefillUnavailable("the Prefill stream of the transfer ended early"))

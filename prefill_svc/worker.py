@@ -76,7 +76,8 @@ class PrefillWorker:
         self.pages_per_message = pages_per_message(max_message_bytes, kv_message_bytes,
                                                    self.engine.pool.page_bytes_per_layer)
         self.refs_per_message = (max_message_bytes - HEADER_MARGIN) // _PAGE_ID_BYTES
-        self.exporter = PageExporter(pool_view(self.engine.pool))
+        # behind a sender process no page bytes leave this process (the relay path instead of grpc)
+        self.exporter = None if relayed else PageExporter(pool_view(self.engine.pool))
         self.transfer_metrics = TransferMetrics(metrics)
         self.share = KVShareSource(self.engine.pool, self.layout, kv_transfer, kv_hold_timeout_s,
                                    self.transfer_metrics, relayed=relayed)

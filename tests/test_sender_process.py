@@ -60,6 +60,10 @@ def test_greedy_through_a_sender_process_and_its_lanes_equals_the_engine_with_nv
         # counted as what the decode got (grpc, pages in bytes), sent by the sender process
         assert run(_prefill_metric(p.address, 'nvfp4_prefill_kv_transfer_path_total{path="grpc"}')) == 1
         assert "via grpc (sender process)" in p.output
+        assert run(_prefill_metric(p.address, 'nvfp4_prefill_sender_transfers_total{outcome="ok"}')) == 1
+        assert run(_prefill_metric(p.address, "nvfp4_prefill_sender_bytes_total")) > \
+            run(metric(d.address, "nvfp4_decode_kv_transfer_bytes_total"))  # the pages and their framing
+        assert run(_prefill_metric(p.address, "nvfp4_prefill_sender_export_seconds_total")) > 0
         assert run(prefill_is_idle(p.address)).pool_pages_in_use == 0  # released: the engine freed its pages
     assert sent["fp8_e4m3"] > 0
     assert sent["nvfp4"] == pytest.approx(0.5625 * sent["fp8_e4m3"])
@@ -82,6 +86,7 @@ def test_a_transfer_cancelled_mid_stream_frees_every_page_on_both_sides(procs, t
     assert load.pool_pages_in_use == 0 and load.num_running == 0
     rep = run(integrity(d.address))
     assert rep.ok and rep.num_in_use == 0
+    assert run(_prefill_metric(p.address, 'nvfp4_prefill_sender_transfers_total{outcome="failed"}')) == 1
     tokens, _ = run(generate(d.address, gen_request("after", prompt(6), p.address, max_tokens=3)))
     assert len(tokens) == 3  # both stay up
 
