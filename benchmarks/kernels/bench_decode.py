@@ -5,8 +5,10 @@
 Needs CUDA (and flashinfer for the baselines; without it only our kernels are timed). GQA 32/8, head_dim
 128, page 16, one layer. Prints a table of microseconds, achieved TB/s (each format's own K+V bytes:
 codes and block scales for NVFP4) and speedups, plus the quantize kernel's bandwidth, and writes JSON.
-Timings are CUDA-event medians (triton.testing.do_bench); shapes whose pool is smaller than 4x L2 rotate
-through disjoint copies of the pages so the cache never holds them.
+Timings are CUDA-event medians (triton.testing.do_bench) twice over: calls launched one after another from
+Python (``us``), and the same calls replayed from one CUDA graph (``graph_us``: how the engine's decode step runs
+them; at short contexts the eager figure times the host's launches, not the kernels). Shapes whose pool is smaller
+than 4x L2 rotate through disjoint copies of the pages so the cache never holds them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,26 @@ def _bench(fn, rep_ms: int = 200) -> float:
     import triton
 
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3  # us
+
+
+def _bench_graph(fns: list, eager_us: float) -> float:
+    """Microseconds per call with the calls replayed from one CUDA graph (as the engine's decode step runs them:
+    no host launch work between kernels). ``fns`` rotate over copies of the pages; short calls are captured
+    several times over so one replay lasts long enough to time."""
+    calls = len(fns) * max(1, math.ceil(16 / len(fns))) if eager_us < 200 else len(fns)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    us = _bench(graph.replay) / calls
+    del graph
+    return us
 
 
 def nvfp4_bytes(batch: int, seq_len: int) -> int:
@@ -195,9 +217,11 @@ def time_ours(dev, batch, seq_len, configs) -> dict:
     for cfg in configs:
         tb = TritonBackend(cfg)
         plans = [tb.plan_decode(pt, seq, HQ, HK, D, PAGE) for pt in pts]
-        us = _bench(_rotating([functools.partial(tb.decode, pl, q, layer, SM_SCALE) for pl in plans]))
+        fns = [functools.partial(tb.decode, pl, q, layer, SM_SCALE) for pl in plans]
+        us = _bench(_rotating(fns))
         st = plans[0].backend_state
-        res[cfg.label] = {"us": us, "splits": st.num_splits, "chunk_tokens": st.chunk_tokens,
+        res[cfg.label] = {"us": us, "graph_us": _bench_graph(fns, us), "splits": st.num_splits,
+                          "chunk_tokens": st.chunk_tokens,
                           "kernel": cfg.kernel.value, "config": {**asdict(cfg), "kernel": cfg.kernel.value}}
     return res
 
@@ -227,14 +251,18 @@ def time_flashinfer(dev, batch, seq_len, kv_dtype, cuda_cores: bool) -> dict:
             pts = _page_tables(dev, batch, seq_len, rot)
             seq = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
             q = torch.randn(batch, HQ, D, device=dev).to(torch.bfloat16)
-            wrappers = []
+            wrappers, graphed = [], []
             for pt in pts:
                 fi = FlashInferDecode(dev, use_tensor_cores=tc, kv_layout=lay)
                 fi.plan(pt, seq, HQ, HK, D, PAGE, kv_dtype, torch.bfloat16, SM_SCALE)
                 wrappers.append(fi)
+                gfi = FlashInferDecode(dev, use_tensor_cores=tc, kv_layout=lay, graph_batch=batch, max_pages=pt.numel())
+                gfi.plan(pt, seq, HQ, HK, D, PAGE, kv_dtype, torch.bfloat16, SM_SCALE)
+                graphed.append(gfi)
             us = _bench(_rotating([functools.partial(w.run, q, layer) for w in wrappers]))
             name = f"{'tc' if tc else 'cuda_cores'}_{lay}"
             best[name] = {"us": us, "bytes": nbytes}
+            best[name]["graph_us"] = _bench_graph([functools.partial(w.run, q, layer) for w in graphed], us)
         except Exception:  # noqa: BLE001 - one unsupported FlashInfer path must not stop the benchmark
             best[f"{'tc' if tc else 'cuda_cores'}_{lay}"] = {"error": traceback.format_exc()[-300:]}
         torch.cuda.empty_cache()
@@ -346,12 +374,12 @@ def _write(report: dict, path: str) -> None:
         json.dump(report, f, indent=1)
 
 
-def _best(d: dict) -> tuple[str, float, int | None]:
-    ok = {k: v for k, v in d.items() if "us" in v}
+def _best(d: dict, key: str = "us") -> tuple[str, float, int | None]:
+    ok = {k: v for k, v in d.items() if key in v}
     if not ok:
         return "-", float("nan"), None
-    k = min(ok, key=lambda n: ok[n]["us"])
-    return k, ok[k]["us"], ok[k].get("bytes")
+    k = min(ok, key=lambda n: ok[n][key])
+    return k, ok[k][key], ok[k].get("bytes")
 
 
 def _print_table(report: dict) -> None:
@@ -368,11 +396,24 @@ def _print_table(report: dict) -> None:
         tbs = e["nvfp4_bytes"] / ours / 1e6
         fi = {k: _best(e.get(f"flashinfer_{k}", {}))[1] for k in ("bf16", "fp8_e4m3", "nvfp4")}
         goal = e["nvfp4_bytes"] / (0.85 * copy * 1e6)
+        gname, gours, _ = _best(e["ours"], "graph_us")
+        gfi = {k: _best(e.get(f"flashinfer_{k}", {}), "graph_us")[1] for k in ("bf16", "fp8_e4m3", "nvfp4")}
         e["summary"] = {"best_config": name, "ours_us": ours, "best_us_per_kernel": per, "ours_tb_per_s": tbs, "pct_of_copy": 100 * tbs / copy,
-                            "flashinfer_us": fi, "speedup": {k: fi[k] / ours for k in fi}, "goal_85pct_us": goal}
+                            "flashinfer_us": fi, "speedup": {k: fi[k] / ours for k in fi}, "goal_85pct_us": goal,
+                            "graph": {"best_config": gname, "ours_us": gours, "ours_tb_per_s": e["nvfp4_bytes"] / gours / 1e6,
+                                      "pct_of_copy": 100 * e["nvfp4_bytes"] / gours / 1e6 / copy, "flashinfer_us": gfi,
+                                      "speedup": {k: gfi[k] / gours for k in gfi}}}
         _log(f"{e['batch']:>4}x{e['seq_len']:<7} | {per['triton']:7.0f} {per['gluon']:7.0f} | {ours:8.0f} {tbs:5.2f} {100 * tbs / copy:5.0f} | {fi['bf16']:8.0f} "
              f"{fi['fp8_e4m3']:8.0f} {fi['nvfp4']:8.0f} | {fi['bf16'] / ours:6.2f} {fi['fp8_e4m3'] / ours:6.2f} "
              f"{fi['nvfp4'] / ours:7.2f} | {goal:10.0f}")
+    _log("\nthe same, each call replayed from a CUDA graph (as the engine's decode step runs it)")
+    _log(hdr.replace("triton", "      ").replace("  gluon", "       "))
+    for e in report["decode"]:
+        g = e["summary"]["graph"]
+        ours, fi = g["ours_us"], g["flashinfer_us"]
+        _log(f"{e['batch']:>4}x{e['seq_len']:<7} | {'':7} {'':7} | {ours:8.1f} {g['ours_tb_per_s']:5.2f} {g['pct_of_copy']:5.0f} | "
+             f"{fi['bf16']:8.1f} {fi['fp8_e4m3']:8.1f} {fi['nvfp4']:8.1f} | {fi['bf16'] / ours:6.2f} {fi['fp8_e4m3'] / ours:6.2f} "
+             f"{fi['nvfp4'] / ours:7.2f} | {e['summary']['goal_85pct_us']:10.0f}")
     q = report["quantize"]
     _log(f"quantize-on-write: {q['tokens']} tokens x {HK} heads x {D}: {q['us']:.0f} us, {q['tb_per_s']:.2f} TB/s")
 
