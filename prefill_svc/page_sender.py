@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from engine.fence import Fence
 from prefill_svc.lanes import LaneTransfer
-from svc_common.kv_copy import PageExporter
+from svc_common.kv_copy import ExportTimes, PageExporter
 
 HEADER_MARGIN = 4096  # bytes kept free in each message for the protobuf framing
 _MESSAGES_PER_EXPORT = 8  # messages gathered and copied to host at once (one gather, one device->host copy)
@@ -77,6 +77,7 @@ class PageSender:
         self.num_bytes = 0
         self.t_start = time.perf_counter()
         self.export_s = 0.0  # seconds the exports ran (on worker threads, summed)
+        self.export_times = ExportTimes()  # the same time split into device copies and framing
         self._export_lock = threading.Lock()  # exports run on several threads at once
         self.export_wait_s = 0.0  # seconds this stream waited for an export to send its messages
         self.first_message_s = 0.0  # from ``t_start`` to the first page message handed over
@@ -92,7 +93,8 @@ class PageSender:
         def timed(layer: int, i: int, m: int) -> list[bytes]:
             t0 = time.perf_counter()
             try:
-                return self.exporter.messages(self.rid, layer, first + i, page_ids[i:i + m], n, fence)
+                return self.exporter.messages(self.rid, layer, first + i, page_ids[i:i + m], n, fence,
+                                              self.export_times)
             finally:
                 with self._export_lock:
                     self.export_s += time.perf_counter() - t0
@@ -128,6 +130,7 @@ class PageSender:
     def log_line(self, seconds: float, where: str) -> None:
         """Whether the sender kept up: the stream's waits for its page exports."""
         log.info("request %s: %.1f MB of pages via grpc (%s) in %.1f ms after the header, the first message after "
-                 "%.1f ms; %.1f ms exporting them, %.1f ms of the stream's time waiting for an export (each waits "
-                 "for its chunk's writes first)", self.rid, self.num_bytes / 1e6, where, seconds * 1e3,
-                 self.first_message_s * 1e3, self.export_s * 1e3, self.export_wait_s * 1e3)
+                 "%.1f ms; %.1f ms exporting them%s, %.1f ms of the stream's time waiting for an export (each "
+                 "waits for its chunk's writes first)", self.rid, self.num_bytes / 1e6, where, seconds * 1e3,
+                 self.first_message_s * 1e3, self.export_s * 1e3, self.export_times.summary(),
+                 self.export_wait_s * 1e3)

@@ -97,12 +97,13 @@ class PageExporter:
         return self._streams.stream
 
     def messages(self, request_id: str, layer: int, first_page: int, page_ids: Sequence[int],
-                 pages_per_message: int, fence: Fence | None) -> list[bytes]:
+                 pages_per_message: int, fence: Fence | None, times: ExportTimes | None = None) -> list[bytes]:
         """The serialized PrefillMessages of ``page_ids`` of ``layer`` (sequence pages from ``first_page``), at
         most ``pages_per_message`` pages each. Blocks (call on a worker thread); reads only, after ``fence``.
 
         On a GPU: one gather per part into one device buffer, one copy of it into pinned host memory (torch's
-        caching host allocator: no fresh pages), then each message framed from views of it (one host copy)."""
+        caching host allocator: no fresh pages), then every message framed from views of it (one host copy,
+        all messages in one call: ``messages_from``). ``times`` (optional) gets the split of this call's time."""
         ids = [int(p) for p in page_ids]
         n = len(ids)
         if n == 0:
@@ -116,6 +117,7 @@ class PageExporter:
             return [self._host_message(request_id, layer, first_page + i, ids[i:i + pages_per_message], tensors)
                     for i in range(0, n, pages_per_message)]
         sizes = [n * b for b in self.page_bytes]
+        t0 = time.perf_counter()
         with _on(stream):
             if fence is not None:
                 fence.order(stream)
@@ -130,16 +132,19 @@ class PageExporter:
             host = torch.empty(buf.shape, dtype=torch.uint8, pin_memory=True)
             host.copy_(buf, non_blocking=True)
             stream.synchronize()  # the gather and the copy to host: this thread's stream only
-        flat = host.numpy()  # numpy views from here: slicing them holds the GIL for nanoseconds, releases it never
-        out = []
+        t1 = time.perf_counter()
+        frames, payloads = [], []
         for i in range(0, n, pages_per_message):
             m = min(pages_per_message, n - i)
-            payloads, offset = [], 0
+            parts, offset = [], 0
             for size, page in zip(sizes, self.page_bytes, strict=True):
-                payloads.append(flat[offset + i * page:offset + (i + m) * page] if page else None)
+                parts.append(host[offset + i * page:offset + (i + m) * page] if page else None)
                 offset += size
-            frame = frame_page_run(request_id, layer, first_page + i, m, [m * b for b in self.page_bytes])
-            out.append(message_from(frame, payloads))
+            frames.append(frame_page_run(request_id, layer, first_page + i, m, [m * b for b in self.page_bytes]))
+            payloads.append(parts)
+        out = messages_from(frames, payloads)
+        if times is not None:
+            times.add(t1 - t0, time.perf_counter() - t1)
         return out
 
     def _host_message(self, request_id: str, layer: int, first_page: int, ids: list[int],
@@ -187,6 +192,29 @@ class PageTableCache:
             while len(self._tables) > self.capacity:
                 self._tables.popitem(last=False)
         return table
+
+
+class ExportTimes:
+    """Where one transfer's exports spent their time, summed over its export threads (seconds): the device part
+    (the gather, the copy to pinned memory and waiting for both) and framing the messages on the host. For the
+    sender's log line."""
+
+    def __init__(self) -> None:
+        self.device_s = self.framing_s = 0.0
+        self.exports = 0
+        self._lock = threading.Lock()
+
+    def add(self, device_s: float, framing_s: float) -> None:
+        with self._lock:
+            self.device_s += device_s
+            self.framing_s += framing_s
+            self.exports += 1
+
+    def summary(self) -> str:
+        if not self.exports:
+            return ""
+        return (f" ({self.exports} exports: {self.device_s * 1e3:.1f} ms gathering and copying to host, "
+                f"{self.framing_s * 1e3:.1f} ms framing)")
 
 
 class WriteTimes:
@@ -396,24 +424,39 @@ class PageImporter:
             raise ValueError("the pages carry NaN or inf scales or values")
 
 
-def message_from(frame: Frame, payloads: Sequence[np.ndarray | None]) -> bytes:
-    """The message ``frame`` frames, each part's bytes copied in from a 1-D uint8 array (None: absent).
+def messages_from(frames: Sequence[Frame], payloads: Sequence[Sequence[torch.Tensor | np.ndarray | None]]
+                  ) -> list[bytes]:
+    """The messages ``frames`` frame, each part's bytes copied in from a 1-D uint8 tensor or array (None: absent),
+    every byte of every message in ONE call (``torch._foreach_copy_``), which runs without the GIL.
 
-    The copies run in numpy, which releases the GIL for each payload (so the engine thread of the same process
-    keeps launching kernels meanwhile; ``bytes.join`` holds it for every byte) and keeps it for the few
-    framing bytes (no release, no wait to win it back). The bytes object is created uninitialized and filled
-    in place before any other code holds it: the C API's way to build bytes (``PyBytes_FromStringAndSize(NULL,
+    Why one call: in a sender, gRPC's thread holds the GIL while it copies each sent message into its own buffer,
+    and every copy that releases the GIL must win it back behind such a copy (up to a switch interval). One
+    release per batch of messages, not one per part (four for NVFP4 pages, plus the framing bytes), keeps an
+    export from queueing behind the sends it feeds. Each bytes object is created uninitialized and filled in
+    place before any other code holds it: the C API's way to build bytes (``PyBytes_FromStringAndSize(NULL,
     n)``)."""
-    msg = _new_bytes(None, frame.total)
-    # a writable view of the fresh object's buffer (no other code holds it yet)
-    out = np.frombuffer((ctypes.c_ubyte * frame.total).from_address(_bytes_data(msg)), dtype=np.uint8)
-    out[:len(frame.head)] = np.frombuffer(frame.head, dtype=np.uint8)
-    sizes = [0 if p is None else p.size for p in payloads]
-    for prefix, p, at in zip(frame.prefixes, payloads, frame.payload_offsets(sizes), strict=True):
-        if prefix:
-            out[at - len(prefix):at] = np.frombuffer(prefix, dtype=np.uint8)
-            out[at:at + p.size] = p
-    return msg
+    msgs, dst, src = [], [], []
+    for frame, parts in zip(frames, payloads, strict=True):
+        msg = _new_bytes(None, frame.total)
+        # a writable view of the fresh object's buffer (no other code holds it yet)
+        out = torch.frombuffer((ctypes.c_ubyte * frame.total).from_address(_bytes_data(msg)), dtype=torch.uint8)
+        msgs.append(msg)
+        dst.append(out[:len(frame.head)])
+        src.append(torch.frombuffer(bytearray(frame.head), dtype=torch.uint8))
+        sizes = [0 if p is None else p.shape[0] for p in parts]
+        for prefix, p, at in zip(frame.prefixes, parts, frame.payload_offsets(sizes), strict=True):
+            if prefix:
+                dst.append(out[at - len(prefix):at])
+                src.append(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+                dst.append(out[at:at + p.shape[0]])
+                src.append(torch.from_numpy(p) if isinstance(p, np.ndarray) else p)
+    torch._foreach_copy_(dst, src)
+    return msgs
+
+
+def message_from(frame: Frame, payloads: Sequence[torch.Tensor | np.ndarray | None]) -> bytes:
+    """One message ``frame`` frames (``messages_from``)."""
+    return messages_from([frame], [payloads])[0]
 
 
 def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:

@@ -217,6 +217,31 @@ def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
     assert all(a % 64 == 0 for (a, _), n in zip(run.spans, sizes, strict=True) if n)
 
 
+def test_several_messages_framed_in_one_call_each_equal_their_own_encoding():
+    """``messages_from`` (what an export frames at once): views of one host buffer as sources, messages of
+    different page counts (a layer's last message is shorter), nvfp4 parts and fp8's absent scales."""
+    from svc_common.kv_copy import messages_from
+    from svc_common.kv_wire import encode_page_run, frame_page_run
+
+    g = torch.Generator().manual_seed(5)
+    for page in ((128, 16, 128, 16), (256, 0, 256, 0)):
+        host = torch.randint(0, 256, (sum(page) * 7,), generator=g, dtype=torch.uint8)
+        frames, payloads, want = [], [], []
+        first = 0
+        for m in (3, 3, 1):  # pages per message; parts lie part-major in the buffer, as an export's gather
+            parts, offset = [], 0
+            for b in page:
+                parts.append(host[offset + first * b:offset + (first + m) * b] if b else None)
+                offset += 7 * b
+            frames.append(frame_page_run("r", 2, 40 + first, m, [m * b for b in page]))
+            payloads.append(parts)
+            want.append(encode_page_run("r", 2, 40 + first, m, [[bytes(p.numpy())] if p is not None else []
+                                                              for p in parts]))
+            first += m
+        got = messages_from(frames, payloads)
+        assert all(isinstance(x, bytes) for x in got) and got == want
+
+
 def test_aligned_framing_puts_every_part_at_a_multiple_of_64_whatever_the_header():
     import os
 
