@@ -204,51 +204,54 @@ class PageTableCache:
         return table
 
 
-class ExportTimes:
-    """Where one transfer's exports spent their time, summed over its export threads (seconds): the device part
-    (the gather, the copy to pinned memory and waiting for both) and framing the messages on the host. For the
-    sender's log line."""
+class _SummedTimes:
+    """Seconds of a transfer's steps summed over the threads that run them (one ``add`` per unit of work), for
+    the transfer's log line: ``STEPS`` name the fields, ``UNIT`` the work, ``LABELS`` the summary's words."""
+
+    STEPS: tuple[str, ...] = ()
+    UNIT = ""
+    LABELS: tuple[str, ...] = ()
 
     def __init__(self) -> None:
-        self.device_s = self.framing_s = 0.0
-        self.exports = 0
+        self.count = 0
+        for name in self.STEPS:
+            setattr(self, name, 0.0)
         self._lock = threading.Lock()
 
-    def add(self, device_s: float, framing_s: float) -> None:
+    def add(self, *seconds: float) -> None:
         with self._lock:
-            self.device_s += device_s
-            self.framing_s += framing_s
-            self.exports += 1
+            for name, x in zip(self.STEPS, seconds, strict=True):
+                setattr(self, name, getattr(self, name) + x)
+            self.count += 1
 
     def summary(self) -> str:
-        if not self.exports:
+        if not self.count:
             return ""
-        return (f" ({self.exports} exports: {self.device_s * 1e3:.1f} ms gathering and copying to host, "
-                f"{self.framing_s * 1e3:.1f} ms framing)")
+        steps = ", ".join(f"{getattr(self, n) * 1e3:.1f} ms {label}" for n, label in zip(self.STEPS, self.LABELS,
+                                                                                        strict=True))
+        return f" ({self.count} {self.UNIT}: {steps})"
 
 
-class WriteTimes:
-    """Where one transfer's message writes spent their time, summed over its writer threads (seconds): staging
-    the bytes into pinned memory (allocation, id and part copies), waiting for the importer's lock, and under
-    it (the H2D copy and the page-copy launch). For the transfer's log line."""
+class ExportTimes(_SummedTimes):
+    """A transfer's exports (sender side): the device part (the gather or the run copies to pinned memory, and
+    waiting for them) and framing the messages on the host."""
 
-    def __init__(self) -> None:
-        self.stage_s = self.lock_wait_s = self.launch_s = 0.0
-        self.writes = 0
-        self._lock = threading.Lock()
+    STEPS = ("device_s", "framing_s")
+    UNIT = "exports"
+    LABELS = ("gathering and copying to host", "framing")
 
-    def add(self, stage_s: float, lock_wait_s: float, launch_s: float) -> None:
-        with self._lock:
-            self.stage_s += stage_s
-            self.lock_wait_s += lock_wait_s
-            self.launch_s += launch_s
-            self.writes += 1
 
-    def summary(self) -> str:
-        if not self.writes:
-            return ""
-        return (f" in {self.writes} writes ({self.stage_s * 1e3:.1f} ms staging, {self.lock_wait_s * 1e3:.1f} ms "
-                f"waiting for the lock, {self.launch_s * 1e3:.1f} ms copying and launching)")
+class WriteTimes(_SummedTimes):
+    """A transfer's message writes (decode side): staging the bytes into pinned memory (allocation, id and part
+    copies), waiting for the importer's lock, and under it (the H2D copy and the page-copy launch)."""
+
+    STEPS = ("stage_s", "lock_wait_s", "launch_s")
+    UNIT = "writes"
+    LABELS = ("staging", "waiting for the lock", "copying and launching")
+
+    @property
+    def writes(self) -> int:
+        return self.count
 
 
 class PageImporter:

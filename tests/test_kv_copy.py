@@ -59,7 +59,7 @@ def test_messages_then_writes_move_every_byte_of_scattered_pages(device, kv_dtyp
             assert torch.equal(a, b)
     times = importer.times  # the transfer log line's breakdown of the writes
     assert times.writes == 12 and min(times.stage_s, times.lock_wait_s, times.launch_s) >= 0
-    assert times.summary().startswith(" in 12 writes (") and "waiting for the lock" in times.summary()
+    assert times.summary().startswith(" (12 writes: ") and "waiting for the lock" in times.summary()
 
 
 @pytest.mark.parametrize("device", DEVICES)
