@@ -103,7 +103,8 @@ class PageExporter:
 
         On a GPU: one gather per part into one device buffer, one copy of it into pinned host memory (torch's
         caching host allocator: no fresh pages), then every message framed from views of it (one host copy,
-        all messages in one call: ``messages_from``). ``times`` (optional) gets the split of this call's time."""
+        all messages in one call: ``messages_from``). ``times`` (optional) gets the split of this call's time
+        (device part, framing) on a GPU; a host pool's messages are not split."""
         ids = [int(p) for p in page_ids]
         n = len(ids)
         if n == 0:
