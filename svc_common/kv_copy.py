@@ -44,6 +44,10 @@ _new_bytes.argtypes, _new_bytes.restype = [ctypes.c_void_p, ctypes.c_ssize_t], c
 _bytes_data = ctypes.pythonapi.PyBytes_AsString  # the address of a bytes object's buffer
 _bytes_data.argtypes, _bytes_data.restype = [ctypes.py_object], ctypes.c_void_p
 _MAX_SLICE_RUNS = 16  # up to this many runs of consecutive pages are copied run by run (a host pool's export)
+# a GPU pool's export: up to this many runs of consecutive pages go to host run by run (one copy per part and run,
+# on the copy engine), more are gathered by a kernel first. A gather is a kernel of this process's CUDA context,
+# which the GPU time-slices with the engine's own kernels (and, on one GPU, with a decode's)
+_MAX_COPY_RUNS = 4
 _ALIGN = 64  # staged parts start at multiples of this (the page copy's 16-byte accesses, dtype views)
 _ACCESS = 16  # nvfp4_kernels.page_copy_triton.ACCESS_BYTES (imported there only with triton)
 
@@ -101,9 +105,11 @@ class PageExporter:
         """The serialized PrefillMessages of ``page_ids`` of ``layer`` (sequence pages from ``first_page``), at
         most ``pages_per_message`` pages each. Blocks (call on a worker thread); reads only, after ``fence``.
 
-        On a GPU: one gather per part into one device buffer, one copy of it into pinned host memory (torch's
-        caching host allocator: no fresh pages), then every message framed from views of it (one host copy,
-        all messages in one call: ``messages_from``). ``times`` (optional) gets the split of this call's time
+        On a GPU: pages in a few runs of consecutive ids (a prompt's pages mostly are) go from the pool to pinned
+        host memory (torch's caching host allocator: no fresh pages) with one copy per part and run, copy-engine
+        work only; scattered pages are gathered first, one gather per part into one device buffer, then one copy
+        to host. Then every message is framed from views of that host buffer (one host copy, all messages in one
+        call: ``messages_from``). ``times`` (optional) gets the split of this call's time
         (device part, framing) on a GPU; a host pool's messages are not split."""
         ids = [int(p) for p in page_ids]
         n = len(ids)
@@ -119,20 +125,24 @@ class PageExporter:
                     for i in range(0, n, pages_per_message)]
         sizes = [n * b for b in self.page_bytes]
         t0 = time.perf_counter()
+        runs = page_runs(ids, list(range(n)))
         with _on(stream):
             if fence is not None:
                 fence.order(stream)
-            idx = _device_ids(ids, self.device)
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-            offset = 0
-            for t, size in zip(tensors, sizes, strict=True):
-                if t is not None:
-                    torch.index_select(t.view(torch.uint8).view(t.shape[0], -1), 0, idx,
-                                       out=buf[offset:offset + size].view(n, -1))
-                offset += size
-            host = torch.empty(buf.shape, dtype=torch.uint8, pin_memory=True)
-            host.copy_(buf, non_blocking=True)
-            stream.synchronize()  # the gather and the copy to host: this thread's stream only
+            host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+            if len(runs) <= _MAX_COPY_RUNS:
+                _copy_runs_to_host(tensors, sizes, runs, host)
+            else:
+                idx = _device_ids(ids, self.device)
+                buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+                offset = 0
+                for t, size in zip(tensors, sizes, strict=True):
+                    if t is not None:
+                        torch.index_select(t.view(torch.uint8).view(t.shape[0], -1), 0, idx,
+                                           out=buf[offset:offset + size].view(n, -1))
+                    offset += size
+                host.copy_(buf, non_blocking=True)
+            stream.synchronize()  # the copies to host (and the gather): this thread's stream only
         t1 = time.perf_counter()
         frames, payloads = [], []
         for i in range(0, n, pages_per_message):
@@ -224,8 +234,8 @@ class _SummedTimes:
 
 
 class ExportTimes(_SummedTimes):
-    """A transfer's exports (sender side): the device part (the gather, the copy to pinned memory, and waiting for
-    both) and framing the messages on the host."""
+    """A transfer's exports (sender side): the device part (the gather or the run copies to pinned memory, and
+    waiting for them) and framing the messages on the host."""
 
     STEPS = ("device_s", "framing_s")
     UNIT = "exports"
@@ -461,6 +471,22 @@ def messages_from(frames: Sequence[Frame], payloads: Sequence[Sequence[torch.Ten
 def message_from(frame: Frame, payloads: Sequence[torch.Tensor | np.ndarray | None]) -> bytes:
     """One message ``frame`` frames (``messages_from``)."""
     return messages_from([frame], [payloads])[0]
+
+
+def _copy_runs_to_host(tensors: Sequence[torch.Tensor | None], sizes: Sequence[int],
+                       runs: Sequence[tuple[int, int, int]], host: torch.Tensor) -> None:
+    """Queue on the current stream the copies of runs (pool page, position, length) of every present part of
+    ``tensors`` into ``host``, laid out part after part (``sizes`` bytes each), pages in position order: the
+    layout a gather of the same pages writes."""
+    offset = 0
+    for t, size in zip(tensors, sizes, strict=True):
+        if t is not None:
+            rows = t.view(torch.uint8).view(t.shape[0], -1)
+            page = rows.shape[1]
+            for s0, d0, m in runs:
+                host[offset + d0 * page:offset + (d0 + m) * page].view(m, page).copy_(rows[s0:s0 + m],
+                                                                                     non_blocking=True)
+        offset += size
 
 
 def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:

@@ -63,6 +63,33 @@ def test_messages_then_writes_move_every_byte_of_scattered_pages(device, kv_dtyp
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8_e4m3"])
+def test_pages_in_runs_go_to_host_in_the_gathers_layout(device, kv_dtype):
+    """A GPU export of pages in a few runs copies each run of each part to host (no gather kernel): the host
+    buffer it fills is byte for byte the part-after-part layout of a gather of the same pages, and the messages
+    made from it carry the pages (on a GPU through ``messages``, on the CPU through the copy helper itself)."""
+    from svc_common.kv_copy import _copy_runs_to_host
+    from svc_common.kv_transfer_ipc import page_runs
+
+    src = _pool(kv_dtype, device)
+    ids = list(range(40, 47)) + list(range(3, 12)) + [60]  # three runs, out of pool order
+    parts = [t for t in (src.layers[1].k, src.layers[1].k_sf, src.layers[1].v, src.layers[1].v_sf)]
+    sizes = [0 if t is None else len(ids) * t[0].numel() * t.element_size() for t in parts]
+    host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=device == "cuda")
+    _copy_runs_to_host(parts, sizes, page_runs(ids, list(range(len(ids)))), host)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    want = torch.cat([t.view(torch.uint8).view(t.shape[0], -1)[ids].reshape(-1).cpu() for t in parts if t is not None])
+    assert torch.equal(host, want)
+    if device == "cuda":  # the exporter takes this path for these pages
+        msgs = PageExporter(pool_view(src)).messages("r", 1, 0, ids, 5, None)
+        got = [bytes(p) for msg in msgs for p in decode_page_run(msg).parts]
+        rows = _rows(src, 1, ids)
+        assert b"".join(got) == b"".join(bytes(r[i:i + 5].reshape(-1).numpy()) for i in range(0, len(ids), 5)
+                                         for r in rows)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scattered", [False, True])
 def test_copy_from_another_pool_equals_indexing(device, scattered):
     src, dst = _pool("nvfp4", device), _pool("nvfp4", device, pages=128)
