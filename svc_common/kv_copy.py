@@ -4,10 +4,13 @@
     prefill: pool pages of several messages --one gather per part on a side stream, after the fence of the
              chunk that wrote them--> one device buffer --one D2H copy--> pinned host memory
              --kv_wire.encode_page_run (one copy)--> each message's bytes
-    decode:  the destination page ids and the message's bytes (parts aligned by the sender) --two numpy
-             copies--> pinned staging --one H2D copy on a side stream, one page-copy launch (every part, read
-             where it lies in the message)--> the request's pages; scales (and fp8/bf16 values) checked in the
-             same launch (nothing scanned on the host); a message with unaligned parts is staged part by part
+    decode:  a message into up to 4 runs of consecutive pages (a fresh request's mostly are) --one numpy copy-->
+             pinned staging --one H2D copy per part and run on a side stream (copy engine only, no kernel)-->
+             the request's pages; ``finish`` checks the scales (and fp8/bf16 values) of the whole transfer in one
+             launch per kind of part. Scattered pages: the destination ids and the message's bytes (parts
+             aligned by the sender) --two numpy copies--> pinned staging --one H2D copy, one page-copy launch
+             (every part, read where it lies in the message; checked in the same launch)--> the pages; a message
+             with unaligned parts is staged part by part. Nothing is scanned on the host.
     cuda-ipc: the prefill's pages --one page-copy kernel per layer (every part, values checked in the same
               pass; nvfp4_kernels/page_copy_triton.py)--> the request's pages
     nixl:     NIXL's READ writes the request's pages (kv_transfer_nixl.py); check_written checks them (the
@@ -256,9 +259,9 @@ class WriteTimes(_SummedTimes):
 
 
 class PageImporter:
-    """One transfer's writes into the decode's pool (create one per pull). Message writes of consecutive pages
-    are plain slice copies (a fresh request's pages mostly are consecutive), scattered ones one scatter per
-    part; copies from another pool one page-copy launch per layer (``copy_from``) or one per kind of part for
+    """One transfer's writes into the decode's pool (create one per pull). Message writes into a few runs of
+    consecutive pages are plain slice copies (a fresh request's pages mostly are consecutive) checked once by
+    ``finish``, scattered ones one page-copy launch per message; copies from another pool one page-copy launch per layer (``copy_from``) or one per kind of part for
     every layer of a run of pages (``copy_from_layers``) on a GPU, ``nvfp4_kernels.page_copy`` on the CPU."""
 
     def __init__(self, pool: KVPool, tables: PageTableCache | None = None):
@@ -275,6 +278,9 @@ class PageImporter:
         self._batched = False  # move_pages: one launch per kind of part for every layer of a batch
         self._tables = tables if tables is not None else PageTableCache()  # (layers, source addresses) -> their PageTables
         self.times = WriteTimes()  # the message writes' (``write``)
+        # run copies (``_write_runs``): written pages whose values ``finish`` checks, (layer, page ids, tokens)
+        self._run_copies = True
+        self._unchecked: list[tuple[int, tuple[int, ...], int]] = []
         if pool.device.type == "cuda":  # triton: a GPU install's
             from nvfp4_kernels.page_copy_triton import ACCESS_BYTES, copy_pages
             if all(b % ACCESS_BYTES == 0 for b in self.page_bytes):  # else (tiny pages x heads) the reference
@@ -300,6 +306,11 @@ class PageImporter:
         self._geometry = page_geometry(parts, parts)
         self._copy_staged = copy_staged_pages
 
+    def use_run_copies(self, on: bool = True) -> None:
+        """Write messages into a few runs of consecutive pages with plain copies, their check left to ``finish``
+        (``_write_runs``). On by default; off, every message is one page-copy launch (tests compare the two)."""
+        self._run_copies = on
+
     def write(self, run: PageRunView, page_ids: Sequence[int], num_tokens: int) -> None:
         """MUTATES the pool: ``run``'s bytes into pages ``page_ids`` of ``run.layer``, of which the first
         ``num_tokens`` token slots hold the prompt (checked: sizes here, values on the pool's device, reported
@@ -319,6 +330,11 @@ class PageImporter:
         if n != run.num_pages:
             raise ValueError(f"{n} destination pages for a run of {run.num_pages}")
         dst = _parts(self.pool, run.layer)
+        if self._run_copies and len(run.spans) == len(self.page_bytes):
+            runs = page_runs(list(range(n)), [int(p) for p in page_ids])  # (position, pool page, length)
+            if len(runs) <= _MAX_COPY_RUNS:
+                self._write_runs(run, runs, num_tokens, dst)
+                return
         if self._copy_staged is not None and _lies_aligned(run, self.page_bytes):
             self._write_whole(run, page_ids, num_tokens, dst)
             return
@@ -359,6 +375,54 @@ class PageImporter:
             self._copy_staged(dev, [head + a for a, _ in run.spans], n, dst, self._geometry, num_tokens,
                               self._flag())
         self.times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+    def _write_runs(self, run: PageRunView, runs: Sequence[tuple[int, int, int]], num_tokens: int,
+                    dst: list[torch.Tensor | None]) -> None:
+        """``write`` of a message into at most ``_MAX_COPY_RUNS`` runs (position, pool page, length) of consecutive
+        pages: the message staged whole (one numpy copy; pinned on a GPU), then under the lock one copy per part and
+        run straight into the pool. On a GPU that is copy-engine work only: no kernel in this process's CUDA
+        context, which the GPU time-slices with a prefill's when both share it (a kernel per message took the GPU
+        from the prefill's chunks once per message). The values' check waits for ``finish``: one check for the
+        whole transfer."""
+        t0 = time.perf_counter()
+        staged = torch.empty(len(run.data), dtype=torch.uint8, pin_memory=self.stream is not None)
+        staged.numpy()[:] = np.frombuffer(run.data, dtype=np.uint8)
+        t1 = time.perf_counter()
+        with self._lock, _on(self.stream):
+            t2 = time.perf_counter()
+            for (at, _), page, t in zip(run.spans, self.page_bytes, dst, strict=True):
+                if t is None:
+                    continue
+                rows = t.view(torch.uint8).view(t.shape[0], -1)
+                for p0, d0, m in runs:
+                    rows[d0:d0 + m].copy_(staged[at + p0 * page:at + (p0 + m) * page].view(m, page),
+                                          non_blocking=True)
+            self._unchecked.append((run.layer, tuple(d0 + i for _, d0, m in runs for i in range(m)), num_tokens))
+        self.times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+    def _check_run_copies(self) -> None:
+        """Queue the checks of every page written by ``_write_runs`` (``check_written``): the pages of the layers
+        that share a page set in one check. A transfer's full pages and its one partial page (the prompt's last)
+        of the same layers join into one list, so a whole transfer is one check (one launch per kind of part)."""
+        if not self._unchecked:
+            return
+        by_pages: dict[tuple[tuple[int, ...], int], list[int]] = collections.defaultdict(list)
+        for layer, ids, tokens in self._unchecked:
+            by_pages[(ids, tokens)].append(layer)
+        self._unchecked = []
+        by_layers: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = collections.defaultdict(list)
+        for (ids, tokens), layers in by_pages.items():
+            by_layers[tuple(sorted(set(layers)))].append((ids, tokens))
+        ps = self.pool.page_size
+        for layers, segments in by_layers.items():
+            full = [(ids, t) for ids, t in segments if t == len(ids) * ps]
+            partial = [(ids, t) for ids, t in segments if t != len(ids) * ps]
+            if len(partial) > 1:  # only the prompt's last page is partial; several: check each on its own
+                for ids, t in segments:
+                    self.check_written(layers, ids, t)
+                continue
+            ordered = full + partial  # the partial page last: the first ``tokens`` slots of the joined list
+            self.check_written(layers, [p for ids, _ in ordered for p in ids], sum(t for _, t in ordered))
 
     def _first_ids(self, n: int) -> torch.Tensor:
         """0..n-1 on the pool's device (the rows of a staged message), made once per size bound (under the lock)."""
@@ -433,6 +497,7 @@ class PageImporter:
     def finish(self) -> None:
         """Block until every write issued is complete; ValueError if any written scale or value was NaN/inf
         (the caller fails the transfer and frees the pages)."""
+        self._check_run_copies()
         self.settle()
         if self._bad is not None and bool(self._bad.item()):
             raise ValueError("the pages carry NaN or inf scales or values")

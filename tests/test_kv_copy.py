@@ -63,6 +63,60 @@ def test_messages_then_writes_move_every_byte_of_scattered_pages(device, kv_dtyp
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("run_copies", [True, False], ids=["run-copies", "launch-per-message"])
+def test_a_transfer_written_in_runs_equals_one_launch_per_message_and_finish_checks_it_once(device, kv_dtype,
+                                                                                          run_copies):
+    """Messages into a few runs of consecutive pages are plain copies (on a GPU copy-engine work, no kernel per
+    message); ``finish`` checks the whole transfer's prompt slots: a NaN in the last, partial page fails it only
+    inside the prompt, as does one in a full page of the middle. The same transfer through one launch per message
+    (``use_run_copies(False)``, and the CPU's reference) gives the same pages and the same verdicts."""
+    src, dst = _pool(kv_dtype, device), _pool(kv_dtype, device, pages=96)
+    src_pages = list(range(10, 23))  # 13 pages: 3 messages of 5, 5 and 3 pages per layer
+    dst_pages = list(range(70, 78)) + [3, 4, 5, 6, 90]  # three runs, the last page on its own
+    num_tokens = 12 * 4 + 2  # the last page holds 2 prompt tokens
+
+    def transfer(num_tokens: int) -> PageImporter:
+        imp = PageImporter(dst)
+        imp.use_run_copies(run_copies)
+        exporter = PageExporter(pool_view(src))
+        for layer in range(2):
+            for msg in exporter.messages("r", layer, 0, src_pages, 5, None):
+                run = decode_page_run(msg)
+                pages = dst_pages[run.first_page:run.first_page + run.num_pages]
+                imp.write(run, pages, min(num_tokens, (run.first_page + run.num_pages) * 4) - run.first_page * 4)
+        return imp
+
+    transfer(num_tokens).finish()
+    for layer in range(2):
+        for a, b in zip(_rows(src, layer, src_pages), _rows(dst, layer, dst_pages), strict=True):
+            assert torch.equal(a, b)
+    part = "k_sf" if kv_dtype == "nvfp4" else "v"
+    nan = 0x7F if kv_dtype != "bf16" else None
+    t = getattr(src.layers[1], part).view(torch.uint8)
+    for page, slot, tokens_ok in ((22, 2, num_tokens), (16, 1, 6 * 4 + 1)):  # last page slot 2; page 7 slot 1
+        saved = t[page].clone()
+        if nan is None:  # bf16 +inf: 0x7F80 little-endian
+            t[page, slot].view(-1)[:2] = torch.tensor([0x80, 0x7F], dtype=torch.uint8, device=t.device)
+        else:
+            t[page, slot].view(-1)[0] = nan
+        if tokens_ok == num_tokens:  # slot 2 of the last page is past a prompt that ends at its slot 2
+            transfer(num_tokens).finish()
+            with pytest.raises(ValueError, match="NaN or inf"):
+                transfer(num_tokens + 1).finish()
+        else:  # a full page of the middle: always inside the prompt
+            with pytest.raises(ValueError, match="NaN or inf"):
+                transfer(num_tokens).finish()
+        t[page].copy_(saved)
+    if run_copies:
+        # the copies staged every message and wrote nothing with a launch (no page-copy call)
+        imp = transfer(num_tokens)
+        assert imp.times.writes == 6 and len(imp._unchecked) == 6
+        imp.finish()
+        assert imp._unchecked == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8_e4m3"])
 def test_pages_in_runs_go_to_host_in_the_gathers_layout(device, kv_dtype):
     """A GPU export of pages in a few runs copies each run of each part to host (no gather kernel): the host
