@@ -72,8 +72,17 @@ def test_bench_pd_cpu_smoke_writes_every_deployment_ratios_and_the_report(tiny_m
     assert nv > 0 and nv / f8 == 0.5625  # the same prompts: exactly the format's byte ratio
     per_token = [deps[k]["summary"]["transfer"]["bytes_per_token"] for k in ("pd-grpc", "pd-grpc-fp8")]
     assert per_token[0] / per_token[1] == 0.5625
+    # the prefill services' own time per prompt (their metrics): none when colocated, 3 prompts' when PD, and
+    # below the client's TTFT, which also holds the last pages' transfer
+    assert deps["colocated"]["summary"]["prefill_ms"] is None
+    for k in ("pd-grpc", "pd-grpc-fp8"):
+        s = deps[k]["summary"]
+        pm = deps[k]["point"]["server"]["prefill_metrics"]["sum"]
+        assert pm["ttft_seconds_count"] == 3 and 0 < s["prefill_ms"] < s["ttft_mean_ms"]
+        assert s["after_prefill_ms"] == s["ttft_mean_ms"] - s["prefill_ms"]
     text = md.read_text()
     assert "| colocated |" in text and "## Against colocated (same run)" in text and "0.5625x" in text
+    assert "past the prefill service's own time" in text
 
 
 def test_a_deployments_own_decode_args_join_the_shared_ones():

@@ -123,11 +123,21 @@ def _transfer(metrics: dict[str, float]) -> dict[str, Any]:
             "wait_s": metrics.get("kv_transfer_wait_seconds_total", 0.0)}
 
 
+def _prefill_ms(metrics: dict[str, float]) -> float | None:
+    """The prefill services' mean time from a prompt's submit to its last layer computed (their
+    ``ttft_seconds``: queueing in the prefill's scheduler included), over the measured requests."""
+    n = metrics.get("ttft_seconds_count", 0.0)
+    return 1e3 * metrics.get("ttft_seconds_sum", 0.0) / n if n else None
+
+
 def _summary(point: dict[str, Any]) -> dict[str, Any]:
     t, i = point["ttft_ms"], point["itl_ms"]
+    prefill_ms = _prefill_ms(point["server"].get("prefill_metrics", {}).get("sum", {}))
     return {"completed": point["completed"], "failed": point["failed"], "ttft_mean_ms": t["mean"],
             "ttft_median_ms": t["median"], "ttft_p99_ms": t["p99"], "itl_p50_ms": i["median"], "itl_p99_ms": i["p99"],
             "input_tok_s": point["input_tok_s"], "output_tok_s": point["output_tok_s"],
+            "prefill_ms": prefill_ms,
+            "after_prefill_ms": None if prefill_ms is None else t["mean"] - prefill_ms,
             "transfer": _transfer(point["server"]["decode_metrics"].get("sum", {}))}
 
 
@@ -215,6 +225,10 @@ def report(doc: dict[str, Any]) -> str:
             lines += ["", f"## nvfp4 vs fp8_e4m3, both PD over gRPC ({nv} / {f8})", "",
                       _bytes_ratio(g4["transfer"], g8["transfer"]),
                       f"- TTFT mean: {_ratio(g4['ttft_mean_ms'], g8['ttft_mean_ms'])}",
+                      (f"- TTFT mean past the prefill service's own time (submit to last layer, its queue "
+                       f"included): {_f(g4.get('after_prefill_ms'))} vs {_f(g8.get('after_prefill_ms'))} ms, "
+                       f"{_ratio(g4.get('after_prefill_ms'), g8.get('after_prefill_ms'))}; the prefill's own: "
+                       f"{_f(g4.get('prefill_ms'))} vs {_f(g8.get('prefill_ms'))} ms"),
                       f"- output tok/s: {_ratio(g4['output_tok_s'], g8['output_tok_s'])}"]
     lines += ["", ("Transfer columns come from the decode's metrics over the measured requests: bytes received, the "
               "time from each transfer's header to its last page (pages stream while the prefill computes, so this "

@@ -28,6 +28,7 @@ from benchmarks.serving.server import (
     flush_cache,
     gpu_name,
     metrics_delta,
+    service_metrics,
 )
 from benchmarks.serving.stats import summarize
 
@@ -66,6 +67,7 @@ class Session:
         except FileNotFoundError as exc:
             raise BenchError(f"{exc} (the router serves {model_dir!r}, not readable from here)") from None
         self.decode_addresses = [w["address"] for w in info.get("decode", [])]
+        self.prefill_addresses = [w["address"] for w in info.get("prefill", [])]  # none when colocated
 
     @classmethod
     async def connect(cls, target: Target) -> Session:
@@ -116,6 +118,7 @@ async def run_point(session: Session, cfg: BenchConfig, progress: bool = True) -
             print(f"warning: /flush_cache failed, the prefix caches keep their content: {flushed['error']}",
                   file=sys.stderr)
         before = await decode_metrics(session.decode_addresses)
+        prefill_before = await service_metrics(session.prefill_addresses, "prefill")
         bar = make_progress(cfg.num_prompts, f"C={cfg.concurrency}", progress)
         t0 = time.perf_counter()
         sampler = PoolSampler(client, cfg.sample_interval_s, t0)
@@ -129,6 +132,7 @@ async def run_point(session: Session, cfg: BenchConfig, progress: bool = True) -
             await sampler.stop()
             bar.close()
         after = await decode_metrics(session.decode_addresses)
+        prefill_after = await service_metrics(session.prefill_addresses, "prefill")
     if not any(r.ok for r in results):
         raise BenchError(f"every request failed: {_first_error(results)}")
     point: dict[str, Any] = {"config": {**asdict(cfg), "request_rate": str(cfg.request_rate)}}
@@ -138,7 +142,8 @@ async def run_point(session: Session, cfg: BenchConfig, progress: bool = True) -
     point["input_len_mismatch"] = sum(1 for r in results if r.ok and r.prompt_tokens != cfg.input_len)
     point["output_len_mismatch"] = sum(1 for r in results if r.ok and r.completion_tokens != cfg.output_len)
     point["server"] = {"flush_cache": flushed, "pool": sampler.summary(),
-                       "decode_metrics": metrics_delta(before, after)}
+                       "decode_metrics": metrics_delta(before, after),
+                       "prefill_metrics": metrics_delta(prefill_before, prefill_after)}
     if cfg.save_requests:
         point["requests"] = [r.to_json() for r in results]
     return point

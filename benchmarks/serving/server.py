@@ -127,20 +127,27 @@ def parse_prometheus(text: str, prefix: str = "nvfp4_decode_") -> dict[str, floa
 
 async def decode_metrics(addresses: list[str], timeout_s: float = 10.0) -> dict[str, Any]:
     """address -> parsed metrics, or -> {"error": ...} when the decode service cannot be reached from here."""
+    return await service_metrics(addresses, "decode", timeout_s)
+
+
+async def service_metrics(addresses: list[str], role: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """``decode_metrics`` for the services of ``role`` ("decode" or "prefill"; names without ``nvfp4_<role>_``)."""
     import grpc
 
-    from nvfp4_serve_proto import common_pb2, decode_pb2_grpc
+    from nvfp4_serve_proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
     from svc_common.service_auth import resolve_service_token
     from svc_common.tls import TLSConfig, open_channel
 
+    stubs = {"decode": decode_pb2_grpc.DecodeStub, "prefill": prefill_pb2_grpc.PrefillStub}
+    if role not in stubs:
+        raise ValueError(f"service_metrics: role {role!r} is not one of {sorted(stubs)}")
     links = TLSConfig(service_token=resolve_service_token(None))  # the deployment's token, from the environment
 
     async def one(address: str) -> dict[str, Any]:
         try:
             async with open_channel(address, links, []) as channel:
-                reply = await decode_pb2_grpc.DecodeStub(channel).GetMetrics(common_pb2.MetricsRequest(),
-                                                                             timeout=timeout_s)
-            return parse_prometheus(reply.prometheus_text)
+                reply = await stubs[role](channel).GetMetrics(common_pb2.MetricsRequest(), timeout=timeout_s)
+            return parse_prometheus(reply.prometheus_text, f"nvfp4_{role}_")
         except grpc.aio.AioRpcError as exc:
             return {"error": f"{exc.code().name}: {exc.details()}"}
 
