@@ -388,17 +388,15 @@ class PageImporter:
         staged = torch.empty(len(run.data), dtype=torch.uint8, pin_memory=self.stream is not None)
         staged.numpy()[:] = np.frombuffer(run.data, dtype=np.uint8)
         t1 = time.perf_counter()
-        dsts, srcs = [], []
-        for (at, _), page, t in zip(run.spans, self.page_bytes, dst, strict=True):
-            if t is None:
-                continue
-            rows = t.view(torch.uint8).view(t.shape[0], -1)
-            for p0, d0, m in runs:
-                dsts.append(rows[d0:d0 + m])
-                srcs.append(staged[at + p0 * page:at + (p0 + m) * page].view(m, page))
         with self._lock, _on(self.stream):
             t2 = time.perf_counter()
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)  # one GIL release for every part and run
+            for (at, _), page, t in zip(run.spans, self.page_bytes, dst, strict=True):
+                if t is None:
+                    continue
+                rows = t.view(torch.uint8).view(t.shape[0], -1)
+                for p0, d0, m in runs:
+                    rows[d0:d0 + m].copy_(staged[at + p0 * page:at + (p0 + m) * page].view(m, page),
+                                          non_blocking=True)
             self._unchecked.append((run.layer, tuple(d0 + i for _, d0, m in runs for i in range(m)), num_tokens))
         self.times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
 
@@ -544,20 +542,16 @@ def _copy_runs_to_host(tensors: Sequence[torch.Tensor | None], sizes: Sequence[i
                        runs: Sequence[tuple[int, int, int]], host: torch.Tensor) -> None:
     """Queue on the current stream the copies of runs (pool page, position, length) of every present part of
     ``tensors`` into ``host``, laid out part after part (``sizes`` bytes each), pages in position order: the
-    layout a gather of the same pages writes. All copies go in one ``torch._foreach_copy_`` call: one release of
-    the GIL, where a call per part and run waited for it again each time (behind gRPC's sending thread)."""
-    dsts, srcs = [], []
+    layout a gather of the same pages writes."""
     offset = 0
     for t, size in zip(tensors, sizes, strict=True):
         if t is not None:
             rows = t.view(torch.uint8).view(t.shape[0], -1)
             page = rows.shape[1]
             for s0, d0, m in runs:
-                dsts.append(host[offset + d0 * page:offset + (d0 + m) * page].view(m, page))
-                srcs.append(rows[s0:s0 + m])
+                host[offset + d0 * page:offset + (d0 + m) * page].view(m, page).copy_(rows[s0:s0 + m],
+                                                                                     non_blocking=True)
         offset += size
-    if dsts:
-        torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
 
 def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
