@@ -13,7 +13,7 @@ def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_
     out_json, out_md = tmp_path / "transfer.json", tmp_path / "transfer.md"
     rc = main(["--model", tiny_model_dir, "--device", "cpu", "--dtype", "float32", "--lengths", "40",
                "--paths", "grpc", "grpc-lanes", "--grpc-lanes", "2", "--decode-tokens", "3", "--warmup-len", "8", "--page-size", "4",
-               "--anchor-bytes", str(8 << 20), "--ready-repeats", "2",
+               "--anchor-bytes", str(8 << 20), "--ready-repeats", "2", "--compute-repeats", "3",
                "--log-dir", str(tmp_path / "logs"), "--out-json", str(out_json), "--out-md", str(out_md)])
     assert rc == 0
     doc = json.loads(out_json.read_text())
@@ -29,14 +29,18 @@ def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_
         assert r["ready_transfer_gbps"] > 0 and r["anchor_gbps"] > 0 and r["of_anchor"] > 0
         # the best of the 2 ready transfers is the row's; the colocated engine ran the same prompt
         assert len(r["ready_gbps_each"]) == 2 and r["ready_transfer_gbps"] == max(r["ready_gbps_each"])
-        assert r["colocated_ttft_s"] > 0 and r["prefill_of_colocated"] == r["colocated_ttft_s"] / r["prefill_compute_s"]
+        # prefill vs colocated: the median of 3 prompts' ratios, the first the row's own prompt
+        each = r["prefill_of_colocated_each"]
+        assert len(each) == 3 and all(x > 0 for x in each)
+        assert r["colocated_ttft_s"] > 0 and each[0] == r["colocated_ttft_s"] / r["prefill_compute_s"]
+        assert r["prefill_of_colocated"] == sorted(each)[1]
     assert [(s["path"], s["prompt_len"]) for s in doc["summary"]] == \
         [("grpc", 40), ("grpc-lanes", 40)]
     assert doc["setup"]["grpc_lanes"] == 2
     assert all(s["bytes_ratio"] == 0.5625 for s in doc["summary"])
     assert doc["summary"] == summarize(doc["rows"]) and doc["goal_ratio"] == 0.6
     md = out_md.read_text()
-    assert "| kv dtype | prompt | path | TTFT s |" in md and "prefill vs colocated" in md and "best of 2" in md and "| grpc | 40 |" in md and "Command: `python -m" in md
+    assert "| kv dtype | prompt | path | TTFT s |" in md and "prefill vs colocated" in md and "best of 2" in md and "median over 3 unique prompts" in md and "| grpc | 40 |" in md and "Command: `python -m" in md
     assert (tmp_path / "logs" / "decode-nvfp4-grpc.log").exists()
     assert [(r["channels"], r["keep_freed_blocks"], r["http2_max_frame_bytes"]) for r in doc["anchors"]["raw_grpc"]] \
         == [(1, False, 0), (4, False, 0), (1, True, 0), (1, True, (1 << 24) - 1), (4, True, (1 << 24) - 1)]
@@ -55,3 +59,12 @@ def test_the_share_ratio_meets_the_goal_only_at_or_below_0_6():
                      row("fp8_e4m3", 0.1, "cuda-ipc")])
     assert [(s["path"], round(s["share_ratio"], 3), s["goal_met"]) for s in met] == [
         ("cuda-ipc", 0.7, False), ("grpc", 0.6, True)]
+
+
+def test_repeats_below_one_are_refused_with_a_usage_error(capsys):
+    import pytest
+
+    for flag in ("--ready-repeats", "--compute-repeats"):
+        with pytest.raises(SystemExit) as e:
+            main(["--device", "cpu", flag, "0"])
+        assert e.value.code == 2 and f"{flag} must be >= 1" in capsys.readouterr().err

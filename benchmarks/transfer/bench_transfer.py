@@ -32,6 +32,7 @@ import argparse
 import inspect
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,6 +97,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="the prefills' --kv-message-bytes, and the raw grpcio anchor's message size")
     p.add_argument("--ready-repeats", type=int, default=3,
                    help="ready transfers per row; the best is reported, as the raw grpcio anchor's best of 3")
+    p.add_argument("--compute-repeats", type=int, default=3,
+                   help="unique prompts per row whose prefill compute is set against the colocated engine's on the "
+                        "same prompt; the row's 'prefill vs colocated' is the median ratio")
     p.add_argument("--anchor-bytes", type=int, default=1 << 30, help="bytes each raw grpcio anchor run moves")
     p.add_argument("--warmup-len", type=int, default=1024,
                    help="prompt of the first warm-up request per decode (then one more at every measured length)")
@@ -170,6 +174,11 @@ def start_services(a: argparse.Namespace, model: Path, log_dir: Path) -> dict[st
     return started
 
 
+def _ratio(colocated_s: float, prefill_s: float) -> float | None:
+    """Prefill vs colocated for one prompt: colocated TTFT / the prefill service's compute (None if unmeasured)."""
+    return colocated_s / prefill_s if prefill_s > 0 else None
+
+
 def colocated_ttft(decode: Service, rid: str, ids: list[int]) -> float:
     """TTFT of ``ids`` prefilled by ``decode``'s own engine (no prefill address: the colocated deployment's
     prompt path, the same engine code and chunk size), on idle services; its cache flushed after."""
@@ -225,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     a = build_arg_parser().parse_args(argv)
     if a.ready_repeats < 1:
         build_arg_parser().error(f"--ready-repeats must be >= 1, got {a.ready_repeats}")
+    if a.compute_repeats < 1:
+        build_arg_parser().error(f"--compute-repeats must be >= 1, got {a.compute_repeats}")
     model = prepare_model(a)
     cfg = json.loads((model / "config.json").read_text())
     vocab = cfg["vocab_size"]
@@ -266,10 +277,18 @@ def main(argv: list[str] | None = None) -> int:
                     r.update({f"ready_{k}": ready[k] for k in ("transfer_s", "transfer_gbps", "copy_gbps",
                                                                 "transfer_bytes", "path_used")})
                     r["ready_gbps_each"] = [x["transfer_gbps"] for x in readies]
-                    # the colocated engine's prompt path on the same prompt (the decode's own prefill)
+                    # the colocated engine's prompt path on the same prompt (the decode's own prefill), and so for
+                    # --compute-repeats - 1 more unique prompts: one prompt's ratio moves by a few points
                     r["colocated_ttft_s"] = colocated_ttft(group[path], f"{kv}-{n}-{path}-colocated", ids)
-                    r["prefill_of_colocated"] = (r["colocated_ttft_s"] / r["prefill_compute_s"]
-                                                 if r["prefill_compute_s"] > 0 else None)
+                    ratios = [_ratio(r["colocated_ttft_s"], r["prefill_compute_s"])]
+                    for k in range(1, a.compute_repeats):
+                        more = unique_prompt(n)
+                        cold = run_one(group["prefill"], group[path], f"{kv}-{n}-{path}-compute{k}", more, 2)
+                        ratios.append(_ratio(colocated_ttft(group[path], f"{kv}-{n}-{path}-colocated{k}", more),
+                                             cold["prefill_compute_s"]))
+                    r["prefill_of_colocated_each"] = ratios
+                    measured = [x for x in ratios if x is not None]
+                    r["prefill_of_colocated"] = statistics.median(measured) if measured else None
                     rows.append({"kv_dtype": kv, "prompt_len": n, "path": path, **r})
                     print(table([rows[-1]]).splitlines()[-1], flush=True)
                     if r["path_used"] != transport(path):
@@ -284,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                   "num_layers": a.num_layers or cfg["num_hidden_layers"],
                   "num_kv_heads": cfg["num_key_value_heads"], "head_dim": cfg.get("head_dim"),
                   "page_size": a.page_size, "chunk_size": a.chunked_prefill_size, "decode_tokens": a.decode_tokens, "ready_repeats": a.ready_repeats,
+                  "compute_repeats": a.compute_repeats,
                   "prefill_gpu": a.prefill_gpu, "decode_gpu": a.decode_gpu, "device": a.device,
                   "kv_sender": a.kv_sender,
                   "grpc_lanes": a.grpc_lanes if GRPC_LANES in a.paths else None},

@@ -103,7 +103,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "channel for grpc, on any channel count for grpc-lanes, one device gather for cuda-ipc and, on a GPU, for nixl); "
         "ready copy GB/s counts only the decode's pool "
         "writes. Prefill vs colocated = colocated TTFT / prefill compute: the prefill service's prompt tokens per "
-        "second while it streams, against the colocated engine's on the same prompt."), "",
+        "second while it streams, against the colocated engine's on the same prompt"
+        + (f"; the median over {s['compute_repeats']} unique prompts, each cold on both."
+           if s.get("compute_repeats", 1) > 1 else ".")), "",
         table(doc["rows"]), "", "## Anchors (same run)", "", anchor_table(doc.get("anchors", {})), "",
         f"## nvfp4 / fp8 transfer share (goal: <= {GOAL_RATIO}x on either path)", "",
         ratio_table(doc["summary"]), "", f"Goal: {verdict}.", ""])
