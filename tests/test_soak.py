@@ -299,8 +299,15 @@ def check_report(report: SoakReport) -> None:
     assert re.search(r"^nvfp4_router_in_flight_requests 0\.0$", report.router_metrics, re.MULTILINE)
 
 
+# CI's events: both prefill kills before the decode kill. The decode worker's restart holds the chaos for a
+# process start (seconds on a 2-core machine), so a prefill kill after it met a finished workload: it found no
+# transfer, waited 10 s for one and broke none. The kills land among requests that retry (seed 0's disconnects
+# and cancels are requests 7, 9, 19, 20, 23, 27, 47 and 53; they do not retry a 503 of a dead prefill).
+CI_CHAOS = ((0.2, "prefill"), (0.6, "prefill"), (0.8, "decode-1"))
+
+
 def test_soak_ci(tiny_model_dir):
-    report = run_soak(tiny_model_dir, SoakPlan())
+    report = run_soak(tiny_model_dir, SoakPlan(chaos=CI_CHAOS))
     print(report.summary())
     check_report(report)
 
