@@ -15,10 +15,30 @@ import grpc
 import pytest
 
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from tests.test_services import gen_request, generate, integrity, metric, procs, prompt, run  # noqa: F401
+from tests.service_procs import start_many
+from tests.test_services import CPU, gen_request, generate, integrity, metric, prompt, run
 from tests.test_timeouts import prefill_is_idle
 
 SENDER = ("--kv-sender", "process")
+
+
+@pytest.fixture
+def services():
+    """Start services together (``(module, *args)`` each, on the CPU; a decode may pull from every prefill
+    started with it) and stop them after the test: their start-ups overlap."""
+    started = []
+
+    def _start(*specs: tuple[str, ...]):
+        new = start_many([(module, *CPU, *args) for module, *args in specs])
+        started.extend(new)
+        return new
+
+    yield _start
+    for p in started:  # SIGTERM to all first: they shut down together
+        if p.popen.poll() is None:
+            p.popen.terminate()
+    for p in started:
+        p.stop()
 
 
 def _reference(model_dir: str, kv_dtype: str, ids: list[int], max_tokens: int) -> list[int]:
@@ -43,13 +63,16 @@ def _sender_pid(proc) -> int:
 
 
 def test_greedy_through_a_sender_process_and_its_lanes_equals_the_engine_with_nvfp4_at_0_5625_of_fp8s_bytes(
-        procs, tiny_model_dir):  # noqa: F811
+        services, tiny_model_dir):
     ids = prompt(64)
     sent = {}
-    for dt in ("nvfp4", "fp8_e4m3"):
-        args = ("--model", tiny_model_dir, "--kv-cache-dtype", dt, "--page-size", "4")
-        p = procs("prefill_svc", *args, *SENDER, "--kv-message-bytes", "256")
-        d = procs("decode_svc", *args, "--kv-transfer", "grpc", "--kv-grpc-lanes", "3")
+    dtypes = ("nvfp4", "fp8_e4m3")
+    args = {dt: ("--model", tiny_model_dir, "--kv-cache-dtype", dt, "--page-size", "4") for dt in dtypes}
+    started = services(*(s for dt in dtypes for s in (("prefill_svc", *args[dt], *SENDER, "--kv-message-bytes", "256"),
+                                                       ("decode_svc", *args[dt], "--kv-transfer", "grpc",
+                                                        "--kv-grpc-lanes", "3"))))
+    for i, dt in enumerate(dtypes):
+        p, d = started[2 * i], started[2 * i + 1]
         tokens, msgs = run(generate(d.address, gen_request("t", ids, p.address, max_tokens=4)))
         assert tokens == _reference(tiny_model_dir, dt, ids, 4)
         assert msgs[-1].finish_reason == decode_pb2.FINISH_REASON_LENGTH
@@ -69,11 +92,11 @@ def test_greedy_through_a_sender_process_and_its_lanes_equals_the_engine_with_nv
     assert sent["nvfp4"] == pytest.approx(0.5625 * sent["fp8_e4m3"])
 
 
-def test_a_transfer_cancelled_mid_stream_frees_every_page_on_both_sides(procs, tiny_model_dir):  # noqa: F811
+def test_a_transfer_cancelled_mid_stream_frees_every_page_on_both_sides(services, tiny_model_dir):
     args = ("--model", tiny_model_dir, "--page-size", "4")
     # five chunks, each chunk's pages named 1 s apart: a cancel at 1.5 s lands mid-transfer
-    p = procs("prefill_svc", *args, *SENDER, "--chunked-prefill-size", "8", "--debug-transfer-delay-s", "1.0")
-    d = procs("decode_svc", *args, "--kv-transfer", "grpc")
+    p, d = services(("prefill_svc", *args, *SENDER, "--chunked-prefill-size", "8", "--debug-transfer-delay-s", "1.0"),
+                    ("decode_svc", *args, "--kv-transfer", "grpc"))
 
     async def scenario():
         async with grpc.aio.insecure_channel(d.address) as ch:
@@ -92,9 +115,11 @@ def test_a_transfer_cancelled_mid_stream_frees_every_page_on_both_sides(procs, t
 
 
 def test_the_engines_answers_reach_the_caller_the_token_guards_both_links_and_each_process_ends_with_the_other(
-        procs, tiny_model_dir):  # noqa: F811
+        services, tiny_model_dir):
     token = "sk-sender-test-5b1c"
-    p = procs("prefill_svc", "--model", tiny_model_dir, "--page-size", "4", *SENDER, "--service-token", token)
+    # q: a second prefill with a sender, started alongside, whose engine's process is killed below
+    p, q = services(("prefill_svc", "--model", tiny_model_dir, "--page-size", "4", *SENDER, "--service-token", token),
+                    ("prefill_svc", "--model", tiny_model_dir, "--page-size", "4", *SENDER))
     md = (("authorization", f"Bearer {token}"),)
     socket = re.search(r"listens on unix:(\S+) for its sender", p.output).group(1)
 
@@ -133,7 +158,6 @@ def test_the_engines_answers_reach_the_caller_the_token_guards_both_links_and_ea
     assert "its sender process exited" in p.output
     assert not os.path.exists(directory)  # the socket's directory goes with the process
 
-    q = procs("prefill_svc", "--model", tiny_model_dir, "--page-size", "4", *SENDER)
     pid = _sender_pid(q)
     q.stop(sig_kill=True)  # the engine's process dies: its sender follows
     for _ in range(100):
