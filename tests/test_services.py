@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
-from tests.service_procs import start
+from tests.service_procs import start, start_many
 
 CPU = ("--device", "cpu", "--dtype", "float32")
 
@@ -55,9 +55,32 @@ def procs():
         started.append(p)
         return p
 
+    def _many(*specs: tuple[str, ...]):
+        """Services started together, ``(module, *args)`` each (their start-ups overlap); a decode may pull from
+        every prefill started before it or with it."""
+        prefills = [q.address for q in started if q.name == "prefill_svc"]
+        specs = tuple((*s, "--prefill-addresses", *prefills) if s[0] == "decode_svc" and prefills else s
+                      for s in specs)
+        new = start_many([(module, *CPU, *args) for module, *args in specs])
+        started.extend(new)
+        return new
+
+    _start.many = _many
     yield _start
+    for p in started:  # SIGTERM to all first: they shut down together
+        if p.popen.poll() is None:
+            p.popen.terminate()
     for p in started:
         p.stop()
+
+
+@pytest.fixture(scope="module")
+def lone_decode(tiny_model_dir):
+    """A decode service without a prefill, shared by the tests that only call it (none changes what the others
+    see: bad requests are refused, one request extends locally, health and reflection are read)."""
+    d = start("decode_svc", *CPU, "--model", tiny_model_dir)
+    yield d
+    d.stop()
 
 
 def prompt(n: int, offset: int = 5) -> list[int]:
@@ -71,7 +94,7 @@ def test_greedy_through_the_services_equals_the_in_process_engine(procs, tiny_mo
     from engine.sampling import SamplingParams
 
     args = ("--model", tiny_model_dir, "--kv-cache-dtype", kv_dtype, "--page-size", "4")
-    p, d = procs("prefill_svc", *args), procs("decode_svc", *args)
+    p, d = procs.many(("prefill_svc", *args), ("decode_svc", *args))
     ids = prompt(37)
     tokens, msgs = run(generate(d.address, gen_request("a", ids, p.address, max_tokens=10)))
     eng = Engine(EngineConfig(model_dir=tiny_model_dir, device="cpu", dtype="float32",
@@ -83,8 +106,8 @@ def test_greedy_through_the_services_equals_the_in_process_engine(procs, tiny_mo
 
 
 def test_mismatched_kv_dtype_or_page_size_is_refused_naming_both_values(procs, tiny_model_dir):
-    p = procs("prefill_svc", "--model", tiny_model_dir, "--kv-cache-dtype", "fp8_e4m3", "--page-size", "16")
-    d = procs("decode_svc", "--model", tiny_model_dir, "--kv-cache-dtype", "nvfp4", "--page-size", "8")
+    p, d = procs.many(("prefill_svc", "--model", tiny_model_dir, "--kv-cache-dtype", "fp8_e4m3", "--page-size", "16"),
+                      ("decode_svc", "--model", tiny_model_dir, "--kv-cache-dtype", "nvfp4", "--page-size", "8"))
     with pytest.raises(grpc.aio.AioRpcError) as e:
         run(generate(d.address, gen_request("m", prompt(20), p.address)))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -96,8 +119,7 @@ def test_mismatched_kv_dtype_or_page_size_is_refused_naming_both_values(procs, t
 
 def test_killing_prefill_mid_stream_fails_the_request_and_leaks_no_page(procs, tiny_model_dir):
     args = ("--model", tiny_model_dir, "--page-size", "4")
-    p = procs("prefill_svc", *args, "--debug-transfer-delay-s", "1.0")
-    d = procs("decode_svc", *args)
+    p, d = procs.many(("prefill_svc", *args, "--debug-transfer-delay-s", "1.0"), ("decode_svc", *args))
 
     async def scenario():
         task = asyncio.ensure_future(generate(d.address, gen_request("k", prompt(40), p.address)))
@@ -115,7 +137,7 @@ def test_killing_prefill_mid_stream_fails_the_request_and_leaks_no_page(procs, t
 
 def test_client_disconnect_mid_stream_frees_its_pages(procs, tiny_model_dir):
     args = ("--model", tiny_model_dir, "--page-size", "4")
-    p, d = procs("prefill_svc", *args), procs("decode_svc", *args)
+    p, d = procs.many(("prefill_svc", *args), ("decode_svc", *args))
 
     async def scenario():
         async with grpc.aio.insecure_channel(d.address) as ch:
@@ -137,8 +159,8 @@ def test_client_disconnect_mid_stream_frees_its_pages(procs, tiny_model_dir):
     assert rep.ok and rep.num_in_use == 0
 
 
-def test_bad_input_is_invalid_argument_and_the_service_stays_up(procs, tiny_model_dir):
-    d = procs("decode_svc", "--model", tiny_model_dir)
+def test_bad_input_is_invalid_argument_and_the_service_stays_up(lone_decode):
+    d = lone_decode
     for req, needle in [
         (decode_pb2.GenerateRequest(request_id="x", token_ids=[]), "empty"),
         (decode_pb2.GenerateRequest(request_id="x", token_ids=[1, 10**6]), "vocabulary"),
@@ -153,11 +175,11 @@ def test_bad_input_is_invalid_argument_and_the_service_stays_up(procs, tiny_mode
     assert len(tokens) == 6
 
 
-def test_health_checking_and_reflection_are_served(procs, tiny_model_dir):
+def test_health_checking_and_reflection_are_served(lone_decode):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    d = procs("decode_svc", "--model", tiny_model_dir)
+    d = lone_decode
 
     async def scenario():
         async with grpc.aio.insecure_channel(d.address) as ch:
@@ -182,8 +204,7 @@ def test_health_checking_and_reflection_are_served(procs, tiny_model_dir):
 def test_prefill_is_pulled_only_for_pages_past_the_cached_prefix(procs, tiny_model_dir):
     # ratio 1.0: always pull, so the second request pulls only the pages after its cached prefix
     args = ("--model", tiny_model_dir, "--page-size", "4")
-    p = procs("prefill_svc", *args)
-    d = procs("decode_svc", *args, "--local-extend-min-cached-ratio", "1.0")
+    p, d = procs.many(("prefill_svc", *args), ("decode_svc", *args, "--local-extend-min-cached-ratio", "1.0"))
     shared = prompt(40)
     run(generate(d.address, gen_request("1", shared + [11, 12], p.address, max_tokens=2)))
     before = run(metric(d.address, "nvfp4_decode_kv_transfer_bytes_total"))
@@ -199,8 +220,7 @@ def test_prefill_frees_its_transient_pages_when_the_decode_side_cancels(procs, t
     from nvfp4_serve_proto import prefill_pb2_grpc
 
     args = ("--model", tiny_model_dir, "--page-size", "4")
-    p = procs("prefill_svc", *args, "--debug-transfer-delay-s", "1.0")
-    d = procs("decode_svc", *args)
+    p, d = procs.many(("prefill_svc", *args, "--debug-transfer-delay-s", "1.0"), ("decode_svc", *args))
 
     async def scenario():
         async with grpc.aio.insecure_channel(d.address) as ch:
