@@ -67,7 +67,7 @@ def test_a_rotated_nvfp4_engine_serves_prefix_hits_and_stays_consistent(tiny_mod
 
 def test_rotated_pages_through_prefill_and_decode_services_equal_the_rotated_engine(procs, tiny_model_dir):  # noqa: F811
     args = ("--model", tiny_model_dir, "--kv-cache-dtype", "nvfp4", "--page-size", "4", "--kv-rotation", "hadamard")
-    p, d = procs("prefill_svc", *args), procs("decode_svc", *args)
+    p, d = procs.many(("prefill_svc", *args), ("decode_svc", *args))  # started together
     ids = prompt(37)
     tokens, _ = run(generate(d.address, gen_request("r", ids, p.address, max_tokens=8)))
     ref = _engine(tiny_model_dir, "nvfp4", "hadamard").generate(
@@ -86,8 +86,7 @@ async def _load(address: str):
 
 def test_a_decode_refuses_pages_rotated_differently(procs, tiny_model_dir):  # noqa: F811
     common = ("--model", tiny_model_dir, "--page-size", "4")
-    p = procs("prefill_svc", *common, "--kv-rotation", "hadamard")
-    d = procs("decode_svc", *common)
+    p, d = procs.many(("prefill_svc", *common, "--kv-rotation", "hadamard"), ("decode_svc", *common))
     with pytest.raises(grpc.aio.AioRpcError) as e:
         run(generate(d.address, gen_request("m", prompt(20), p.address)))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
