@@ -33,7 +33,7 @@ from svc_common.fault_injection import FaultInjection
 from svc_common.grpc_server import build_server
 from svc_common.kv_transfer_ipc import check_share, describe_tensors, pool_view
 from svc_common.metrics import ServiceMetrics
-from tests.service_procs import start
+from tests.service_procs import start_many
 
 PAGE = 4
 PREFILL_EP = common_pb2.TransferEndpoint(hostname="box", boot_id="boot-1", device="cuda:GPU-a", kv_transfer="cuda-ipc")
@@ -292,8 +292,8 @@ def test_a_bad_transfer_mode_in_the_offer_is_invalid_argument(tiny_model_dir):
 def test_cpu_service_processes_asked_for_cuda_ipc_keep_to_grpc_and_say_why(tiny_model_dir):
     args = ("--model", tiny_model_dir, "--device", "cpu", "--dtype", "float32", "--page-size", "4",
             "--kv-transfer", "cuda-ipc")
-    p = start("prefill_svc", *args)
-    d = start("decode_svc", *args, "--prefill-addresses", p.address)
+    # started together; the decode may pull from this prefill (start_many names it in --prefill-addresses)
+    p, d = start_many([("prefill_svc", *args), ("decode_svc", *args)])
     try:
         sp = common_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
