@@ -104,11 +104,13 @@ def test_errors_are_openai_shaped(deployment):
     assert c.completions.create(model=deployment.model, prompt="still up", max_tokens=2).choices
 
 
-def test_ctrl_c_stops_every_child(tiny_model_dir):
-    d = Deployment("--model", tiny_model_dir)
+def test_ctrl_c_stops_every_child(deployment):
+    # the module's deployment, stopped here: keep this test the module's last
+    d = deployment
+    assert d.proc.poll() is None
     pids = [int(p) for p in subprocess.run(["pgrep", "-P", str(d.proc.pid)], capture_output=True,
                                            text=True, check=False).stdout.split()]
-    assert len(pids) == 3  # prefill, decode, router
+    assert len(pids) == 4  # prefill, two decodes, router
     assert d.stop() == 0
     time.sleep(0.5)
     def running(pid: int) -> bool:
