@@ -98,6 +98,15 @@ def start(module: str, *args: str, timeout: float = 120.0, env: dict | None = No
     return _Launch(module, _service_cmd(module, args), env or {}, _READY).wait(time.monotonic() + timeout)
 
 
+def stop_all(procs: list[Proc]) -> None:
+    """Stop ``procs``: SIGTERM to every one still running first, so they shut down together, then wait for each."""
+    for p in procs:
+        if p.popen.poll() is None:
+            p.popen.terminate()
+    for p in procs:
+        p.stop()
+
+
 def start_many(specs: list[tuple[str, ...]], timeout: float = 180.0) -> list[Proc]:
     """Start several services at once (``(module, *args)`` each, on free ports) and wait for all of them.
 

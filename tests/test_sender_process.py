@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from tests.service_procs import start_many
+from tests.service_procs import start_many, stop_all
 from tests.test_services import CPU, gen_request, generate, integrity, metric, prompt, run
 from tests.test_timeouts import prefill_is_idle
 
@@ -34,11 +34,7 @@ def services():
         return new
 
     yield _start
-    for p in started:  # SIGTERM to all first: they shut down together
-        if p.popen.poll() is None:
-            p.popen.terminate()
-    for p in started:
-        p.stop()
+    stop_all(started)
 
 
 def _reference(model_dir: str, kv_dtype: str, ids: list[int], max_tokens: int) -> list[int]:

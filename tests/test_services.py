@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
-from tests.service_procs import start, start_many
+from tests.service_procs import start, start_many, stop_all
 
 CPU = ("--device", "cpu", "--dtype", "float32")
 
@@ -67,11 +67,7 @@ def procs():
 
     _start.many = _many
     yield _start
-    for p in started:  # SIGTERM to all first: they shut down together
-        if p.popen.poll() is None:
-            p.popen.terminate()
-    for p in started:
-        p.stop()
+    stop_all(started)
 
 
 @pytest.fixture(scope="module")
