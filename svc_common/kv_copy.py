@@ -261,8 +261,9 @@ class WriteTimes(_SummedTimes):
 class PageImporter:
     """One transfer's writes into the decode's pool (create one per pull). Message writes into a few runs of
     consecutive pages are plain slice copies (a fresh request's pages mostly are consecutive) checked once by
-    ``finish``, scattered ones one page-copy launch per message; copies from another pool one page-copy launch per layer (``copy_from``) or one per kind of part for
-    every layer of a run of pages (``copy_from_layers``) on a GPU, ``nvfp4_kernels.page_copy`` on the CPU."""
+    ``finish``, scattered ones one page-copy launch per message; copies from another pool one page-copy launch
+    per layer (``copy_from``) or one per kind of part for every layer of a run of pages (``copy_from_layers``) on
+    a GPU, ``nvfp4_kernels.page_copy`` on the CPU."""
 
     def __init__(self, pool: KVPool, tables: PageTableCache | None = None):
         self.pool = pool
