@@ -1,9 +1,10 @@
 """Page bytes between a pool and the gRPC wire, off the engine thread: ``PageExporter`` (prefill side) and
 ``PageImporter`` (decode side).
 
-    prefill: pool pages of several messages --one gather per part on a side stream, after the fence of the
-             chunk that wrote them--> one device buffer --one D2H copy--> pinned host memory
-             --kv_wire.encode_page_run (one copy)--> each message's bytes
+    prefill: pool pages of several messages, after the fence of the chunk that wrote them, on a side stream: in
+             up to 4 runs of consecutive pages one D2H copy per part and run (copy engine only), else one gather
+             per part into one device buffer and one D2H copy --> pinned host memory --one copy call for every
+             message (messages_from)--> each message's bytes
     decode:  a message into up to 4 runs of consecutive pages (a fresh request's mostly are) --one numpy copy-->
              pinned staging --one H2D copy per part and run on a side stream (copy engine only, no kernel)-->
              the request's pages; ``finish`` checks the scales (and fp8/bf16 values) of the whole transfer in one
@@ -47,9 +48,9 @@ _new_bytes.argtypes, _new_bytes.restype = [ctypes.c_void_p, ctypes.c_ssize_t], c
 _bytes_data = ctypes.pythonapi.PyBytes_AsString  # the address of a bytes object's buffer
 _bytes_data.argtypes, _bytes_data.restype = [ctypes.py_object], ctypes.c_void_p
 _MAX_SLICE_RUNS = 16  # up to this many runs of consecutive pages are copied run by run (a host pool's export)
-# a GPU pool's export: up to this many runs of consecutive pages go to host run by run (one copy per part and run,
-# on the copy engine), more are gathered by a kernel first. A gather is a kernel of this process's CUDA context,
-# which the GPU time-slices with the engine's own kernels (and, on one GPU, with a decode's)
+# a GPU pool's export, and a message written into the decode's pool: up to this many runs of consecutive pages move
+# run by run (one copy per part and run, on the copy engine); more take a kernel (a gather, a page-copy launch). A
+# kernel runs in this process's CUDA context, which the GPU time-slices with the other services' on one GPU
 _MAX_COPY_RUNS = 4
 _ALIGN = 64  # staged parts start at multiples of this (the page copy's 16-byte accesses, dtype views)
 _ACCESS = 16  # nvfp4_kernels.page_copy_triton.ACCESS_BYTES (imported there only with triton)

@@ -107,13 +107,14 @@ def stop_all(procs: list[Proc]) -> None:
         p.stop()
 
 
-def start_many(specs: list[tuple[str, ...]], timeout: float = 180.0) -> list[Proc]:
+def start_many(specs: list[tuple[str, ...]], timeout: float = 180.0,
+               prefill_addresses: tuple[str, ...] = ()) -> list[Proc]:
     """Start several services at once (``(module, *args)`` each, on free ports) and wait for all of them.
 
-    As a deployment does, every decode service started here may pull from the prefill services started here
-    (``--prefill-addresses``, unless its spec names them itself)."""
+    As a deployment does, every decode service started here may pull from the prefill services started here and
+    from ``prefill_addresses`` (started before; ``--prefill-addresses``, unless its spec names them itself)."""
     ports = [free_port() if s[0] == "prefill_svc" else 0 for s in specs]
-    prefills = [f"127.0.0.1:{p}" for p in ports if p]
+    prefills = [*prefill_addresses, *(f"127.0.0.1:{p}" for p in ports if p)]
 
     def args(spec: tuple[str, ...]) -> tuple[str, ...]:
         if spec[0] == "decode_svc" and prefills and "--prefill-addresses" not in spec:

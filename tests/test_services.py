@@ -58,10 +58,8 @@ def procs():
     def _many(*specs: tuple[str, ...]):
         """Services started together, ``(module, *args)`` each (their start-ups overlap); a decode may pull from
         every prefill started before it or with it."""
-        prefills = [q.address for q in started if q.name == "prefill_svc"]
-        specs = tuple((*s, "--prefill-addresses", *prefills) if s[0] == "decode_svc" and prefills else s
-                      for s in specs)
-        new = start_many([(module, *CPU, *args) for module, *args in specs])
+        prefills = tuple(q.address for q in started if q.name == "prefill_svc")
+        new = start_many([(module, *CPU, *args) for module, *args in specs], prefill_addresses=prefills)
         started.extend(new)
         return new
 
