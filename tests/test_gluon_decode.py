@@ -131,3 +131,14 @@ def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, c
     assert torch.isfinite(ours).all()
     assert float((ours - ref).norm() / ref.norm()) < 5e-3
     assert float((ours - triton_out.float()).norm() / ref.norm()) < 5e-3
+
+
+@pytest.mark.parametrize("npg,stages", [(2, 2), (1, 3)])
+def test_the_tma_fed_decode_variant_compiles_for_sm90a_with_tma_and_ldmatrix_and_no_spills(npg, stages):
+    # benchmarks/kernels/tma_decode_variant.py: the development probe's kernel keeps compiling (no GPU needed)
+    from benchmarks.kernels.probe_tma import compile_sm90, sass_report
+
+    r = sass_report(compile_sm90(npg=npg, stages=stages))
+    assert not r["spills"] and r["registers"] <= 168, r
+    assert r["tma_loads"] >= 4 * npg and r["ldmatrix"] > 0, r  # four TMA copies per page of a step
+    assert r["loop_ops"].get("HMMA", 0) == 16 * npg, r  # 8 QK + 8 PV products per page of 16 tokens

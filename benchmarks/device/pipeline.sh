@@ -40,6 +40,8 @@ fi
 # the GPU tests first: a broken GPU path shows before any benchmark spends time on it
 stage tests 420 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu $TESTS  # CPU-only files whose imports (openai, cryptography) the image lacks do not stop it
 stage kernels 540 python3 -m benchmarks.kernels.bench_decode ${KERNELS_ARGS:-} --out docs/benchmarks/kernels.json
+# the TMA-fed Gluon decode variant against the committed kernel (checks, then both timed in alternation)
+stage tma_probe 480 python3 -m benchmarks.kernels.probe_tma ${TMA_PROBE_ARGS:-} --out $R/probe_tma.json
 ENGINE_SHAPES=${ENGINE_SHAPES:-"1x32768 16x32768 44x32768 48x32768 84x32768 10x163840 1x1048576"}
 stage engine 400 python3 -m benchmarks.engine.bench_decode_step --shapes $ENGINE_SHAPES --iters 8 --profile \
   --out docs/benchmarks/engine_decode.json --md docs/benchmarks/engine_decode.md

@@ -1,0 +1,216 @@
+"""The TMA-fed Gluon decode (``benchmarks/kernels/tma_decode_variant.py``) against the committed cp.async one
+(development probe): checked against the fp32 reference, then both timed at the kernel benchmark's shapes in one
+run, each shape twice in alternation.
+
+    python -m benchmarks.kernels.probe_tma [--shapes 44x32768 ...] [--configs 32:2:24 16:3:24 ...] [--out F]
+    python -m benchmarks.kernels.probe_tma --compile-only     # no GPU: registers and loop instructions, sm_90a
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+from benchmarks.kernels import bench_decode as bd
+
+_ORIG = {}
+
+
+def tma_fits(layer, block_w: int) -> bool:
+    """Geometries the TMA kernel takes: 16-byte row strides for both views, steps of whole pages."""
+    ns = layer.head_dim // 16
+    return (layer.num_kv_heads * ns) % 16 == 0 and block_w % layer.page_size == 0
+
+
+def compile_sm90(d: int = 128, npg: int = 2, stages: int = 2, group: int = 4, page: int = 16):
+    """The variant compiled for sm_90a with Triton's bundled ptxas (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from benchmarks.kernels.tma_decode_variant import nvfp4_decode_tma_kernel
+
+    dw, ns = d // 4, d // 16
+    cd = f"tensordesc<i16[{page}, {dw}],{gl.NVMMASharedLayout.get_default_for([page, dw], gl.int16)!r}>"
+    sd = f"tensordesc<u8[{page}, {max(16, ns)}],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)!r}>"
+    ints = ("stride_qb", "stride_qh", "stride_ptb", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh",
+            "chunk_tokens", "oob_row")
+    sig = {"Q": "*bf16", "k_desc": cd, "ks_desc": sd, "v_desc": cd, "vs_desc": sd, "PAGE_TABLE": "*i32",
+           "SEQ_LENS": "*i32", "O_PART": "*fp32", "LSE_PART": "*fp32", "qk_scale": "fp32", "out_scale": "fp32",
+           **{n: "i32" for n in ints}}
+    cx = {"HK": 8, "G": group, "GN": max(8, triton.next_power_of_2(group)), "D": d, "PAGE": page, "NPG": npg,
+          "STAGES": stages, "SW": max(16, ns)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if sig[n].startswith("*") or n.startswith("stride_") and n != "stride_ptb"}
+    src = GluonASTSource(fn=nvfp4_decode_tma_kernel, signature=dict(sig, **{k: "constexpr" for k in cx}),
+                         constexprs=cx, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+
+
+def sass_report(kernel) -> dict:
+    """Registers, spills and the instructions of the longest loop of a compiled kernel (cuobjdump's SASS)."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        res = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path], capture_output=True, text=True,
+                             check=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", ln) for ln in sass.splitlines()) if m]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []  # backward branches' bodies; the main loop is the shortest one that holds the MMAs
+    for i, (a, text) in enumerate(ins):
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?(?:0x)?([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            body = [t for _, t in ins[at[int(m.group(1), 16)]:i + 1]]
+            if any("HMMA" in t for t in body):
+                loops.append(body)
+    loop = min(loops, key=len) if loops else []
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
+    return {"registers": int(re.search(r"REG:(\d+)", res).group(1)), "spills": "LOCAL:0" not in res,
+            "loop_instructions": len(loop), "loop_ops": dict(ops.most_common()), "tma_loads": sass.count("UTMALDG"),
+            "ldmatrix": sass.count("LDSM")}
+
+
+def _launch_tma(self, plan, q, layer, sm_scale) -> None:
+    import triton
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from benchmarks.kernels.tma_decode_variant import nvfp4_decode_tma_kernel
+    from nvfp4_kernels.backends.triton_decode import e2m1_fold
+
+    st, (batch, hq, d), hk = plan.backend_state, q.shape, layer.num_kv_heads
+    cfg = st.config
+    if not tma_fits(layer, cfg.block_w) or st.chunk_tokens % cfg.block_w:
+        raise ValueError(f"TMA kernel: geometry not taken (HK {hk}, D {d}, page {layer.page_size}, BT {cfg.block_w})")
+    page = layer.page_size
+    rows = layer.k.shape[0] * page
+    dw, ns = d // 4, d // 16
+    sw = max(16, ns)
+    cl = gl.NVMMASharedLayout.get_default_for([page, dw], gl.int16)
+    sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+
+    def codes(t):
+        return TensorDescriptor(t.view(torch.int16).view(rows, hk * dw), [rows, hk * dw], [hk * dw, 1], [page, dw], cl)
+
+    def scales(t):
+        return TensorDescriptor(t.view(torch.uint8).view(rows, hk * ns), [rows, hk * ns], [hk * ns, 1], [page, sw], sl)
+
+    args = list(self._kernel_args(plan, q, layer, sm_scale, e2m1_fold(1)))
+    args[1], args[2], args[3], args[4] = codes(layer.k), scales(layer.k_sf), codes(layer.v), scales(layer.v_sf)
+    group = hq // hk
+    nvfp4_decode_tma_kernel[(hk, st.num_splits, batch)](
+        *args, rows, HK=hk, G=group, GN=max(8, triton.next_power_of_2(group)), D=d, PAGE=page,
+        NPG=cfg.block_w // page, STAGES=cfg.num_stages, SW=sw, num_warps=1, **cfg.launch_options)
+
+
+def use(tma: bool) -> None:
+    from nvfp4_kernels.backends.triton_decode import TritonNvfp4Decode as TritonDecode
+
+    _ORIG.setdefault("gluon", TritonDecode._launch_gluon)
+    TritonDecode._launch_gluon = _launch_tma if tma else _ORIG["gluon"]
+
+
+def check(dev) -> list[dict]:
+    from nvfp4_kernels.backends.triton_backend import DecodeConfig, DecodeKernel, TritonBackend
+    from nvfp4_kernels.kv_layout import LayerKV
+
+    out = []
+    torch.manual_seed(0)
+    ref_tb = TritonBackend()
+    for g, d, lens, bt, pg, st in ((4, 128, (5000, 17, 1, 33, 64), 32, 16, 2), (4, 128, (3001, 640, 33), 16, 16, 3),
+                                   (4, 128, (2049, 100, 7), 32, 16, 3), (8, 64, (2049, 100, 31), 32, 16, 2),
+                                   (1, 128, (1500, 16, 47), 32, 16, 2), (4, 256, (1500, 16), 16, 16, 2),
+                                   (4, 128, (3001, 77, 5), 64, 64, 2), (4, 128, (1001, 40), 32, 32, 2)):
+        b, hq = len(lens), bd.HK * g
+        maxp = max(-(-n // pg) for n in lens) + 1
+        p = b * maxp + 5
+        layer = LayerKV("nvfp4", pg, bd.HK, d, torch.zeros(p, pg, bd.HK, d // 2, dtype=torch.uint8, device=dev),
+                        torch.zeros(p, pg, bd.HK, d // 2, dtype=torch.uint8, device=dev),
+                        torch.zeros(p, pg, bd.HK, d // 16, dtype=torch.float8_e4m3fn, device=dev),
+                        torch.zeros(p, pg, bd.HK, d // 16, dtype=torch.float8_e4m3fn, device=dev), bd.K_G, bd.V_G)
+        kk = torch.randn(p * pg, bd.HK, d, device=dev)
+        kk[:, :, 7] *= 40.0
+        vv = torch.randn(p * pg, bd.HK, d, device=dev) * torch.exp(torch.randn(p * pg, bd.HK, 1, device=dev))
+        ref_tb.write_kv(layer, torch.arange(p * pg, device=dev), kk, vv)
+        pt = torch.randperm(p, device=dev)[: b * maxp].reshape(b, maxp).to(torch.int32)
+        # the slots past each prompt's end: NaN scales (0x7F), which the kernel must never let through
+        for i, n in enumerate(lens):
+            last = int(pt[i, (n - 1) // pg])
+            layer.v_sf.view(torch.uint8)[last, (n - 1) % pg + 1:] = 0x7F
+            layer.k_sf.view(torch.uint8)[last, (n - 1) % pg + 1:] = 0x7F
+        seq = torch.tensor(lens, dtype=torch.int32, device=dev)
+        q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
+        ref = bd.fp32_decode_reference(layer, pt, seq, q, 1 / math.sqrt(d))
+        gb = TritonBackend(DecodeConfig(1, bt, st, 24, DecodeKernel.GLUON))
+        o = gb.decode(gb.plan_decode(pt, seq, hq, bd.HK, d, pg), q, layer, 1 / math.sqrt(d)).float()
+        err = float((o - ref).norm() / ref.norm())
+        out.append({"g": g, "d": d, "lens": lens, "bt": bt, "page": pg, "stages": st, "rel_err": err,
+                    "finite": bool(torch.isfinite(o).all())})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", default=[f"{b}x{n}" for b, n in bd.SHAPES])
+    ap.add_argument("--configs", nargs="*", default=["32:2:24", "16:3:24", "16:4:24", "32:3:24"],
+                    help="TMA kernel tilings BT:STAGES:programs_per_sm")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--compile-only", action="store_true")
+    a = ap.parse_args(argv)
+    if a.compile_only:
+        for npg, stages in ((2, 2), (1, 3), (1, 4), (2, 3)):
+            r = sass_report(compile_sm90(npg=npg, stages=stages))
+            print(f"BT {16 * npg} stages {stages}: {r['registers']} registers, spills {r['spills']}, "
+                  f"{r['loop_instructions']} loop instructions {r['loop_ops']}", flush=True)
+        return 0
+    from nvfp4_kernels.backends.triton_backend import DecodeConfig, DecodeKernel
+
+    dev = torch.device("cuda")
+    copy = bd.copy_bandwidth(dev)
+    print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
+    rows = []
+    use(True)
+    for c in check(dev):
+        print(f"check tma {c}", flush=True)
+        rows.append({"kernel": "tma", "check": c})
+    base = [DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)]
+    tcfgs = [DecodeConfig(1, *[int(v) for v in x.split(":")], DecodeKernel.GLUON) for x in a.configs]
+    for rnd in range(a.rounds):
+        for sh in a.shapes:
+            bsz, n = map(int, sh.split("x"))
+            for kernel, cfgs in (("cp.async", base), ("tma", tcfgs)):
+                use(kernel == "tma")
+                for label, r in bd.time_ours(dev, bsz, n, cfgs).items():
+                    tbs = bd.nvfp4_bytes(bsz, n) / r["us"] / 1e6
+                    print(f"time r{rnd} {kernel} {sh} {label}: {r['us']:.1f} us (graph {r['graph_us']:.1f}) "
+                          f"{tbs:.2f} TB/s ({tbs / copy:.0%})", flush=True)
+                    rows.append({"kernel": kernel, "round": rnd, "shape": sh, "config": label, "us": r["us"],
+                                 "graph_us": r["graph_us"], "tbs": tbs, "of_copy": tbs / copy})
+    use(False)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"copy_tbs": copy, "rows": rows, "argv": sys.argv}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
