@@ -14,8 +14,8 @@
              with unaligned parts is staged part by part. Nothing is scanned on the host.
     cuda-ipc: the prefill's pages --one page-copy kernel per layer (every part, values checked in the same
               pass; nvfp4_kernels/page_copy_triton.py)--> the request's pages
-    nixl:     NIXL's READ writes the request's pages (kv_transfer_nixl.py); check_written checks them (the
-              same kernel, check only)
+    nixl:     NIXL's READ writes the request's pages (kv_transfer_nixl.py); ``finish`` checks them all
+              (check_at_finish: the same kernel, check only, one launch per kind of part for the transfer)
 
 Both use their own CUDA stream, so a transfer never waits behind the engine's next chunk or decode step,
 and never holds the engine thread. The importer's invariant: ``finish`` returns only after every write it
@@ -280,7 +280,8 @@ class PageImporter:
         self._batched = False  # move_pages: one launch per kind of part for every layer of a batch
         self._tables = tables if tables is not None else PageTableCache()  # (layers, source addresses) -> their PageTables
         self.times = WriteTimes()  # the message writes' (``write``)
-        # run copies (``_write_runs``): written pages whose values ``finish`` checks, (layer, page ids, tokens)
+        # run copies (``_write_runs``) and NIXL's reads (``check_at_finish``): written pages whose values ``finish``
+        # checks, (layer, page ids, tokens)
         self._run_copies = True
         self._unchecked: list[tuple[int, tuple[int, ...], int]] = []
         if pool.device.type == "cuda":  # triton: a GPU install's
@@ -402,10 +403,20 @@ class PageImporter:
             self._unchecked.append((run.layer, tuple(d0 + i for _, d0, m in runs for i in range(m)), num_tokens))
         self.times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
 
-    def _check_run_copies(self) -> None:
-        """Queue the checks of every page written by ``_write_runs`` (``check_written``): the pages of the layers
-        that share a page set in one check. A transfer's full pages and its one partial page (the prompt's last)
-        of the same layers join into one list, so a whole transfer is one check (one launch per kind of part)."""
+    def check_at_finish(self, layers: Sequence[int], page_ids: Sequence[int], num_tokens: int) -> None:
+        """``check_written`` left to ``finish``, for pages of ``layers`` that another agent wrote (nixl: NIXL's
+        READs, complete before this call): joined there with every other deferred check, so a transfer's pages
+        are checked in one launch per kind of part, not one per batch of reads (each launch costs the writer
+        thread about a millisecond of host work while the transfer runs)."""
+        ids = tuple(int(p) for p in page_ids)
+        with self._lock:  # the reads of one transfer return on several writer threads
+            self._unchecked.extend((layer, ids, num_tokens) for layer in layers)
+
+    def _check_deferred(self) -> None:
+        """Queue the checks of every page written by ``_write_runs`` or named by ``check_at_finish``
+        (``check_written``): the pages of the layers that share a page set in one check. A transfer's full pages
+        and its one partial page (the prompt's last) of the same layers join into one list, so a whole transfer
+        is one check (one launch per kind of part)."""
         if not self._unchecked:
             return
         by_pages: dict[tuple[tuple[int, ...], int], list[int]] = collections.defaultdict(list)
@@ -499,7 +510,7 @@ class PageImporter:
     def finish(self) -> None:
         """Block until every write issued is complete; ValueError if any written scale or value was NaN/inf
         (the caller fails the transfer and frees the pages)."""
-        self._check_run_copies()
+        self._check_deferred()
         self.settle()
         if self._bad is not None and bool(self._bad.item()):
             raise ValueError("the pages carry NaN or inf scales or values")

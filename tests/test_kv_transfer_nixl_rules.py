@@ -117,3 +117,34 @@ def test_pages_written_by_a_nixl_read_are_checked_like_copies_a_nan_scale_fails_
     poisoned.check_written([0, 1], [4, 5], 17)  # page 5 holds the prompt's 17th token
     with pytest.raises(ValueError, match="NaN or inf"):
         poisoned.finish()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_reads_left_to_finish_are_checked_there_in_one_check_and_only_inside_the_prompt(device, monkeypatch):
+    """NIXL's reads of a transfer: their checks wait for ``finish`` and join into one (full pages and the last,
+    partial one of every layer); a NaN past the prompt is never read, one inside it fails the transfer."""
+    pool = KVPool("nvfp4", num_layers=2, num_pages=12, page_size=16, num_kv_heads=2, head_dim=32, device=device)
+    for lkv in pool.layers:
+        lkv.k_sf.view(torch.uint8).fill_(0x38)
+        lkv.v_sf.view(torch.uint8).fill_(0x38)
+    pool.layers[0].v_sf.view(torch.uint8)[7, 3] = 0xFF  # past the prompt: page 7 holds tokens 32..34
+    calls = []
+
+    def counting(importer):
+        real = importer.check_written
+        monkeypatch.setattr(importer, "check_written", lambda *a: (calls.append(a), real(*a)))
+        return importer
+
+    clean = counting(PageImporter(pool))
+    clean.check_at_finish([0, 1], [3, 4], 32)  # two batches of reads, as two writer threads return them
+    clean.check_at_finish([0, 1], [7], 3)
+    assert calls == []  # nothing checked while the reads run
+    clean.finish()
+    assert [(tuple(c[0]), tuple(c[1]), c[2]) for c in calls] == [((0, 1), (3, 4, 7), 35)]  # one check, in order
+    pool.layers[1].k_sf.view(torch.uint8)[7, 2] = 0x7F  # the prompt's 35th token
+    poisoned = PageImporter(pool)
+    poisoned.check_at_finish([0, 1], [3, 4], 32)
+    poisoned.check_at_finish([0, 1], [7], 3)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        poisoned.finish()
