@@ -100,7 +100,7 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 if num := graphs.warm_kernels():
-                    log.info("decode kernels compiled for %d (batch, width) shapes in %.1f s", num,
+                    log.info("decode kernels warmed for %d (batch, width) shapes in %.1f s", num,
                              time.perf_counter() - t0)
             except Exception:  # an optimisation only: without it kernels compile on first use, as before
                 log.warning("decode kernel warm-up failed; kernels compile on first use", exc_info=True)

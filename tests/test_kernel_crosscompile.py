@@ -263,6 +263,22 @@ _INTERPRETED = textwrap.dedent("""
         expect = rb.decode(rb.plan_decode(pt, seq, HK * G, HK, D, S), q, ours, 1 / math.sqrt(D)).float()
         err = ((out - expect).norm() / expect.norm()).item()
         assert err < 1e-2, err
+    # the merge walks the splits in tiles: one split, part of a tile, a whole tile, and several tiles with a
+    # partial last one; empty splits (lse -inf) weigh nothing, and a head whose every split is empty gets zeros
+    from nvfp4_kernels.triton.nvfp4_decode import MERGE_ELEMENTS, merge_kernel
+    tile = MERGE_ELEMENTS.value // 64
+    for splits in (1, 5, tile, 2 * tile + 3):
+        op, lse = torch.randn(2, 3, splits, 64), torch.randn(2, 3, splits) * 4
+        lse[0, 0, ::2] = float("-inf")
+        lse[1, 2] = float("-inf")
+        out = torch.empty(2, 3, 64, dtype=torch.bfloat16)
+        merge_kernel[(2, 3)](op, lse, out, splits, out.stride(0), out.stride(1), D=64)
+        m = lse.amax(-1, keepdim=True)
+        w = torch.exp2(lse - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+        den = w.sum(-1, keepdim=True)
+        expect = (w[..., None] * op).sum(-2) / torch.where(den > 0, den, torch.ones_like(den))
+        assert torch.allclose(out.float(), expect, rtol=1e-2, atol=1e-2), splits
+        assert torch.equal(out[1, 2].float(), torch.zeros(64)), splits
     print("interpreter ok")
 """)
 

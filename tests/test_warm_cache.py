@@ -118,6 +118,8 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
     shapes = runner.shapes()
     # on sm_90a the engine decodes with the Gluon kernel (nvfp4_kernels.backends.triton_decode.default_decode_config)
     assert launches["nvfp4_decode_gluon_kernel"][0] == len(shapes) == launches["merge_kernel"][0]
+    # one compile serves every (batch, width): nothing the plan derives from the shape is specialized
+    assert launches["nvfp4_decode_gluon_kernel"][1] == 1 == launches["merge_kernel"][1], res.stdout
     cubins = _cubins(cache)
     for name in ("nvfp4_decode_gluon_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel",
                  "rmsnorm_kernel", "silu_mul_kernel", "qk_norm_rope_kernel", "kv_write_kernel"):

@@ -202,11 +202,12 @@ class TritonNvfp4Decode:
 
     def warm(self, layer: LayerKV, shapes: list[tuple[int, int]], num_qo_heads: int,
              q_dtype: torch.dtype, sm_scale: float, fill_page: int) -> int:
-        """Triton specializes the NVFP4 decode and merge kernels on values that follow the plan's shape (the
-        split count, via SPLITS_P2 and the partial buffers' strides; the table's row stride): a new shape
-        compiles a variant (about a second), which stalled every running request the first time a serving
-        batch grew into it. Running each shape once here moves those compiles to start-up (with a ``target``
-        on CPU tensors too: ``nvfp4-serve warm-cache`` compiles them for that GPU, launching nothing)."""
+        """Run every shape once, so that no serving step waits for a first-use compile (with a ``target`` on CPU
+        tensors too: ``nvfp4-serve warm-cache`` compiles for that GPU, launching nothing). The decode and merge
+        kernels do not specialize on what follows a plan's shape (``nvfp4_decode.PLAN_INTS``, the merge's
+        split count), so all shapes share one compile of each: the first shape compiles it (about a second),
+        the rest only launch. Running them all keeps that true where a shape would specialize after all (a
+        variant compiled here rather than mid-serving, where it stalled every running request)."""
         if (layer.k.device.type != "cuda" and self.target is None) or not shapes:
             return 0
         dev = layer.k.device
@@ -242,9 +243,7 @@ class TritonNvfp4Decode:
             self._launch_triton(plan, q, layer, sm_scale)
         op, lse = st.o_part, st.lse_part
         out = torch.empty_like(q)
-        merge_kernel[(batch, hq)](
-            op, lse, out, st.num_splits, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), D=d, SPLITS_P2=triton.next_power_of_2(st.num_splits))
+        merge_kernel[(batch, hq)](op, lse, out, st.num_splits, out.stride(0), out.stride(1), D=d)
         return out
 
     @staticmethod

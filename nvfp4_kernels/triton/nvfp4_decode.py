@@ -29,6 +29,12 @@ Split-KV: split s covers tokens [s * chunk, (s+1) * chunk) of its sequence. The 
 normalised partial output and base-2 log-sum-exp; ``merge_kernel`` combines the splits. A program whose
 range is empty writes lse = -inf and a zero row. Grids depend only on (B, num_splits, Hk), never on the
 sequence lengths, so one CUDA graph per batch bucket (fixed max_pages) replays for any lengths.
+
+One compile per model and tiling. The ints a plan derives from the batch shape (the table's row stride, the
+split count and the partial buffers' strides that follow it) are not specialized (``PLAN_INTS``), and the merge
+walks the splits in fixed tiles (``MERGE_ELEMENTS``): every (batch, table width) a server meets runs the same
+binary, where Triton compiled a variant per value class of those ints (4 decode and 16 merge variants over the
+966 graph shapes of an H200 server at 256K context), each compile stalling the batch that met it first.
 """
 
 from __future__ import annotations
@@ -38,6 +44,13 @@ import triton.language as tl
 
 from nvfp4_kernels.triton.e2m1 import e2m1x4
 
+# The decode kernels' ints that follow the batch shape (see the module docstring); the partial buffers' other
+# strides are multiples of D, so they specialize the same way for every shape.
+PLAN_INTS = ("stride_ptb", "stride_lb", "stride_lh")
+# ``merge_kernel`` merges splits in tiles of MERGE_ELEMENTS // D ([tile, D] fp32: 128 registers a thread over 4
+# warps). At D 128 that is 128 splits, as many as the old one-shot merge loaded for the split counts plans make up to
+# 128 (1 x 32K on 132 SMs: 128), so those stay one load round trip; longer plans (1 x 1M: 395) loop.
+MERGE_ELEMENTS = tl.constexpr(16384)
 
 @triton.jit
 def _block_scales(ptrs, ok, NW: tl.constexpr, BW: tl.constexpr, NS: tl.constexpr, DW: tl.constexpr):
@@ -54,7 +67,7 @@ def _load_q(Q, q_row, g_ok, j, K_IDX: tl.constexpr):
     return tl.load(Q + q_row[:, None] + (4 * j + K_IDX)[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PLAN_INTS)
 def nvfp4_decode_kernel(
     Q, K16, KSF, V16, VSF, PAGE_TABLE, SEQ_LENS, O_PART, LSE_PART,
     qk_scale, out_scale,
@@ -155,24 +168,30 @@ def nvfp4_decode_kernel(
     tl.store(LSE_PART + b * stride_lb + hq * stride_lh + split, m + tl.log2(l_tot), mask=g_ok)
 
 
-@triton.jit
-def merge_kernel(
-    O_PART, LSE_PART, O, num_splits,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    D: tl.constexpr, SPLITS_P2: tl.constexpr,
-):
-    """out[b, hq] = sum_s 2**(lse_s - lse) * o_s, lse = log2(sum_s 2**lse_s): merge of the splits."""
+@triton.jit(do_not_specialize=["num_splits"])
+def merge_kernel(O_PART, LSE_PART, O, num_splits, stride_ob, stride_oh, D: tl.constexpr):
+    """out[b, hq] = sum_s 2**(lse_s - lse) * o_s, lse = log2(sum_s 2**lse_s): merge of the splits, a tile of them
+    at a time with a running max. O_PART [B, Hq, num_splits, D] and LSE_PART [B, Hq, num_splits] fp32 are contiguous
+    (the plan makes them), so their offsets follow from num_splits and D alone: no stride is an argument."""
+    SPLIT_TILE: tl.constexpr = MERGE_ELEMENTS // D
     b = tl.program_id(0)
     hq = tl.program_id(1)
-    s = tl.arange(0, SPLITS_P2)
+    row = (b * tl.num_programs(1) + hq).to(tl.int64) * num_splits  # this head's first split
+    s = tl.arange(0, SPLIT_TILE)
     d = tl.arange(0, D)
-    s_ok = s < num_splits
-    lse = tl.load(LSE_PART + b * stride_lb + hq * stride_lh + s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    o = tl.load(O_PART + b * stride_pb + hq * stride_ph + s[:, None] * stride_ps + d[None, :],
-                mask=s_ok[:, None], other=0.0)
-    den = tl.sum(w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+    m = tl.full([1], float("-inf"), tl.float32)
+    den = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_TILE):
+        ok = s0 + s < num_splits
+        lse = tl.load(LSE_PART + row + s0 + s, mask=ok, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty: weights stay 0
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(lse - m_use)
+        o = tl.load(O_PART + (row + s0 + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        den = den * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        m = m_new
+    out = acc / tl.where(den > 0, den, 1.0)
     tl.store(O + b * stride_ob + hq * stride_oh + d, out.to(O.dtype.element_ty))

@@ -36,6 +36,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from nvfp4_kernels.triton.nvfp4_decode import PLAN_INTS
+
 # $2: two int16 words (8 codes) e0 | e1 << 16; $3: their two block scales as fp16x2 (s0, s1).
 # _LO_ASM: outputs for nibbles 0 and 2, _HI_ASM: nibbles 1 and 3, each an fp16x2
 # (E2M1[nibble k of e0] * s0, E2M1[nibble k of e1] * s1) * 2**-14 (the decode of nvfp4_kernels/triton/e2m1.py, split
@@ -130,7 +132,7 @@ def _store_out(O_PART, LSE_PART, b, split, h, acc0, acc1, acc2, acc3, lse, strid
     gl.store(LSE_PART + b * stride_lb + hq * stride_lh + split, lse, mask=go < G)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=PLAN_INTS)  # one compile for every batch shape (nvfp4_decode.py)
 def nvfp4_decode_gluon_kernel(
     Q, K16, KSF, V16, VSF, PAGE_TABLE, SEQ_LENS, O_PART, LSE_PART,
     qk_scale, out_scale,
