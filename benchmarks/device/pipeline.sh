@@ -25,11 +25,18 @@ stage() { local name=$1; shift; want "$name" || return 0
   echo "=== $(date +%T) stage $name start"; timeout "$@"; echo "=== $(date +%T) stage $name rc=$?"
   rm -rf $R/docs_final && cp -r docs/benchmarks $R/docs_final; }  # what is done survives a cut-off run
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
-# NIXL (stages nixl, nixl_probe): the nixl-cu13 wheel (56 MiB) exceeds one call's carry, so its parts travel over
-# consecutive calls (benchmarks/device/carry_parts.sh, whose header says how); installed here, before the GPU
-# tests, so they take nixl as a third transfer path. NIXL_WHEEL names it.
+# NIXL (stages nixl, nixl_probe), installed here, before the GPU tests, so they take nixl as a third transfer path.
+# Either .nixl-slim/nixl-slim.tar.xz (7.4 MiB: benchmarks/device/slim_nixl.py cuts the wheels down to what one host's
+# transfers load), or the whole nixl-cu13 wheel (56 MiB), its parts over consecutive calls
+# (benchmarks/device/carry_parts.sh, whose header says how; NIXL_WHEEL names it). The tree, .whl and .gpu-carry
+# fill one call's 64 MiB, so .nixl-slim goes in a call of its own just before (carry .nixl-slim and .whl, run
+# "mkdir -p /tmp/site && tar -xJf .nixl-slim/nixl-slim.tar.xz -C /tmp/site"): a NIXL already in /tmp/site is used.
 NIXL_OK=0
-if want nixl || want nixl_probe; then
+if { want nixl || want nixl_probe; } && [ -f .nixl-slim/nixl-slim.tar.xz ]; then
+  mkdir -p /tmp/site && tar -xJf .nixl-slim/nixl-slim.tar.xz -C /tmp/site && NIXL_OK=1
+elif { want nixl || want nixl_probe; } && PYTHONPATH=/tmp/site python3 -c "import nixl" 2>/dev/null; then
+  NIXL_OK=1
+elif want nixl || want nixl_probe; then
   NIXL_WHEEL=${NIXL_WHEEL:-nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl}
   bash benchmarks/device/carry_parts.sh collect >/dev/null
   mkdir -p /tmp/nixlwhl && cp -f /tmp/carry-parts/nixl-*.whl /tmp/nixlwhl/ 2>/dev/null
