@@ -83,7 +83,7 @@ class ModelRunner:
         slots = [int(t[r.kv_len // ps]) * ps + r.kv_len % ps for r, t in zip(reqs, tables)]
         width = max(len(t) for t in tables)
         if use_graphs and self.graphs is not None and self.graphs.supports(len(reqs), width):
-            return self.graphs.run(ids, pos, tables, lens, slots)
+            return self.graphs.run(ids, pos, tables, lens, slots, append_only=True)  # PageTableRows' rows
         table = np.zeros((len(reqs), width), dtype=np.int32)
         for i, t in enumerate(tables):
             table[i, :len(t)] = t

@@ -74,6 +74,43 @@ def test_page_table_rows_follow_appends_and_replaced_lists():
     assert set(rows._rows) == {"b"}  # rows of requests gone from the batch are dropped
 
 
+def test_append_only_staging_writes_the_table_a_refill_would_as_rows_grow_move_and_leave(tiny_model_dir):
+    """``run(..., append_only=True)`` writes only new entries while steps stay on one entry; whatever the rows
+    do (grow, change request, shrink after a retraction, leave for padding, switch entry) the host table must
+    equal a refill: each row's pages, then the scratch page."""
+    eng = _engine(tiny_model_dir, "nvfp4")
+    runner = DecodeGraphRunner(eng.model, eng.paths, eng.device, max_batch=8, max_width=64, capture=False)
+    scratch, rows = runner.scratch_page, PageTableRows()
+    a, b, c = (Request(n, [1], GREEDY, page_ids=list(p)) for n, p in (("a", [1, 2, 3]), ("b", [4, 5, 6, 7, 8]),
+                                                                       ("c", [9, 10])))
+    d = Request("d", [1], GREEDY, page_ids=[11])
+
+    def step(reqs):
+        tables = rows.rows(reqs)
+        bb, wb = 8, 32
+        entry = runner._entries.get((bb, wb)) or runner._build(bb, wb)
+        n = len(reqs)
+        runner._stage(entry, [0] * n, [0] * n, tables, [1] * n, [0] * n, append_only=True)
+        want = np.full((bb, wb), scratch, dtype=np.int32)
+        for i, r in enumerate(reqs):
+            want[i, :len(r.page_ids)] = r.page_ids
+        assert np.array_equal(runner._host_table(bb, wb), want), [r.rid for r in reqs]
+
+    step([a, b, c])
+    a.page_ids.append(12)  # a grows in place
+    step([a, b, c])
+    step([a, c, d])  # b leaves: c moves up over b's longer row, d takes c's
+    step([c, a, d])  # a moves onto c's shorter row: the row is rewritten, not just extended
+    a.page_ids = [13, 14]  # a retracted and admitted again: a new, shorter list
+    step([a, c, d])
+    step([d])  # rows 1 and 2 back to padding
+    for k in range(28):  # one page at a time to a row that was padding, past PageTableRows' first capacity (16)
+        d.page_ids.append(15 + k % 40)
+        step([d, c] if k % 3 else [d])
+    runner._build(4, 32)  # another entry's capture-time staging in between: the next step refills
+    step([c, d])
+
+
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3", "nvfp4"])
 def test_fixed_buffer_decode_gives_the_eager_tokens(tiny_model_dir, kv_dtype):
     prompts = _prompts(7, seed=3, max_len=120)
