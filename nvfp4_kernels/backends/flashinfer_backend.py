@@ -104,15 +104,23 @@ def paged_indices(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: i
     return indptr.to(torch.int32), indices.to(torch.int32).contiguous(), last.to(torch.int32)
 
 
+_ROW_CUT_WIDTH = 512  # table widths from which paged_indices_host cuts row by row (see there)
+
+
 def paged_indices_host(page_table: np.ndarray, seq_lens: np.ndarray, page_size: int
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``paged_indices`` on host arrays (numpy int32 results)."""
+    """``paged_indices`` on host arrays (numpy int32 results). Runs before every fp8/bf16 decode graph replay,
+    while the GPU waits: a wide table (long contexts) is cut row by row (44 x 2304 pages: 0.14 ms here, where a
+    mask over the whole table takes 0.35), a narrow one masked whole (256 x 64: 0.13 ms, 0.35 row by row)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     num_pages = (lens + page_size - 1) // page_size
     indptr = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(num_pages, out=indptr[1:])
-    cols = np.arange(page_table.shape[1])
-    indices = np.ascontiguousarray(page_table[cols[None, :] < num_pages[:, None]], dtype=np.int32)
+    if page_table.shape[1] >= _ROW_CUT_WIDTH and len(lens):
+        indices = np.concatenate([page_table[i, :n] for i, n in enumerate(num_pages.tolist())]).astype(np.int32, copy=False)
+    else:
+        cols = np.arange(page_table.shape[1])
+        indices = np.ascontiguousarray(page_table[cols[None, :] < num_pages[:, None]], dtype=np.int32)
     last = (lens - (num_pages - 1) * page_size).astype(np.int32)
     return indptr, indices, last
 
