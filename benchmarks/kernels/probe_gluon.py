@@ -98,10 +98,15 @@ def main(argv=None) -> int:
                 tbs = bd.nvfp4_bytes(bsz, n) / r["us"] / 1e6
                 print(f"time {m} {sh} {label}: {r['us']:.1f} us {tbs:.2f} TB/s ({tbs / copy:.0%})", flush=True)
                 rows.append({"module": m, "shape": sh, "config": label, "us": r["us"], "tbs": tbs, "of_copy": tbs / copy})
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"copy_tbs": copy, "rows": rows, "argv": sys.argv}, f, indent=1)
+    write_json(a.out, copy, rows)
     return 0
+
+
+def write_json(path: str | None, copy_tbs: float, rows: list[dict]) -> None:
+    """A probe run's rows, its copy bandwidth and command line (nothing when ``path`` is None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"copy_tbs": copy_tbs, "rows": rows, "argv": sys.argv}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,13 @@ run, each shape twice in alternation.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
 import torch
 
 from benchmarks.kernels import bench_decode as bd
+from benchmarks.kernels.probe_gluon import write_json
 
 _ORIG = {}
 
@@ -206,9 +206,7 @@ def main(argv=None) -> int:
                     rows.append({"kernel": kernel, "round": rnd, "shape": sh, "config": label, "us": r["us"],
                                  "graph_us": r["graph_us"], "tbs": tbs, "of_copy": tbs / copy})
     use(False)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"copy_tbs": copy, "rows": rows, "argv": sys.argv}, f, indent=1)
+    write_json(a.out, copy, rows)
     return 0
 
 

@@ -23,10 +23,17 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from nvfp4_kernels.triton.nvfp4_decode_gluon import _HI_ASM, _LO_ASM, _decode_half, _scales, _store_out
+from nvfp4_kernels.triton.nvfp4_decode_gluon import (
+    _MMA,
+    _attend,
+    _fresh_state,
+    _load_q,
+    _split_range,
+    _store_empty,
+    _store_out,
+)
 
 
 @gluon.jit
@@ -65,33 +72,13 @@ def nvfp4_decode_tma_kernel(
     DW: gl.constexpr = D // 4
     NS: gl.constexpr = D // 16
     BT: gl.constexpr = NPG * PAGE
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    k_sl: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 2, 2], [1, 1, 1], [2, 1, 0])
-    v_sl: gl.constexpr = gl.BlockedLayout([2, 1, 1], [4, 2, 4], [1, 1, 1], [0, 2, 1])
+    zl: gl.constexpr = gl.BlockedLayout([1, SW], [32, 1], [1, 1], [1, 0])  # a scale row per lane
 
-    h = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    seq_len = gl.load(SEQ_LENS + b)
-    start = split * chunk_tokens
-    end = gl.minimum(seq_len, start + chunk_tokens)
+    h, split, b, start, end = _split_range(SEQ_LENS, chunk_tokens)
     if start >= end:
-        z = gl.zeros([DW, GN], gl.float32, layout=mma)
-        _store_out(O_PART, LSE_PART, b, split, h, z, z, z, z,
-                   gl.full([GN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma)),
-                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, mma)
+        _store_empty(O_PART, LSE_PART, b, split, h, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW)
         return
-
-    jq = gl.arange(0, DW, layout=gl.SliceLayout(1, op_b))
-    gq = gl.arange(0, GN, layout=gl.SliceLayout(0, op_b))
-    qp = Q + b * stride_qb + (h * G + gq)[None, :] * stride_qh + 4 * jq[:, None]
-    qm = (gq < G)[None, :] & (jq >= 0)[:, None]
-    q0 = gl.load(qp + 0, mask=qm, other=0.0).to(gl.float16)
-    q1 = gl.load(qp + 1, mask=qm, other=0.0).to(gl.float16)
-    q2 = gl.load(qp + 2, mask=qm, other=0.0).to(gl.float16)
-    q3 = gl.load(qp + 3, mask=qm, other=0.0).to(gl.float16)
+    q0, q1, q2, q3 = _load_q(Q, b, h, stride_qb, stride_qh, G, GN, DW)
 
     ring = (gl.allocate_shared_memory(gl.int16, [STAGES, BT, DW], k_desc.layout),
             gl.allocate_shared_memory(gl.int16, [STAGES, BT, DW], v_desc.layout),
@@ -106,15 +93,8 @@ def nvfp4_decode_tma_kernel(
         _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, start + i * BT, end, i, h, oob_row,
                DW, NS, PAGE, NPG, SW)
 
-    ts = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))
-    zl: gl.constexpr = gl.BlockedLayout([1, SW], [32, 1], [1, 1], [1, 0])  # a scale row per lane
     tz = gl.arange(0, BT, layout=gl.SliceLayout(1, zl))
-    m_i = gl.full([GN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
-    l_i = gl.zeros([GN], gl.float32, layout=gl.SliceLayout(0, mma))
-    acc0 = gl.zeros([DW, GN], gl.float32, layout=mma)
-    acc1 = gl.zeros([DW, GN], gl.float32, layout=mma)
-    acc2 = gl.zeros([DW, GN], gl.float32, layout=mma)
-    acc3 = gl.zeros([DW, GN], gl.float32, layout=mma)
+    m_i, l_i, acc0, acc1, acc2, acc3 = _fresh_state(GN, DW)
     for i in range(gl.cdiv(end - start, BT)):
         t0 = start + i * BT
         stage = i % STAGES
@@ -128,31 +108,11 @@ def nvfp4_decode_tma_kernel(
             vs_smem.index(stage).store(gl.where(((t0 + tz) < end)[:, None], x, gl.zeros_like(x)))
             fence_async_shared()  # these generic writes are ordered before a later TMA refill of the slot
             gl.thread_barrier()
-        ks = _scales(ks_smem.index(stage).slice(0, NS, dim=1), k_sl, op_a, BT, NS, False)
-        kw = k_smem.index(stage).load(op_a)
-        k0, k2 = _decode_half(kw, ks, _LO_ASM)
-        s = mma_v2(k0, q0, gl.zeros([BT, GN], gl.float32, layout=mma))
-        s = mma_v2(k2, q2, s)
-        k1, k3 = _decode_half(kw, ks, _HI_ASM)
-        s = mma_v2(k1, q1, s)
-        s = mma_v2(k3, q3, s)
-        s = gl.where(((t0 + ts) < end)[:, None], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + gl.sum(p, 0)
-        m_i = m_new
-        pb = gl.convert_layout(p.to(gl.float16), op_b)
-        vs = _scales(vs_smem.index(stage).slice(0, NS, dim=1), v_sl, op_a, BT, NS, True)
-        vw = v_smem.index(stage).permute((1, 0)).load(op_a)
-        a2 = alpha[None, :]
-        v0, v2 = _decode_half(vw, vs, _LO_ASM)
-        acc0 = mma_v2(v0, pb, acc0 * a2)
-        acc2 = mma_v2(v2, pb, acc2 * a2)
-        v1, v3 = _decode_half(vw, vs, _HI_ASM)
-        acc1 = mma_v2(v1, pb, acc1 * a2)
-        acc3 = mma_v2(v3, pb, acc3 * a2)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _attend(
+            k_smem.index(stage), ks_smem.index(stage).slice(0, NS, dim=1), v_smem.index(stage),
+            vs_smem.index(stage).slice(0, NS, dim=1), q0, q1, q2, q3, t0, end, qk_scale, m_i, l_i, acc0, acc1, acc2,
+            acc3, BT, GN, NS)
 
     inv = (out_scale / l_i)[None, :]
     _store_out(O_PART, LSE_PART, b, split, h, acc0 * inv, acc1 * inv, acc2 * inv, acc3 * inv, m_i + gl.log2(l_i),
-               stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, mma)
+               stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, _MMA)

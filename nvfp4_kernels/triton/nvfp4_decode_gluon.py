@@ -132,6 +132,95 @@ def _store_out(O_PART, LSE_PART, b, split, h, acc0, acc1, acc2, acc3, lse, strid
     gl.store(LSE_PART + b * stride_lb + hq * stride_lh + split, lse, mask=go < G)
 
 
+# the accumulators' layout: one warp, MMA v2 (m16n8k16)
+_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+
+
+@gluon.jit
+def _split_range(SEQ_LENS, chunk_tokens):
+    """This program's (kv head, split, sequence) and the split's token range [start, end) (empty past the end)."""
+    h = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    start = split * chunk_tokens
+    end = gl.minimum(gl.load(SEQ_LENS + b), start + chunk_tokens)
+    return h, split, b, start, end
+
+
+@gluon.jit
+def _fresh_state(GN: gl.constexpr, DW: gl.constexpr):
+    """Online-softmax state before the first step: (m_i, l_i, acc0..acc3)."""
+    acc = gl.zeros([DW, GN], gl.float32, layout=_MMA)
+    return (gl.full([GN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, _MMA)),
+            gl.zeros([GN], gl.float32, layout=gl.SliceLayout(0, _MMA)), acc, acc, acc, acc)
+
+
+@gluon.jit
+def _load_q(Q, b, h, stride_qb, stride_qh, G: gl.constexpr, GN: gl.constexpr, DW: gl.constexpr):
+    """Q_k^T [DW, GN] as B operands (k = 0..3): element (j, g) = q[b, h*G + g, 4j + k], zero for g >= G."""
+    op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2)
+    jq = gl.arange(0, DW, layout=gl.SliceLayout(1, op_b))
+    gq = gl.arange(0, GN, layout=gl.SliceLayout(0, op_b))
+    qp = Q + b * stride_qb + (h * G + gq)[None, :] * stride_qh + 4 * jq[:, None]
+    qm = (gq < G)[None, :] & (jq >= 0)[:, None]
+    q0 = gl.load(qp + 0, mask=qm, other=0.0).to(gl.float16)
+    q1 = gl.load(qp + 1, mask=qm, other=0.0).to(gl.float16)
+    q2 = gl.load(qp + 2, mask=qm, other=0.0).to(gl.float16)
+    q3 = gl.load(qp + 3, mask=qm, other=0.0).to(gl.float16)
+    return q0, q1, q2, q3
+
+
+@gluon.jit
+def _store_empty(O_PART, LSE_PART, b, split, h, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                 G: gl.constexpr, GN: gl.constexpr, DW: gl.constexpr):
+    """A split with no token: a zero row and lse -inf (the merge weighs it 0)."""
+    mma: gl.constexpr = _MMA
+    z = gl.zeros([DW, GN], gl.float32, layout=mma)
+    _store_out(O_PART, LSE_PART, b, split, h, z, z, z, z,
+               gl.full([GN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma)),
+               stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, mma)
+
+
+@gluon.jit
+def _attend(k_slot, ks_slot, v_slot, vs_slot, q0, q1, q2, q3, t0, end, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3,
+            BT: gl.constexpr, GN: gl.constexpr, NS: gl.constexpr):
+    """One step of BT tokens from one ring slot (shared memory: codes [BT, D/4] int16, scales [BT, D/16] uint8):
+    S^T = K Q^T, the online softmax over tokens (those at or past ``end`` masked), O^T += V^T P^T. Returns the
+    new (m_i, l_i, acc0..acc3). V is read only after the softmax, so K's and V's operands are never live at once."""
+    mma: gl.constexpr = _MMA
+    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # scale layouts whose [BT, NS, 4] broadcast, reshaped to [BT, DW], equals op_a's layout of K [BT, DW] (j bit 0
+    # in a register, j bits 1-2 on lanes 0-1, t bits 0-2 on lanes 2-4) or, transposed, of V^T [DW, BT]
+    k_sl: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 2, 2], [1, 1, 1], [2, 1, 0])
+    v_sl: gl.constexpr = gl.BlockedLayout([2, 1, 1], [4, 2, 4], [1, 1, 1], [0, 2, 1])
+    ts = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))
+    ks = _scales(ks_slot, k_sl, op_a, BT, NS, False)
+    kw = k_slot.load(op_a)
+    k0, k2 = _decode_half(kw, ks, _LO_ASM)
+    s = mma_v2(k0, q0, gl.zeros([BT, GN], gl.float32, layout=mma))
+    s = mma_v2(k2, q2, s)
+    k1, k3 = _decode_half(kw, ks, _HI_ASM)
+    s = mma_v2(k1, q1, s)
+    s = mma_v2(k3, q3, s)
+    s = gl.where(((t0 + ts) < end)[:, None], s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 0))  # finite: every step has >= 1 token below `end`
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + gl.sum(p, 0)
+    pb = gl.convert_layout(p.to(gl.float16), op_b)
+    vs = _scales(vs_slot, v_sl, op_a, BT, NS, True)
+    vw = v_slot.permute((1, 0)).load(op_a)
+    a2 = alpha[None, :]
+    v0, v2 = _decode_half(vw, vs, _LO_ASM)
+    acc0 = mma_v2(v0, pb, acc0 * a2)
+    acc2 = mma_v2(v2, pb, acc2 * a2)
+    v1, v3 = _decode_half(vw, vs, _HI_ASM)
+    acc1 = mma_v2(v1, pb, acc1 * a2)
+    acc3 = mma_v2(v3, pb, acc3 * a2)
+    return m_new, l_i, acc0, acc1, acc2, acc3
+
+
 @gluon.jit(do_not_specialize=PLAN_INTS)  # one compile for every batch shape (nvfp4_decode.py)
 def nvfp4_decode_gluon_kernel(
     Q, K16, KSF, V16, VSF, PAGE_TABLE, SEQ_LENS, O_PART, LSE_PART,
@@ -146,41 +235,18 @@ def nvfp4_decode_gluon_kernel(
     """Pool pages are contiguous: K16/V16 [P, PAGE, HK, D/4] int16, KSF/VSF [P, PAGE, HK, D/16] uint8. num_warps=1."""
     DW: gl.constexpr = D // 4
     NS: gl.constexpr = D // 16
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    mma: gl.constexpr = _MMA
     # copies: 8 int16 (16 bytes) per thread, DW // 8 threads per row
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DW // 8), DW // 8], [1, 1], [1, 0])
     cps: gl.constexpr = gl.BlockedLayout([1, NS], [32, 1], [1, 1], [1, 0])  # scales: NS bytes per lane
-    # scale layouts whose [BT, NS, 4] broadcast, reshaped to [BT, DW], equals op_a's layout of K [BT, DW] (j bit 0
-    # in a register, j bits 1-2 on lanes 0-1, t bits 0-2 on lanes 2-4) or, transposed, of V^T [DW, BT]
-    k_sl: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 2, 2], [1, 1, 1], [2, 1, 0])
-    v_sl: gl.constexpr = gl.BlockedLayout([2, 1, 1], [4, 2, 4], [1, 1, 1], [0, 2, 1])
     codes_sh: gl.constexpr = gl.SwizzledSharedLayout(8, 2, 4, [1, 0])
     bytes_sh: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
-    h = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    seq_len = gl.load(SEQ_LENS + b)
-    start = split * chunk_tokens
-    end = gl.minimum(seq_len, start + chunk_tokens)
+    h, split, b, start, end = _split_range(SEQ_LENS, chunk_tokens)
     if start >= end:
-        z = gl.zeros([DW, GN], gl.float32, layout=mma)
-        _store_out(O_PART, LSE_PART, b, split, h, z, z, z, z,
-                   gl.full([GN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma)),
-                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, mma)
+        _store_empty(O_PART, LSE_PART, b, split, h, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW)
         return
-
-    # Q_k^T [DW, GN] as B operands: element (j, g) = q[b, h*G + g, 4j + k], zero for g >= G
-    jq = gl.arange(0, DW, layout=gl.SliceLayout(1, op_b))
-    gq = gl.arange(0, GN, layout=gl.SliceLayout(0, op_b))
-    qp = Q + b * stride_qb + (h * G + gq)[None, :] * stride_qh + 4 * jq[:, None]
-    qm = (gq < G)[None, :] & (jq >= 0)[:, None]
-    q0 = gl.load(qp + 0, mask=qm, other=0.0).to(gl.float16)
-    q1 = gl.load(qp + 1, mask=qm, other=0.0).to(gl.float16)
-    q2 = gl.load(qp + 2, mask=qm, other=0.0).to(gl.float16)
-    q3 = gl.load(qp + 3, mask=qm, other=0.0).to(gl.float16)
+    q0, q1, q2, q3 = _load_q(Q, b, h, stride_qb, stride_qh, G, GN, DW)
 
     ring = (gl.allocate_shared_memory(gl.int16, [STAGES, BT, DW], codes_sh),
             gl.allocate_shared_memory(gl.int16, [STAGES, BT, DW], codes_sh),
@@ -194,13 +260,7 @@ def nvfp4_decode_gluon_kernel(
     for i in gl.static_range(STAGES - 1):
         _issue(ring, K16, V16, KSF, VSF, pt_row, start + i * BT, end, i, h, tr, tc, trs, tcs, HK, DW, NS, PAGE)
 
-    ts = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))
-    m_i = gl.full([GN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
-    l_i = gl.zeros([GN], gl.float32, layout=gl.SliceLayout(0, mma))
-    acc0 = gl.zeros([DW, GN], gl.float32, layout=mma)
-    acc1 = gl.zeros([DW, GN], gl.float32, layout=mma)
-    acc2 = gl.zeros([DW, GN], gl.float32, layout=mma)
-    acc3 = gl.zeros([DW, GN], gl.float32, layout=mma)
+    m_i, l_i, acc0, acc1, acc2, acc3 = _fresh_state(GN, DW)
     for i in range(gl.cdiv(end - start, BT)):
         t0 = start + i * BT
         stage = i % STAGES
@@ -209,30 +269,9 @@ def nvfp4_decode_gluon_kernel(
                trs, tcs, HK, DW, NS, PAGE)
         async_copy.wait_group(STAGES - 1)  # slot `stage` has landed
         k_smem, v_smem, ks_smem, vs_smem = ring
-        ks = _scales(ks_smem.index(stage), k_sl, op_a, BT, NS, False)
-        kw = k_smem.index(stage).load(op_a)
-        k0, k2 = _decode_half(kw, ks, _LO_ASM)
-        s = mma_v2(k0, q0, gl.zeros([BT, GN], gl.float32, layout=mma))
-        s = mma_v2(k2, q2, s)
-        k1, k3 = _decode_half(kw, ks, _HI_ASM)
-        s = mma_v2(k1, q1, s)
-        s = mma_v2(k3, q3, s)
-        s = gl.where(((t0 + ts) < end)[:, None], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))  # finite: every step has >= 1 token below `end`
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + gl.sum(p, 0)
-        m_i = m_new
-        pb = gl.convert_layout(p.to(gl.float16), op_b)
-        vs = _scales(vs_smem.index(stage), v_sl, op_a, BT, NS, True)
-        vw = v_smem.index(stage).permute((1, 0)).load(op_a)
-        a2 = alpha[None, :]
-        v0, v2 = _decode_half(vw, vs, _LO_ASM)
-        acc0 = mma_v2(v0, pb, acc0 * a2)
-        acc2 = mma_v2(v2, pb, acc2 * a2)
-        v1, v3 = _decode_half(vw, vs, _HI_ASM)
-        acc1 = mma_v2(v1, pb, acc1 * a2)
-        acc3 = mma_v2(v3, pb, acc3 * a2)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _attend(
+            k_smem.index(stage), ks_smem.index(stage), v_smem.index(stage), vs_smem.index(stage), q0, q1, q2, q3, t0,
+            end, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, BT, GN, NS)
     async_copy.wait_group(0)
 
     inv = (out_scale / l_i)[None, :]
