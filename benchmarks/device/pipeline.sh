@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big, transfer_thread are on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; tma_probe, itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big, transfer_thread are on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
