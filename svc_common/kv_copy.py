@@ -400,7 +400,7 @@ class PageImporter:
                 for p0, d0, m in runs:
                     rows[d0:d0 + m].copy_(staged[at + p0 * page:at + (p0 + m) * page].view(m, page),
                                           non_blocking=True)
-            self._unchecked.append((run.layer, tuple(d0 + i for _, d0, m in runs for i in range(m)), num_tokens))
+            self._defer([run.layer], tuple(d0 + i for _, d0, m in runs for i in range(m)), num_tokens)
         self.times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def check_at_finish(self, layers: Sequence[int], page_ids: Sequence[int], num_tokens: int) -> None:
@@ -408,9 +408,12 @@ class PageImporter:
         READs, complete before this call): joined there with every other deferred check, so a transfer's pages
         are checked in one launch per kind of part, not one per batch of reads (each launch costs the writer
         thread about a millisecond of host work while the transfer runs)."""
-        ids = tuple(int(p) for p in page_ids)
         with self._lock:  # the reads of one transfer return on several writer threads
-            self._unchecked.extend((layer, ids, num_tokens) for layer in layers)
+            self._defer(layers, tuple(int(p) for p in page_ids), num_tokens)
+
+    def _defer(self, layers: Sequence[int], ids: tuple[int, ...], num_tokens: int) -> None:
+        """Leave the check of pages ``ids`` of ``layers`` to ``finish`` (``_check_deferred``; hold the lock)."""
+        self._unchecked.extend((layer, ids, num_tokens) for layer in layers)
 
     def _check_deferred(self) -> None:
         """Queue the checks of every page written by ``_write_runs`` or named by ``check_at_finish``

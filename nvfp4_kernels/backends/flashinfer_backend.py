@@ -110,19 +110,26 @@ _ROW_CUT_WIDTH = 512  # table widths from which paged_indices_host cuts row by r
 def paged_indices_host(page_table: np.ndarray, seq_lens: np.ndarray, page_size: int
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``paged_indices`` on host arrays (numpy int32 results). Runs before every fp8/bf16 decode graph replay,
-    while the GPU waits: a wide table (long contexts) is cut row by row (44 x 2304 pages: 0.14 ms here, where a
-    mask over the whole table takes 0.35), a narrow one masked whole (256 x 64: 0.13 ms, 0.35 row by row)."""
+    while the GPU waits: a wide table (long contexts) is cut row by row, a narrow one masked whole, whichever is
+    faster there (``python -m benchmarks.engine.bench_host_staging``: docs/benchmarks/host_staging.md)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     num_pages = (lens + page_size - 1) // page_size
     indptr = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(num_pages, out=indptr[1:])
-    if page_table.shape[1] >= _ROW_CUT_WIDTH and len(lens):
-        indices = np.concatenate([page_table[i, :n] for i, n in enumerate(num_pages.tolist())]).astype(np.int32, copy=False)
-    else:
-        cols = np.arange(page_table.shape[1])
-        indices = np.ascontiguousarray(page_table[cols[None, :] < num_pages[:, None]], dtype=np.int32)
+    cut = csr_rows if page_table.shape[1] >= _ROW_CUT_WIDTH and len(lens) else csr_masked
     last = (lens - (num_pages - 1) * page_size).astype(np.int32)
-    return indptr, indices, last
+    return indptr, cut(page_table, num_pages), last
+
+
+def csr_rows(page_table: np.ndarray, num_pages: np.ndarray) -> np.ndarray:
+    """The first ``num_pages[i]`` ids of each row, concatenated (int32): one slice per row."""
+    return np.concatenate([page_table[i, :n] for i, n in enumerate(num_pages.tolist())]).astype(np.int32, copy=False)
+
+
+def csr_masked(page_table: np.ndarray, num_pages: np.ndarray) -> np.ndarray:
+    """``csr_rows`` as one mask over the whole table."""
+    cols = np.arange(page_table.shape[1])
+    return np.ascontiguousarray(page_table[cols[None, :] < num_pages[:, None]], dtype=np.int32)
 
 
 class FlashInferDecode:
