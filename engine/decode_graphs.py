@@ -125,8 +125,8 @@ class DecodeGraphRunner:
 
         ``append_only``: the caller promises that a table which is a view of the same array as in an earlier step
         only grew (its first entries unchanged), as ``model_runner.PageTableRows`` hands them out. The host page
-        table then gets only each row's new entries, not a refill of every row (at 44 x 32K: 0.15 ms of host
-        work a step, during which the GPU waits)."""
+        table then gets only each row's new entries, not a refill of every row: host work during which the GPU
+        waits (``python -m benchmarks.engine.bench_host_staging``, docs/benchmarks/host_staging.md)."""
         b = len(token_ids)
         width = max(len(t) for t in tables)
         if not self.supports(b, width):
