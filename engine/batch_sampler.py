@@ -1,36 +1,59 @@
 """One batch's sampling as the model runner does it: controls (masks, bias, min_tokens, penalties) ->
-sample -> logprobs, all on the logits' device; after the step's one host synchronisation, ``finish`` hands
-each request its logprobs and advances its grammar.
+sample -> logprobs, all on the logits' device; the ids (and logprobs) then start on their way to the host at once,
+and ``finish``, once they are there, hands each request its logprobs and advances its grammar.
 
-    logits [B, V] --apply_controls--> processed --sample--> ids [B]
-       '--(rows asking for logprobs) gather_logprobs(raw logits, ids)--> read back with the ids
+    logits [B, V] --apply_controls--> processed --sample--> ids [B] --(copy queued now)--> host
+       '--(rows asking for logprobs) gather_logprobs(raw logits, ids)--> host, with the ids
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from engine.fence import Fence
 from engine.logprobs import PendingLogprobs, gather_logprobs, prompt_logprobs
 from engine.request import Request
 from engine.sampling import RowTokens, apply_controls, sample
 
 
+@dataclass(frozen=True)
+class SampledTokens:
+    """One batch's sampled ids: on the device, where a next decode step may read them as its input ids, and on
+    their way to the host. The host copies were queued right behind the sampling, so ``wait`` returns once this
+    batch is sampled, not once later work queued on the device (the next decode step) is done."""
+
+    ids: torch.Tensor  # [B] int64 on the logits' device
+    host_ids: torch.Tensor  # [B] int64 on the host (pinned on CUDA), valid once ``ready`` completes
+    logprobs: tuple[list[int], PendingLogprobs] | None  # rows asking for logprobs, and theirs (host copies)
+    ready: Fence
+
+    def wait(self) -> list[int]:
+        """The ids, on the host (blocks until the batch is sampled)."""
+        self.ready.wait()
+        return self.host_ids.tolist()
+
+
 class BatchSampler:
     def __init__(self, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.eos_token_ids = eos_token_ids
-        self._pending: tuple[list[int], PendingLogprobs] | None = None
 
-    def _banned(self, req: Request) -> frozenset[int]:
+    def _banned(self, req: Request, num_pending: int) -> frozenset[int]:
         sp = req.sampling
-        if not sp.min_tokens or len(req.output_ids) >= sp.min_tokens:
+        if not sp.min_tokens or len(req.output_ids) + num_pending >= sp.min_tokens:
             return frozenset()
         return frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_token_ids)
 
-    def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """Next token ids [B] on the logits' device (no host synchronisation but the grammar masks' copy)."""
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Request],
+               num_pending: Sequence[int] | None = None) -> SampledTokens:
+        """Next token ids of every row (no host synchronisation but the grammar masks' copy). ``num_pending[i]``:
+        tokens row i's request has sampled that are not in its ``output_ids`` yet (a decode step in flight); they
+        count towards ``min_tokens``. Controls that read the output ids (penalties, grammars) need them all there:
+        the scheduler never leaves such a request's tokens pending."""
         params = [r.sampling for r in reqs]
+        pending = num_pending if num_pending is not None else [0] * len(reqs)
         masks = None
         if any(r.grammar is not None for r in reqs):
             masks = torch.ones(logits.shape, dtype=torch.bool)
@@ -40,26 +63,36 @@ class BatchSampler:
                     masks[i, :allowed.shape[0]] = allowed
                     masks[i, allowed.shape[0]:] = False
             masks = masks.to(logits.device, non_blocking=True)
-        rows = [RowTokens(r.prompt_ids, r.output_ids, self._banned(r)) for r in reqs]
+        rows = [RowTokens(r.prompt_ids, r.output_ids, self._banned(r, n)) for r, n in zip(reqs, pending)]
         ids = sample(apply_controls(logits, params, rows, masks), params, [r.generator for r in reqs])
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        self._pending = None
+        logprobs = None
         if want:
             index = torch.tensor(want, device=logits.device)
-            self._pending = (want, gather_logprobs(logits.index_select(0, index), ids.index_select(0, index),
-                                                   [params[i].logprobs or 0 for i in want]))
-        return ids
+            logprobs = (want, gather_logprobs(logits.index_select(0, index), ids.index_select(0, index),
+                                              [params[i].logprobs or 0 for i in want]).copied_to_host())
+        host_ids = ids
+        if ids.device.type != "cpu":
+            host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host_ids.copy_(ids, non_blocking=True)
+        return SampledTokens(ids, host_ids, logprobs, Fence(ids.device))
 
-    def finish(self, reqs: Sequence[Request], tokens: Sequence[int]) -> None:
-        """After the ids reached the host: attach the logprobs, advance the grammars."""
-        if self._pending is not None:
-            want, pending = self._pending
-            self._pending = None
+    def finish(self, reqs: Sequence[Request], sampled: SampledTokens,
+               keep: Sequence[bool] | None = None) -> list[int]:
+        """Wait for the ids on the host; attach the logprobs and advance the grammars of the rows in ``keep``
+        (default: every row; a row left out belongs to a request that ended while its step was in flight, and
+        its token is dropped). Returns every row's id."""
+        tokens = sampled.wait()
+        kept = keep if keep is not None else [True] * len(reqs)
+        if sampled.logprobs is not None:
+            want, pending = sampled.logprobs
             for i, lp in zip(want, pending.to_host([tokens[i] for i in want])):
-                reqs[i].output_logprobs.append(lp)
-        for r, t in zip(reqs, tokens):
-            if r.grammar is not None:
+                if kept[i]:
+                    reqs[i].output_logprobs.append(lp)
+        for r, t, k in zip(reqs, tokens, kept):
+            if k and r.grammar is not None:
                 r.grammar.accept(t)
+        return tokens
 
     @staticmethod
     def record_prompt_logprobs(logits_fn, hidden: torch.Tensor, reqs: Sequence[Request],

@@ -157,6 +157,10 @@ class SchedulerConfig:
     # extend path locally; otherwise its missing pages are pulled from the prefill service.
     local_extend_min_cached_ratio: float = field(default=0.5, metadata=flag(
         "decode: extend locally when at least this fraction of the prompt is cached here"))
+    # Overlap scheduling (engine/scheduler.py): decode step k is launched before step k-1's tokens are read.
+    disable_overlap_schedule: bool = field(default=False, metadata=flag(
+        "read each decode step's tokens before launching the next (default: the next step is launched first, "
+        "its input ids taken on the device, so the host's work between steps overlaps the GPU's)"))
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:

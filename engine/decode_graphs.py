@@ -7,7 +7,12 @@ are dropped. Table entries past a row's pages also name the scratch page (kernel
 
 Per step the host fills pinned staging arrays, copies them into the entry's device buffers, lets the
 backend refresh host-side plans (FlashInfer's fp8/bf16 decode plans its CSR here; the Triton NVFP4
-decode reads lengths and pages from device memory and needs nothing), and replays the graph.
+decode reads lengths and pages from device memory and needs nothing), and replays the graph. Input ids the
+previous step sampled and the host has not read yet (overlap scheduling, ``engine.carried_tokens``) are
+filled in on the device after the copies. The staging arrays are reused every step: a step waits for the
+last step's copies out of them (an event, complete long before in practice: they were queued ahead of the
+whole previous forward) before it writes them, so a step staged while the last one still runs never
+overwrites what that one has yet to read.
 
 Width buckets are 4 per octave (a table is padded by at most ~19%), so the NVFP4 kernel's split-KV
 geometry, which is baked into a graph from the bucket width, stays close to the batch's real length.
@@ -37,6 +42,7 @@ import numpy as np
 import torch
 
 from engine.attention_paths import AttentionPaths
+from engine.carried_tokens import CarriedTokens
 from engine.model import CausalLM
 from nvfp4_kernels.backends.base import DecodePlan
 
@@ -105,6 +111,10 @@ class DecodeGraphRunner:
         self._h_lens = torch.ones(max_batch, dtype=torch.int32, pin_memory=pin)
         self._h_slots = torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin)
         self._h_table_flat = torch.zeros(max_batch * max_width, dtype=torch.int32, pin_memory=pin)
+        self.carry_rows = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
+        self._h_carry = torch.full((max_batch,), -1, dtype=torch.int64, pin_memory=pin)
+        # recorded behind each step's copies out of the pinned arrays above (and the backend's plan copies)
+        self._staged = torch.cuda.Event() if pin else None
         # What each row of the host table holds while steps stay on one entry and their rows only grow
         # (``run(..., append_only=True)``): (the array whose prefix the row copied, entries copied); None rows are
         # all scratch. ``_rows_key`` names the entry they were written for (None: refill the next step).
@@ -120,8 +130,10 @@ class DecodeGraphRunner:
         return 1 <= batch <= self.max_batch and 1 <= width <= self.max_width
 
     def run(self, token_ids: Sequence[int], positions: Sequence[int], tables: Sequence[np.ndarray],
-            seq_lens: Sequence[int], out_slots: Sequence[int], append_only: bool = False) -> torch.Tensor:
-        """Logits [B, vocab] fp32 of one decode step; ``tables[i]`` is row i's page ids (int32).
+            seq_lens: Sequence[int], out_slots: Sequence[int], append_only: bool = False,
+            carry: CarriedTokens | None = None) -> torch.Tensor:
+        """Logits [B, vocab] fp32 of one decode step; ``tables[i]`` is row i's page ids (int32). ``carry``: rows whose
+        input id is the previous step's sampled id on the device (their ``token_ids`` entry is a placeholder).
 
         ``append_only``: the caller promises that a table which is a view of the same array as in an earlier step
         only grew (its first entries unchanged), as ``model_runner.PageTableRows`` hands them out. The host page
@@ -135,7 +147,7 @@ class DecodeGraphRunner:
         bb = next(x for x in self.buckets if x >= b)
         wb = width_bucket(width, self.max_width)
         entry = self._entries.get((bb, wb)) or self._build(bb, wb)
-        self._stage(entry, token_ids, positions, tables, seq_lens, out_slots, append_only)
+        self._stage(entry, token_ids, positions, tables, seq_lens, out_slots, append_only, carry)
         return entry.run()[:b]
 
     def shapes(self) -> list[tuple[int, int]]:
@@ -156,8 +168,10 @@ class DecodeGraphRunner:
 
     def _stage(self, entry: _Entry, token_ids: Sequence[int], positions: Sequence[int],
                tables: Sequence[np.ndarray], seq_lens: Sequence[int], out_slots: Sequence[int],
-               append_only: bool = False) -> None:
+               append_only: bool = False, carry: CarriedTokens | None = None) -> None:
         bb, wb, b = entry.batch, entry.width, len(token_ids)
+        if self._staged is not None:
+            self._staged.synchronize()  # the last step's copies out of the pinned arrays are done
         ids, pos, lens, slots = (t.numpy() for t in (self._h_ids, self._h_pos, self._h_lens, self._h_slots))
         ids[:b], pos[:b], lens[:b], slots[:b] = token_ids, positions, seq_lens, out_slots
         ids[b:bb], pos[b:bb], lens[b:bb] = 0, 0, 1
@@ -177,7 +191,13 @@ class DecodeGraphRunner:
         self.seq_lens[:bb].copy_(self._h_lens[:bb], non_blocking=nb)
         self.out_slots[:bb].copy_(self._h_slots[:bb], non_blocking=nb)
         entry.page_table.copy_(self._h_table_flat[: bb * wb].view(bb, wb), non_blocking=nb)
+        if carry is not None:
+            self._h_carry[:b].numpy()[:] = carry.rows
+            self.carry_rows[:b].copy_(self._h_carry[:b], non_blocking=nb)
+            carry.fill(self.input_ids[:b], self.carry_rows[:b])
         self.paths.backend.refresh_decode_plan(entry.plan, table, lens[:bb])
+        if self._staged is not None:
+            self._staged.record()
 
     def _grow_rows(self, table: np.ndarray, tables: Sequence[np.ndarray]) -> None:
         """The host table of the last step's entry brought to ``tables`` (see ``run``'s append_only): a row that

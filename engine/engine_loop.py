@@ -6,7 +6,9 @@ on the loop thread (services hop back to their event loop with ``call_soon_threa
 
 Streaming overlaps the GPU: a step's outputs are handed to the callbacks once the *next* decode step's
 device work is queued, or before the next extend batch (the loop hands ``Scheduler.step`` its ``on_device_wait``),
-so the services' per-token work runs while the GPU computes instead of between steps. A step's PullStart events
+so the services' per-token work runs while the GPU computes instead of between steps. With overlap scheduling
+(``engine.scheduler``) a step's tokens are read after the next decode step is launched: they go out as soon as
+the step returns. A step's PullStart events
 go out as soon as the step returns: the pull overlaps the next step. Invariants: a request's outputs reach its
 callback in step order, and outputs never wait past the end of the next step (or past the moment the loop goes
 idle).
@@ -131,7 +133,12 @@ class EngineLoop:
     def flush_cache(self) -> Future[tuple[int, bool]]:
         """Evict every cached page no request holds: (pages freed, whether no request was active, so that nothing
         cached stayed behind for a request)."""
-        return self.call(lambda: (self.engine.cache.flush(), self.scheduler.num_active == 0))
+        def flush() -> tuple[int, bool]:
+            sch = self.scheduler
+            sch.flights.settle()  # pages of requests that ended while a step was in flight go back (and in) first
+            return self.engine.cache.flush(), sch.num_active == 0 and sch.flights.step is None
+
+        return self.call(flush)
 
     def check_integrity(self) -> Future[IntegrityReport]:
         """``Scheduler.check_integrity`` between two steps (the future raises its IntegrityError)."""
@@ -170,9 +177,12 @@ class EngineLoop:
                 log.exception("engine step failed; aborting the requests of this step")
                 outputs = self._abort_all(Failure(FailureKind.INTERNAL, f"engine error: {e}"))
             self._flush_pending()  # when this step ran no decode, the last step's outputs are still here
-            starts = [o for o in outputs if isinstance(o, PullStart)]
-            self._pending = [o for o in outputs if not isinstance(o, PullStart)] if starts else outputs
-            self._dispatch(starts)  # pulls start now, not after the next step's launch
+            if self.scheduler.flights.step is not None:
+                self._dispatch(outputs)  # read while the device runs the step in flight: out now
+            else:
+                starts = [o for o in outputs if isinstance(o, PullStart)]
+                self._pending = [o for o in outputs if not isinstance(o, PullStart)] if starts else outputs
+                self._dispatch(starts)  # pulls start now, not after the next step's launch
             now = time.perf_counter()
             if self.scheduler.num_decode_tokens > tokens0:
                 self._next_decode_at = t0 + self.decode_interval_while_pulling_s
@@ -230,6 +240,7 @@ class EngineLoop:
                     log.exception("output callback failed for %s", out.rid)
 
     def _abort_all(self, failure: Failure) -> list[StepOutput]:
+        self.scheduler.flights.abandon()  # the step in flight is dropped; pages it held go back
         outs = []
         for rid in list(self.scheduler.requests):
             req = self.scheduler.abort(rid)

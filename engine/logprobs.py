@@ -28,6 +28,18 @@ class PendingLogprobs(NamedTuple):
     top_ids: torch.Tensor | None  # [R, K]
     num_top: tuple[int, ...]  # per row, <= K
 
+    def copied_to_host(self) -> PendingLogprobs:
+        """The same logprobs copied into host memory without blocking (pinned on CUDA): the copies are queued behind
+        the work that computes them, so reading them after that work's fence never waits for later steps."""
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.device.type == "cpu":
+                return t
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            out.copy_(t, non_blocking=True)
+            return out
+
+        return PendingLogprobs(host(self.chosen), host(self.top_values), host(self.top_ids), self.num_top)
+
     def to_host(self, token_ids: Sequence[int]) -> list[TokenLogprob]:
         chosen = self.chosen.tolist()
         values = self.top_values.tolist() if self.top_values is not None else None

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from engine.attention_paths import AttentionPaths, ExtendSeq
-from engine.batch_sampler import BatchSampler
+from engine.batch_sampler import BatchSampler, SampledTokens
+from engine.carried_tokens import CarriedTokens
 from engine.decode_graphs import DecodeGraphRunner
 from engine.model import CausalLM
 from engine.request import Request
@@ -49,8 +50,7 @@ class ModelRunner:
         ends = torch.tensor(lens, dtype=torch.long).cumsum(0) - 1
         rows = ends[want].to(self.device)
         sampled = [reqs[i] for i in want]
-        tokens = self._sample(self.model.compute_logits(hidden[rows]), sampled).tolist()
-        self.sampler.finish(sampled, tokens)
+        tokens = self.sampler.finish(sampled, self.sampler.sample(self.model.compute_logits(hidden[rows]), sampled))
         for i, t in zip(want, tokens):
             result[i] = t
         return result
@@ -61,42 +61,56 @@ class ModelRunner:
 
         ``on_launched`` runs once the step's device work is queued and before waiting for its tokens: host
         work done there (streaming the previous step's tokens) overlaps the GPU instead of delaying it."""
-        tokens = self._sample(self.decode_logits(reqs), reqs)
+        sampled = self.launch_decode(reqs)
         if on_launched is not None:
             on_launched()
-        t0 = time.perf_counter()
-        out = tokens.tolist()  # the one host synchronisation of a decode step
-        self.decode_wait_s += time.perf_counter() - t0
-        self.sampler.finish(reqs, out)
-        return out
+        return self.finish_decode(reqs, sampled)
 
     @torch.inference_mode()
-    def decode_logits(self, reqs: Sequence[Request], use_graphs: bool = True) -> torch.Tensor:
+    def launch_decode(self, reqs: Sequence[Request], carry: CarriedTokens | None = None) -> SampledTokens:
+        """``decode``'s device work, queued, without waiting for it: the sampled ids stay on the device (where the
+        next step may read them: its ``carry``) and are on their way to the host. ``carry``: the rows whose last
+        token is the previous step's sampled id, not in their ``output_ids`` yet."""
+        pending = [0] * len(reqs) if carry is None else [int(r >= 0) for r in carry.rows]
+        return self.sampler.sample(self.decode_logits(reqs, carry=carry), reqs, pending)
+
+    def finish_decode(self, reqs: Sequence[Request], sampled: SampledTokens,
+                      keep: Sequence[bool] | None = None) -> list[int]:
+        """The ids of a launched step, on the host (the one host synchronisation of a decode step); logprobs and
+        grammars of the rows in ``keep`` (default: all) advanced (``BatchSampler.finish``)."""
+        t0 = time.perf_counter()
+        tokens = self.sampler.finish(reqs, sampled, keep)
+        self.decode_wait_s += time.perf_counter() - t0
+        return tokens
+
+    @torch.inference_mode()
+    def decode_logits(self, reqs: Sequence[Request], use_graphs: bool = True,
+                      carry: CarriedTokens | None = None) -> torch.Tensor:
         """The decode forward of ``decode``: logits [B, vocab] fp32 (the fixed-buffer / CUDA-graph path when
-        the batch fits it and ``use_graphs``, else eager)."""
+        the batch fits it and ``use_graphs``, else eager). A row of ``carry`` reads its input id on the device."""
         ps = self.paths.pool.layers[0].page_size
         tables = self._tables.rows(reqs)
         assert all(r.kv_len < len(t) * ps for r, t in zip(reqs, tables)), "decode slot without a page"
-        ids = [r.token_at(r.kv_len) for r in reqs]
+        carried = carry.rows if carry is not None else [-1] * len(reqs)
+        ids = [r.token_at(r.kv_len) if c < 0 else 0 for r, c in zip(reqs, carried)]
         pos = [r.kv_len for r in reqs]
         lens = [r.kv_len + 1 for r in reqs]
         slots = [int(t[r.kv_len // ps]) * ps + r.kv_len % ps for r, t in zip(reqs, tables)]
         width = max(len(t) for t in tables)
         if use_graphs and self.graphs is not None and self.graphs.supports(len(reqs), width):
-            return self.graphs.run(ids, pos, tables, lens, slots, append_only=True)  # PageTableRows' rows
+            # append_only: the tables are PageTableRows' rows, which only grow
+            return self.graphs.run(ids, pos, tables, lens, slots, append_only=True, carry=carry)
         table = np.zeros((len(reqs), width), dtype=np.int32)
         for i, t in enumerate(tables):
             table[i, :len(t)] = t
         dev = self.device
         attn = self.paths.decode(torch.from_numpy(table).to(dev), torch.tensor(lens, dtype=torch.int32).to(dev),
                                  torch.tensor(slots, dtype=torch.int64).to(dev), self.model.dtype)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long).to(dev),
-                            torch.tensor(pos, dtype=torch.long).to(dev), attn)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev)
+        if carry is not None:
+            carry.fill(input_ids, torch.tensor(list(carry.rows), dtype=torch.long).to(dev))
+        hidden = self.model(input_ids, torch.tensor(pos, dtype=torch.long).to(dev), attn)
         return self.model.compute_logits(hidden)
-
-    def _sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """Next token ids [B] on the logits' device (no host synchronisation here)."""
-        return self.sampler.sample(logits, reqs)
 
 
 class PageTableRows:

@@ -7,7 +7,9 @@ Token regions of a request (``kv_len`` tokens have K/V in the pool):
     0          num_cached_tokens            kv_len               len(tokens)
 
 While decoding, exactly one token (the last sampled) is not yet in the pool: the next decode
-step writes its K/V and samples the token after it.
+step writes its K/V and samples the token after it. With a decode step in flight (overlap scheduling,
+``engine.in_flight``) ``kv_len`` already counts the slot that step writes, and the token it samples is not in
+``output_ids`` until the step is read: ``kv_len == len(tokens)`` then.
 """
 
 from __future__ import annotations
@@ -79,6 +81,25 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def stop_reason(self, eos_token_ids: frozenset[int], max_context_len: int) -> FinishReason | None:
+        """Why the request ends with its last output token (a stop token first, then length), or None."""
+        tok, sp = self.output_ids[-1], self.sampling
+        if (not sp.ignore_eos and tok in eos_token_ids) or tok in sp.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output_ids) >= sp.max_tokens or self.num_tokens >= max_context_len:
+            return FinishReason.LENGTH
+        return None
+
+    def step_output(self, tokens: list[int]) -> StepOutput:
+        """What a step hands the caller for this request's newest ``tokens`` (its logprobs, and the prompt's with
+        its first token, when asked for)."""
+        sp, lps = self.sampling, self.output_logprobs
+        logprobs = lps[-len(tokens):] if sp.logprobs is not None and len(lps) == len(self.output_ids) else None
+        first = len(self.output_ids) == len(tokens)
+        prompt_lps = self.prompt_logprobs if sp.prompt_logprobs is not None and first else None
+        return StepOutput(self.rid, tokens, self.finish_reason, self.prompt_len, self.num_cached_tokens,
+                          logprobs=logprobs, prompt_logprobs=prompt_lps)
 
 
 @dataclass

@@ -9,11 +9,18 @@ over the extending requests, FIFO) and then one decode step for every running re
 what it returns (``step()`` is the scheduler's only output channel). The pages a request gets at admission and
 gives back are ``engine.request_pages``'s; ``stats()`` is the one record services report from
 (``engine.scheduler_stats``).
+
+Overlap scheduling (the default; ``--disable-overlap-schedule`` turns it off): a step launches its decode step
+and only then reads the previous decode step's sampled ids, so those tokens come out of the step after the one
+that launched them, and the host's work between steps runs while the device computes. The next step's input ids
+are the previous step's on the device (``engine.carried_tokens``). A stop token is seen one step late: the
+request's row in the step launched meanwhile is dropped. Invariants: ``engine.in_flight``. A batch with a
+request whose sampling reads its output ids on the host (penalties, grammars) runs without overlap: its step is
+read before the next one is launched.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -22,17 +29,17 @@ import torch
 
 from engine.config import SchedulerConfig
 from engine.fence import Fence
+from engine.in_flight import DecodeFlights, InFlightDecode
 from engine.integrity import IntegrityReport, check_integrity
 from engine.model_runner import ModelRunner
-from engine.outcome import Failure, FailureKind, FinishReason, QueueFull, RequestRejected, failure_of
+from engine.outcome import Failure, FailureKind, FinishReason, QueueFull, RequestRejected
 from engine.page_allocator import PageAllocator
 from engine.radix_cache import RadixCache
 from engine.request import PrefillProgress, PullStart, Request, Status, StepOutput
 from engine.request_pages import RequestPages
 from engine.sampling import make_generator
 from engine.scheduler_stats import SchedulerStats
-
-log = logging.getLogger(__name__)
+from engine.step_isolation import decode_each, extend_each
 
 StepEvent = StepOutput | PrefillProgress | PullStart  # what one step() returns, in order
 
@@ -63,6 +70,7 @@ class Scheduler:
         self.num_decode_tokens = 0  # tokens produced by decode steps (extends' first tokens not counted)
         self.num_prompt_cache_hit_tokens = 0
         self.pages = RequestPages(allocator, cache, page_size, config)
+        self.flights = DecodeFlights(self.pages.release)  # the decode step launched and not read yet (overlap)
 
     # -- submission -----------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -95,7 +103,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.extending or self.running)
+        return bool(self.waiting or self.extending or self.running or self.flights.step)
 
     @property
     def num_active(self) -> int:
@@ -106,13 +114,14 @@ class Scheduler:
         """One scheduling step; everything it produced, in order: the PullStart of each request admitted into
         PULLING, then each request's outputs (a prefill-only request's progress before its end). The step's only
         output channel. ``on_device_wait`` is called before the step blocks on the device: after the decode step
-        is launched (ModelRunner.decode) and before an extend batch (which can take 100+ ms), so that the caller
-        can hand out the previous step's outputs while the device computes."""
+        is launched (ModelRunner.launch_decode) and before an extend batch (which can take 100+ ms), so that the
+        caller can hand out the previous step's outputs while the device computes. With a decode step left in
+        flight (``flights.step``), the outputs returned were read while it runs: hand them out at once."""
         outputs: list[StepEvent] = []
         self._admit(outputs)
         if self.extending:
             self._run_extend(outputs, on_device_wait)
-        if self.running:
+        if self.running or self.flights.step is not None:
             self._run_decode(outputs, on_device_wait)
         return outputs
 
@@ -162,7 +171,8 @@ class Scheduler:
         try:
             tokens = self.runner.extend(batch, lens, sample_mask)
         except Exception:  # noqa: BLE001 - find the request(s) that fail, and fail only those
-            batch, lens, tokens = self._extend_isolating(batch, lens, sample_mask, outputs)
+            batch, lens, tokens = extend_each(self.runner, batch, lens, sample_mask,
+                                              lambda req, failure: self._fail(req, outputs, failure))
         fence = Fence(self.device) if any(r.prefill_only for r in batch) else None
         for req, n, tok in zip(batch, lens, tokens):
             req.kv_len += n
@@ -181,21 +191,62 @@ class Scheduler:
                 req.status = Status.FINISHED
                 req.finish_reason = FinishReason.PREFILLED
                 self.held[req.rid] = req
-                outputs.append(self._output(req, [tok]))
+                outputs.append(req.step_output([tok]))
                 continue
             req.status = Status.RUNNING
             self.running.append(req)
-            self._check_stop(req)
-            outputs.append(self._output(req, [tok]))
+            req.finish_reason = req.stop_reason(self.eos_token_ids, self.max_context_len)
+            outputs.append(req.step_output([tok]))
             if req.finish_reason:
                 self._finish(req)
 
     # -- decode (path 3) ------------------------------------------------------------------------
     def _run_decode(self, outputs: list, on_device_wait: Callable[[], None] | None) -> None:
+        """Launch one decode step for every running request, then read the step launched before it (overlap), or
+        this one at once (no overlap, or a request in the batch that needs its output ids on the host)."""
+        batch = self._decode_batch(outputs)
+        sync = self.config.disable_overlap_schedule or any(_reads_outputs_on_host(r) for r in batch)
+        if sync or not batch:
+            self._read(outputs)
+            batch = [r for r in batch if r.status is Status.RUNNING]
+        if not batch:
+            return
+        try:
+            sampled = self.runner.launch_decode(batch, self.flights.carry(batch))
+        except Exception:  # noqa: BLE001 - find the request(s) that fail, and fail only those
+            self._read(outputs)  # every token on the host first: the isolated steps run without overlap
+            batch, tokens = decode_each(self.runner, [r for r in batch if r.status is Status.RUNNING],
+                                        lambda req, failure: self._fail(req, outputs, failure))
+            for req in batch:
+                req.kv_len += 1
+            self._take_tokens(batch, tokens, outputs)
+            return
+        for req in batch:
+            req.kv_len += 1  # its K/V slot is written by the launched step
+        prev = self.flights.launched(batch, sampled)
+        if on_device_wait is not None:
+            on_device_wait()
+        if prev is not None:
+            self._read(outputs, prev)
+        if sync:
+            self._read(outputs)
+
+    def _decode_batch(self, outputs: list) -> list[Request]:
+        """The running requests that take part in the next decode step, each with a page for its slot (pool short:
+        the newest are retracted). A request whose token in flight ends it by length, whatever it is, sits out."""
+        def takes_part(req: Request) -> bool:
+            n = self.flights.pending(req)
+            return req.status is Status.RUNNING and not (n and (
+                len(req.output_ids) + n >= req.sampling.max_tokens or req.num_tokens + n >= self.max_context_len))
+
         for req in list(self.running):
-            if req.status is not Status.RUNNING:
+            if not takes_part(req):
                 continue
             if req.kv_len == len(req.page_ids) * self.page_size:
+                if not self.pages.make_room(1) and self.flights.step is not None:
+                    self._read(outputs)  # a retracted request must have no token in flight
+                    if req.status is not Status.RUNNING:
+                        continue
                 while not self.pages.make_room(1):
                     victim = _retraction_victim(self.running, exclude=req)
                     if victim is None:
@@ -205,50 +256,28 @@ class Scheduler:
                     self._retract(req)
                     continue
                 req.page_ids.extend(self.allocator.allocate(1))
-        batch = [r for r in self.running if r.status is Status.RUNNING]
-        if not batch:
+        return [r for r in self.running if takes_part(r)]
+
+    def _read(self, outputs: list, step: InFlightDecode | None = None) -> None:
+        """A launched step's tokens reach its requests (those that ended meanwhile drop theirs); then the pages of
+        the requests that ended while it was in flight go back. Default: the step in flight, read now."""
+        step = step if step is not None else self.flights.pop()
+        if step is None:
             return
-        try:
-            tokens = self.runner.decode(batch, on_device_wait)
-        except Exception:  # noqa: BLE001 - find the request(s) that fail, and fail only those
-            batch, tokens = self._decode_isolating(batch, outputs)
+        keep = [r.status is Status.RUNNING for r in step.batch]
+        tokens = self.runner.finish_decode(step.batch, step.sampled, keep)
+        self._take_tokens([r for r, k in zip(step.batch, keep) if k], [t for t, k in zip(tokens, keep) if k],
+                          outputs)
+        self.flights.read_done(step)
+
+    def _take_tokens(self, batch: list[Request], tokens: list[int], outputs: list) -> None:
         self.num_decode_tokens += len(batch)
         for req, tok in zip(batch, tokens):
-            req.kv_len += 1
             req.output_ids.append(tok)
-            self._check_stop(req)
-            outputs.append(self._output(req, [tok]))
+            req.finish_reason = req.stop_reason(self.eos_token_ids, self.max_context_len)
+            outputs.append(req.step_output([tok]))
             if req.finish_reason:
                 self._finish(req)
-
-    def _decode_isolating(self, batch: list[Request], outputs: list) -> tuple[list[Request], list[int]]:
-        """After a failed decode step: each request's step on its own; a request whose own step fails ends with
-        an error (its pages freed, none cached), the others get their token as if nothing happened. Only a
-        failure raised before the device work (bad ids, shapes) can be isolated; a device fault is fatal."""
-        ok, tokens = [], []
-        for req in batch:
-            try:
-                tokens += self.runner.decode([req])
-                ok.append(req)
-            except Exception as e:  # noqa: BLE001 - this request's own failure
-                log.warning("request %s failed its decode step and is ended: %s: %s", req.rid, type(e).__name__, e)
-                self._fail(req, outputs, failure_of(e, "engine error in this request's decode step: "))
-        return ok, tokens
-
-    def _extend_isolating(self, batch: list[Request], lens: list[int], sample_mask: list[bool],
-                          outputs: list) -> tuple[list[Request], list[int], list[int | None]]:
-        """After a failed extend batch: each request's chunk on its own (it rewrites only its own pages); one whose
-        own chunk fails ends with an error, the others go on as if nothing happened."""
-        ok, ok_lens, tokens = [], [], []
-        for req, n, m in zip(batch, lens, sample_mask, strict=True):
-            try:
-                tokens += self.runner.extend([req], [n], [m])
-                ok.append(req)
-                ok_lens.append(n)
-            except Exception as e:  # noqa: BLE001 - this request's own failure
-                log.warning("request %s failed its prefill chunk and is ended: %s: %s", req.rid, type(e).__name__, e)
-                self._fail(req, outputs, failure_of(e, "engine error in this request's prefill: "))
-        return ok, ok_lens, tokens
 
     def _fail(self, req: Request, outputs: list, failure: Failure) -> None:
         """End ``req`` with ``failure``: its pages go back to the pool without entering the prefix cache (their
@@ -267,7 +296,9 @@ class Scheduler:
                                   failure=failure))
 
     def _retract(self, req: Request) -> None:
-        """Give back a running request's pages (its computed prefix stays in the cache) and requeue it."""
+        """Give back a running request's pages (its computed prefix stays in the cache) and requeue it. Never with
+        a token of it in flight."""
+        assert not self.flights.pending(req), "retracting a request with a token in flight"
         self.running.remove(req)
         self.pages.release(req)
         req.status = Status.WAITING
@@ -277,27 +308,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- finishing --------------------------------------------------------------------------------
-    def _check_stop(self, req: Request) -> None:
-        tok = req.output_ids[-1]
-        sp = req.sampling
-        if (not sp.ignore_eos and tok in self.eos_token_ids) or tok in sp.stop_token_ids:
-            req.finish_reason = FinishReason.STOP
-        elif len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.max_context_len:
-            req.finish_reason = FinishReason.LENGTH
-
     def _finish(self, req: Request) -> None:
         self.running.remove(req)
-        self.pages.release(req)
+        self.flights.give_back(req)
         req.status = Status.FINISHED
         self.requests.pop(req.rid, None)
-
-    def _output(self, req: Request, tokens: list[int]) -> StepOutput:
-        sp, lps = req.sampling, req.output_logprobs
-        logprobs = lps[-len(tokens):] if sp.logprobs is not None and len(lps) == len(req.output_ids) else None
-        first = len(req.output_ids) == len(tokens)
-        prompt_lps = req.prompt_logprobs if sp.prompt_logprobs is not None and first else None
-        return StepOutput(req.rid, tokens, req.finish_reason, req.prompt_len, req.num_cached_tokens,
-                          logprobs=logprobs, prompt_logprobs=prompt_lps)
 
     # -- external control (services) ----------------------------------------------------------------
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
@@ -316,7 +331,7 @@ class Scheduler:
             req.page_ids = []
         elif req.status is Status.RUNNING:
             self.running.remove(req)
-            self.pages.release(req)
+            self.flights.give_back(req)
         elif req.rid in self.held:  # its prompt's pages are exported: they stay cached
             del self.held[req.rid]
             req.kv_len = req.prompt_len
@@ -340,8 +355,8 @@ class Scheduler:
         req.output_ids.append(first_token)
         req.status = Status.RUNNING
         self.running.append(req)
-        self._check_stop(req)
-        out = self._output(req, [first_token])
+        req.finish_reason = req.stop_reason(self.eos_token_ids, self.max_context_len)
+        out = req.step_output([first_token])
         if req.finish_reason:
             self._finish(req)
         return out
@@ -364,9 +379,15 @@ class Scheduler:
             host_tier=cache.host.stats() if cache.host is not None else None)
 
     def check_integrity(self) -> IntegrityReport:
+        ending = self.flights.ending()
         tables = [r.page_ids for r in (*self.extending, *self.pulling.values(), *self.running,
-                                       *self.held.values())]
+                                       *self.held.values(), *ending)]
         return check_integrity(self.allocator, self.cache, tables)
+
+
+def _reads_outputs_on_host(req: Request) -> bool:
+    """Its sampling needs every output id on the host before the next step (penalties, a grammar)."""
+    return req.grammar is not None or req.sampling.has_penalties
 
 
 def _retraction_victim(running: list[Request], exclude: Request) -> Request | None:

@@ -1,9 +1,11 @@
 """Where an engine loop's time goes, logged every ``interval_s`` (as SGLang logs its decode batches).
 
 For each loop iteration that ran a step the loop adds its wall time, and the decode tokens it produced;
-the model runner adds up the time ``decode`` blocked on the device (``ModelRunner.decode_wait_s``).
-Host time = iteration time - device wait: scheduling, staging, graph launch, streaming the tokens and
-waiting for the GIL. With the GPU busy end to end it is what a step costs on top of the kernels.
+the model runner adds up the time reading a decode step's tokens blocked on the device
+(``ModelRunner.decode_wait_s``). Host time = iteration time - device wait: scheduling, staging, graph launch,
+streaming the tokens and waiting for the GIL. Without overlap scheduling the GPU is idle for all of it: it is what
+a step costs on top of the kernels. With overlap the next step is already queued while it runs, so it costs the
+GPU nothing as long as it stays below the step's device time (the device wait then stays above zero).
 """
 
 from __future__ import annotations

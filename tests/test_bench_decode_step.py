@@ -65,6 +65,12 @@ def test_rest_is_the_graph_step_minus_the_graph_attention(tmp_path):
     assert "(torch profiler, CUDA graph replay)" in md
 
 
+def test_back_to_back_steps_get_their_own_rest_beside_the_step_alone(tmp_path):
+    md = _render([_row(attention_graph_ms=2.25, back_to_back_ms=6.80)], tmp_path)
+    assert "| 1 x 32768 | nvfp4 | 7.84 | 6.80 | 4.55 | 1.28x | 147 |" in md
+    assert "back to back" not in _render([_row(attention_graph_ms=2.25)], tmp_path)
+
+
 def test_an_older_json_with_only_the_eager_attention_shows_no_rest(tmp_path):
     md = _render([_row(attention_ms=4.90, attention_tb_s=0.12)], tmp_path)
     assert "| 1 x 32768 | nvfp4 | 7.84 | 35.68 | - | 4.90 | - | - | 3.55 | - | 128 | - |" in md

@@ -20,11 +20,11 @@ from engine.sampling import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-def _engine(model_dir: str, kv_dtype: str, device: str = "cpu", **kw) -> Engine:
+def _engine(model_dir: str, kv_dtype: str, device: str = "cpu", overlap: bool = True, **kw) -> Engine:
     return Engine(EngineConfig(
         model_dir=model_dir, device=device, dtype="float32" if device == "cpu" else "bfloat16",
         cache=CacheConfig(kv_dtype=kv_dtype, page_size=4, max_total_tokens=4096),
-        scheduler=SchedulerConfig(chunk_size=64), **kw))
+        scheduler=SchedulerConfig(chunk_size=64, disable_overlap_schedule=not overlap), **kw))
 
 
 def _prompts(n: int, seed: int, max_len: int = 40) -> list[list[int]]:
@@ -156,7 +156,7 @@ def test_cuda_graph_decode_matches_eager_on_gpu(tmp_path, kv_dtype):
 
     model_dir = str(make_tiny_model(tmp_path / "m", num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=2,
                                     head_dim=128, intermediate_size=512, seed=1))
-    eng = _engine(model_dir, kv_dtype, device="cuda")
+    eng = _engine(model_dir, kv_dtype, device="cuda", overlap=False)  # no step left in flight between steps
     assert eng.runner.graphs is not None
     reqs = [eng.new_request(p, GREEDY) for p in _prompts(11, seed=5)]
     for r in reqs:
@@ -180,6 +180,22 @@ def test_cuda_graph_decode_matches_eager_on_gpu(tmp_path, kv_dtype):
     outs = eng.generate(_prompts(6, seed=9), GREEDY)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     assert eng.check_integrity().num_in_use == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8_e4m3", "bf16"])
+def test_overlap_under_cuda_graphs_gives_the_tokens_of_steps_read_one_by_one(tmp_path, kv_dtype):
+    """Under graphs a step's input ids are the last step's sampled ids read on the device, staged while that step
+    may still run: greedy tokens must be those of steps read before the next is launched."""
+    from offline.tiny_model import make_tiny_model
+
+    model_dir = str(make_tiny_model(tmp_path / "m", num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=2,
+                                    head_dim=128, intermediate_size=512, seed=1))
+    prompts = _prompts(12, seed=8, max_len=90)
+    want = [o.token_ids for o in _engine(model_dir, kv_dtype, device="cuda", overlap=False).generate(prompts, GREEDY)]
+    eng = _engine(model_dir, kv_dtype, device="cuda")
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == want
+    assert eng.runner.graphs.num_captured >= 1 and eng.check_integrity().num_in_use == 0
 
 
 def test_cuda_graph_flags_reach_the_engine_config_and_the_children():

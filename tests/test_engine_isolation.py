@@ -3,7 +3,9 @@ have produced, and the pool stays whole (its pages are freed, never cached)."""
 
 from __future__ import annotations
 
-from engine.config import CacheConfig, EngineConfig
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.outcome import FailureKind, FinishReason
 from engine.request import Request, Status, StepOutput
@@ -12,9 +14,10 @@ from engine.sampling import SamplingParams
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-def engine(model_dir: str) -> Engine:
+def engine(model_dir: str, overlap: bool = True) -> Engine:
     return Engine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32",
-                               cache=CacheConfig(kv_dtype="nvfp4", page_size=4, max_total_tokens=1024)))
+                               cache=CacheConfig(kv_dtype="nvfp4", page_size=4, max_total_tokens=1024),
+                               scheduler=SchedulerConfig(disable_overlap_schedule=not overlap)))
 
 
 def prompt(n: int, offset: int) -> list[int]:
@@ -33,15 +36,22 @@ def run(eng: Engine, steps: int | None = None, outs: dict | None = None) -> dict
     return outs
 
 
-def test_a_request_whose_decode_step_fails_ends_alone(tiny_model_dir):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_whose_decode_step_fails_ends_alone(tiny_model_dir, overlap):
     ref = engine(tiny_model_dir).generate([prompt(21, 1), prompt(13, 2)], SP)
-    eng = engine(tiny_model_dir)
+    eng = engine(tiny_model_dir, overlap)
     good, bad = Request("good", prompt(21, 1), SP), Request("bad", prompt(13, 2), SP)
     eng.scheduler.submit(good)
+    outs = run(eng, steps=2)  # "good" decodes: with overlap its tokens are read on the device from now on
+    extend = eng.runner.extend
+
+    def bad_first_token(reqs, lens, mask):  # the extend hands "bad" a token no embedding row holds
+        return [eng.model_config.vocab_size + 5 if r is bad and t is not None else t
+                for r, t in zip(reqs, extend(reqs, lens, mask))]
+
+    eng.runner.extend = bad_first_token
     eng.scheduler.submit(bad)
-    outs = run(eng, steps=1)  # both prompts extended and decoded once
-    bad.output_ids[-1] = eng.model_config.vocab_size + 5  # a token no embedding row holds: its step raises
-    run(eng, outs=outs)
+    run(eng, outs=outs)  # the decode step that reads it from the host raises before any device work
     assert [t for o in outs["good"] for t in o.new_token_ids] == ref[0].token_ids
     assert outs["bad"][-1].finish_reason is FinishReason.ABORT and "decode step" in outs["bad"][-1].failure.message
     assert outs["bad"][-1].failure.kind is FailureKind.INTERNAL

@@ -13,14 +13,25 @@ from engine.outcome import FinishReason
 from engine.step_stats import StepStats
 
 
-@pytest.fixture()
-def engine(tiny_model_dir):
-    from engine.config import CacheConfig, EngineConfig
+def _engine(model_dir: str, overlap: bool):
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.engine import Engine
 
     # bf16 pool: a cache hit then gives the same numbers as a fresh prompt (an NVFP4 prefix would round)
-    return Engine(EngineConfig(model_dir=tiny_model_dir, device="cpu", dtype="float32",
-                               cache=CacheConfig(page_size=4, max_total_tokens=512, kv_dtype="bf16")))
+    return Engine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32",
+                               cache=CacheConfig(page_size=4, max_total_tokens=512, kv_dtype="bf16"),
+                               scheduler=SchedulerConfig(disable_overlap_schedule=not overlap)))
+
+
+@pytest.fixture(params=[True, False], ids=["overlap", "no-overlap"])
+def engine(tiny_model_dir, request):
+    return _engine(tiny_model_dir, request.param)
+
+
+@pytest.fixture()
+def sync_engine(tiny_model_dir):
+    """Each decode step's tokens read before the next is launched (--disable-overlap-schedule)."""
+    return _engine(tiny_model_dir, overlap=False)
 
 
 def _run(loop, prompts: list[list[int]], max_tokens: int, events: list | None = None):
@@ -67,40 +78,68 @@ def test_streamed_tokens_are_complete_in_order_and_equal_offline_generation(engi
         assert [o.finish_reason for o in outs] == [None] * (len(outs) - 1) + [FinishReason.LENGTH]
 
 
-def test_a_steps_tokens_are_handed_out_while_the_next_decode_step_is_in_flight(engine):
+def _trace_decode_steps(runner, events: list) -> None:
+    """Record each decode step's launch (whether its input ids were read on the device) and read (its tokens)."""
+    launch, finish = runner.launch_decode, runner.finish_decode
+
+    def traced_launch(reqs, carry=None):
+        events.append(("launch", carry is not None and all(r >= 0 for r in carry.rows)))
+        return launch(reqs, carry)
+
+    def traced_finish(reqs, sampled, keep=None):
+        tokens = finish(reqs, sampled, keep)
+        events.append(("read", tuple(tokens)))
+        return tokens
+
+    runner.launch_decode, runner.finish_decode = traced_launch, traced_finish
+
+
+def test_without_overlap_a_steps_tokens_are_handed_out_while_the_next_decode_step_is_in_flight(sync_engine):
     from engine.engine_loop import EngineLoop
 
     events: list = []
-    runner = engine.runner
-    decode = runner.decode
+    _trace_decode_steps(sync_engine.runner, events)
+    loop = EngineLoop(sync_engine).start()
+    try:
+        _run(loop, [[5, 6, 7, 8, 9]], 5, events)
+    finally:
+        loop.stop()
+    launches = [i for i, e in enumerate(events) if e[0] == "launch"]
+    reads = [i for i, e in enumerate(events) if e[0] == "read"]
+    # the first token comes from the extend; then every decode step's tokens are read before the next step is
+    # launched (its input ids come from the host), and go out inside the next step, after its launch and before
+    # its own tokens are back; the last step's tokens go out once idle
+    assert [events[i][1] for i in launches] == [False] * 4 and len(reads) == 4
+    outs = [e[2] for e in events if e[0] == "out"]
+    assert outs[1:] == [events[i][1] for i in reads]
+    for k in range(1, 4):
+        out_prev = events.index(("out", "r0", events[reads[k - 1]][1]))
+        assert reads[k - 1] < launches[k] < out_prev < reads[k], events
+    assert events[-1] == ("out", "r0", events[reads[-1]][1])
 
-    def traced(reqs, on_launched=None):
-        def launched():
-            events.append(("launched", len(reqs)))
-            if on_launched is not None:
-                on_launched()
-        tokens = decode(reqs, launched)
-        events.append(("tokens", tuple(tokens)))
-        return tokens
 
-    runner.decode = traced
+def test_with_overlap_a_step_is_launched_before_the_last_steps_tokens_are_read(tiny_model_dir):
+    """Overlap scheduling: decode step k is queued (its input ids read on the device) before step k-1's tokens
+    reach the host, and those go out at once, before step k is read. No step is wasted on a length finish."""
+    from engine.engine_loop import EngineLoop
+
+    engine = _engine(tiny_model_dir, overlap=True)
+    events: list = []
+    _trace_decode_steps(engine.runner, events)
     loop = EngineLoop(engine).start()
     try:
         _run(loop, [[5, 6, 7, 8, 9]], 5, events)
     finally:
         loop.stop()
-    kinds = [e[0] for e in events]
-    # the first token comes from the extend; then every decode step's tokens go out inside the next step,
-    # after its launch and before its own tokens are back; the last step's tokens go out once idle
-    decode_tokens = [e[1] for e in events if e[0] == "tokens"]
+    launches = [i for i, e in enumerate(events) if e[0] == "launch"]
+    reads = [i for i, e in enumerate(events) if e[0] == "read"]
+    # the first decode step reads the extend's token from the host, every later one the last step's on the device
+    assert [events[i][1] for i in launches] == [False, True, True, True] and len(reads) == 4
     outs = [e[2] for e in events if e[0] == "out"]
-    assert len(decode_tokens) == 4 and outs[1:] == decode_tokens
-    for k in range(1, len(decode_tokens)):
-        i_launch = [i for i, x in enumerate(kinds) if x == "launched"][k]
-        i_tokens = [i for i, x in enumerate(kinds) if x == "tokens"][k]
-        i_out = events.index(("out", "r0", decode_tokens[k - 1]))
-        assert i_launch < i_out < i_tokens, events
-    assert events[-1] == ("out", "r0", decode_tokens[-1])
+    assert outs[1:] == [events[i][1] for i in reads]
+    for k in range(3):
+        out_k = events.index(("out", "r0", events[reads[k]][1]))
+        assert launches[k + 1] < reads[k] < out_k < reads[k + 1], events
 
 
 def test_tokens_already_produced_go_out_before_an_extend_batch_runs(engine):
@@ -111,11 +150,11 @@ def test_tokens_already_produced_go_out_before_an_extend_batch_runs(engine):
 
     events: list = []
     runner = engine.runner
-    decode, extend = runner.decode, runner.extend
+    finish, extend = runner.finish_decode, runner.extend
 
-    def traced_decode(reqs, on_launched=None):
-        tokens = decode(reqs, on_launched)
-        events.append(("produced", len(tokens)))
+    def traced_finish(reqs, sampled, keep=None):
+        tokens = finish(reqs, sampled, keep)
+        events.append(("produced", sum(keep) if keep is not None else len(tokens)))
         return tokens
 
     def traced_extend(reqs, lens, mask):
@@ -124,7 +163,7 @@ def test_tokens_already_produced_go_out_before_an_extend_batch_runs(engine):
         events.append(("produced", sum(t is not None for t in tokens)))
         return tokens
 
-    runner.decode, runner.extend = traced_decode, traced_extend
+    runner.finish_decode, runner.extend = traced_finish, traced_extend
     loop = EngineLoop(engine).start()
     first, done = threading.Event(), threading.Semaphore(0)
 

@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; tma_probe, itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big, transfer_thread are on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; tma_probe, one_user, itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big, transfer_thread are on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -134,6 +134,12 @@ stage issue5_1m 1000 python3 -m nvfp4_serve.cli bench experiments --kv-dtypes fp
   --out docs/benchmarks/serving_1m.json --report docs/benchmarks/serving_1m.md \
   --launch --model /tmp/q8b --num-layers 8 --num-prefill 0 --mem-fraction-static 0.231 --workspace-tokens 1048576 \
   --chunked-prefill-size 8192
+# on demand: one user at 32K on all 36 layers, nvfp4 and fp8, overlap scheduling on and off (the decode step's
+# host work with the GPU idle against hidden behind the step in flight): TPOT and tok/s per user
+stage one_user 560 python3 -m nvfp4_serve.cli bench pd --input-len 32768 --output-len 256 --concurrency 1 \
+  --num-prompts 3 --warmup 1 --deployments colocated colocated-sync colocated-fp8 colocated-fp8-sync \
+  --out docs/benchmarks/one_user.json --report docs/benchmarks/one_user.md --log-dir $R/logs_one_user \
+  --launch --model /tmp/q8b --max-total-tokens 262144 --workspace-tokens 65536 --chunked-prefill-size 8192
 stage ramp 200 python3 -m benchmarks.engine.bench_ttft_ramp --model /tmp/q8b --num-layers 8 --num-prompts 40 \
   --input-len 32768 --chunk-size 8192 --mem-fraction-static 0.22 --workspace-tokens 262144 \
   --out docs/benchmarks/engine_ttft_ramp.json

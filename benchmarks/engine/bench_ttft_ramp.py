@@ -4,7 +4,7 @@
         [--input-len 32768] [--chunk-size 8192] [--kv-dtypes fp8_e4m3 nvfp4] [--out JSON]
 
 Every scheduler step is one extend chunk plus one decode step of the requests already running; this times
-each phase with a device synchronisation around it (``ModelRunner.extend`` / ``ModelRunner.decode``) until
+each phase with a device synchronisation around it (``ModelRunner.extend`` / ``ModelRunner.launch_decode``) until
 every request has its first token, and reports the TTFT distribution (from submission), the extend and
 decode seconds of the ramp, and the extend throughput. One subprocess per dtype (a fresh GPU each time).
 It separates the engine's share of an end-to-end TTFT difference from the serving stack's.
@@ -30,7 +30,8 @@ def _one(a: argparse.Namespace, kv_dtype: str) -> dict:
         model_dir=a.model, num_layers=a.num_layers,
         cache=CacheConfig(kv_dtype=kv_dtype, mem_fraction_static=a.mem_fraction_static,
                           workspace_tokens=a.workspace_tokens),
-        scheduler=SchedulerConfig(chunk_size=a.chunk_size)))
+        # each part is timed on its own (synchronised), so decode steps are read before the next is launched
+        scheduler=SchedulerConfig(chunk_size=a.chunk_size, disable_overlap_schedule=True)))
     runner = eng.runner
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
     spent = {"extend": 0.0, "decode": 0.0}
@@ -53,7 +54,8 @@ def _one(a: argparse.Namespace, kv_dtype: str) -> dict:
     # warm-up (JIT, first graphs) on a short prompt, not measured
     eng.generate([torch.randint(10, vocab - 10, (512,), generator=g).tolist()],
                  SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    runner.extend, runner.decode = timed("extend", runner.extend), timed("decode", runner.decode)
+    # a decode step is its launch (timed to its completion) and the read of its tokens
+    runner.extend, runner.launch_decode = timed("extend", runner.extend), timed("decode", runner.launch_decode)
     reqs = [eng.new_request(torch.randint(10, vocab - 10, (a.input_len,), generator=g).tolist(), sp)
             for _ in range(a.num_prompts)]
     t0 = time.perf_counter()

@@ -13,11 +13,16 @@ Each deployment is ``nvfp4-serve up`` with the shared args plus its own (one at 
     pd-ipc-unpaced  as pd-ipc with --shared-gpu-decode-interval-ms 0 (on one GPU: what pacing the decode buys)
     pd-nixl       --num-prefill 1 --kv-transfer nixl --kv-cache-dtype nvfp4  (asked for by name: needs the nixl extra)
     pd-grpc-lanes4, pd-grpc-fp8-lanes4   as pd-grpc, pd-grpc-fp8 with --decode-args '--kv-grpc-lanes 4' (by name)
+    colocated-fp8   --num-prefill 0 --kv-cache-dtype fp8_e4m3  (by name)
+    colocated-sync, colocated-fp8-sync   as colocated, colocated-fp8 with --disable-overlap-schedule: each decode
+                    step read before the next is launched (by name; what overlap scheduling buys, e.g. one user
+                    at 32K: --concurrency 1)
 
 One point each (the workload above, random prompts, warm-up first); per deployment TTFT mean / median /
 p99, ITL p50 / p99, input and output tok/s, and from the decode's metrics the transfer bytes, the time
 from each transfer's header to its last page, and the time its pool writes took (copy rate). The report
-gives PD / colocated ratios and nvfp4 / fp8 in PD over gRPC.
+gives PD / colocated ratios, nvfp4 / fp8 in PD over gRPC and, for the colocated pairs run, overlap scheduling
+on against off (output tok/s, TPOT = ITL p50).
 """
 
 from __future__ import annotations
@@ -50,10 +55,16 @@ DEPLOYMENTS: dict[str, list[str]] = {
                        "--decode-args", "--kv-grpc-lanes 4"],
     "pd-grpc-fp8-lanes4": ["--num-prefill", "1", "--kv-transfer", "grpc", "--kv-cache-dtype", "fp8_e4m3",
                            "--decode-args", "--kv-grpc-lanes 4"],
+    "colocated-fp8": ["--num-prefill", "0", "--kv-cache-dtype", "fp8_e4m3"],
+    # each decode step read before the next is launched: what overlap scheduling buys
+    "colocated-sync": ["--num-prefill", "0", "--kv-cache-dtype", "nvfp4", "--disable-overlap-schedule"],
+    "colocated-fp8-sync": ["--num-prefill", "0", "--kv-cache-dtype", "fp8_e4m3", "--disable-overlap-schedule"],
 }
 DEFAULT_DEPLOYMENTS = ["colocated", "pd-ipc", "pd-grpc", "pd-grpc-fp8", "pd-ipc-unpaced"]  # the others by name
 _GRPC_PAIRS = (("pd-grpc", "pd-grpc-fp8"), ("pd-grpc-lanes4", "pd-grpc-fp8-lanes4"))  # nvfp4 vs fp8 in PD
+_OVERLAP_PAIRS = (("colocated", "colocated-sync"), ("colocated-fp8", "colocated-fp8-sync"))  # overlap on / off
 _OWN_FLAGS = ("--num-prefill", "--kv-transfer", "--kv-cache-dtype", "--shared-gpu-decode-interval-ms")
+_OWN_SWITCHES = ("--disable-overlap-schedule",)  # flags without a value that the deployments set themselves
 
 
 def add_pd_args(p: argparse.ArgumentParser) -> None:
@@ -73,14 +84,15 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
                    help="`nvfp4-serve up` args shared by every deployment (must come last)")
 
 
-def _strip(args: list[str], flags: tuple[str, ...]) -> list[str]:
+def _strip(args: list[str], flags: tuple[str, ...], switches: tuple[str, ...] = ()) -> list[str]:
+    """``args`` without ``flags`` (and their values) and ``switches`` (flags without a value)."""
     out, skip = [], False
     for x in args:
         if skip:
             skip = False
         elif x in flags:
             skip = True
-        elif not any(x.startswith(f + "=") for f in flags):
+        elif x not in switches and not any(x.startswith(f + "=") for f in flags):
             out.append(x)
     return out
 
@@ -148,7 +160,7 @@ async def _one(base_url: str, cfg: BenchConfig, progress: bool) -> tuple[dict[st
 
 
 def run(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    shared = _strip(a.launch, _OWN_FLAGS)
+    shared = _strip(a.launch, _OWN_FLAGS, _OWN_SWITCHES)
     out = Path(a.out)
     log_dir = Path(a.log_dir) if a.log_dir else out.parent / "pd-logs"
     cfg = BenchConfig(input_len=a.input_len, output_len=a.output_len, concurrency=a.concurrency,
@@ -230,6 +242,16 @@ def report(doc: dict[str, Any]) -> str:
                        f"{_ratio(g4.get('after_prefill_ms'), g8.get('after_prefill_ms'))}; the prefill's own: "
                        f"{_f(g4.get('prefill_ms'))} vs {_f(g8.get('prefill_ms'))} ms"),
                       f"- output tok/s: {_ratio(g4['output_tok_s'], g8['output_tok_s'])}"]
+    for on, off in _OVERLAP_PAIRS:
+        a, b = deps.get(on, {}).get("summary"), deps.get(off, {}).get("summary")
+        if a and b:
+            lines += ["", f"## Overlap scheduling on / off ({on} / {off})", "",
+                      (f"- output tok/s: {_f(a['output_tok_s'], 1)} vs {_f(b['output_tok_s'], 1)}, "
+                      f"{_ratio(a['output_tok_s'], b['output_tok_s'])}"),
+                      (f"- TPOT (ITL p50): {_f(a['itl_p50_ms'], 2)} vs {_f(b['itl_p50_ms'], 2)} ms; one user's tok/s "
+                      f"1 / TPOT: {_f(1e3 / a['itl_p50_ms'] if a['itl_p50_ms'] else None)} vs "
+                      f"{_f(1e3 / b['itl_p50_ms'] if b['itl_p50_ms'] else None)}"),
+                      f"- TTFT mean: {_ratio(a['ttft_mean_ms'], b['ttft_mean_ms'])}"]
     lines += ["", ("Transfer columns come from the decode's metrics over the measured requests: bytes received, the "
               "time from each transfer's header to its last page (pages stream while the prefill computes, so this "
               "includes the prompt's compute after its first chunk), and the time the pool writes took on the "
