@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.carried_tokens import CarriedTokens
 from engine.fence import Fence
 from engine.logprobs import PendingLogprobs, gather_logprobs, prompt_logprobs
 from engine.request import Request
@@ -46,14 +47,16 @@ class BatchSampler:
             return frozenset()
         return frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_token_ids)
 
-    def sample(self, logits: torch.Tensor, reqs: Sequence[Request],
-               num_pending: Sequence[int] | None = None) -> SampledTokens:
-        """Next token ids of every row (no host synchronisation but the grammar masks' copy). ``num_pending[i]``:
-        tokens row i's request has sampled that are not in its ``output_ids`` yet (a decode step in flight); they
-        count towards ``min_tokens``. Controls that read the output ids (penalties, grammars) need them all there:
-        the scheduler never leaves such a request's tokens pending."""
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Request], carry: CarriedTokens | None = None) -> SampledTokens:
+        """Next token ids of every row (no host synchronisation but the grammar masks' copy). ``carry``: the rows
+        whose last sampled token is not in their ``output_ids`` yet (a decode step in flight) and where it is on the
+        device; it counts towards ``min_tokens`` and the penalties. A grammar needs every token on the host: the
+        scheduler never leaves a token of a grammar's request pending."""
         params = [r.sampling for r in reqs]
-        pending = num_pending if num_pending is not None else [0] * len(reqs)
+        pending = [0] * len(reqs) if carry is None else [int(r >= 0) for r in carry.rows]
+        pending_ids = None
+        if carry is not None and any(p.has_penalties and n for p, n in zip(params, pending)):
+            pending_ids = carry.pending()
         masks = None
         if any(r.grammar is not None for r in reqs):
             masks = torch.ones(logits.shape, dtype=torch.bool)
@@ -64,7 +67,7 @@ class BatchSampler:
                     masks[i, allowed.shape[0]:] = False
             masks = masks.to(logits.device, non_blocking=True)
         rows = [RowTokens(r.prompt_ids, r.output_ids, self._banned(r, n)) for r, n in zip(reqs, pending)]
-        ids = sample(apply_controls(logits, params, rows, masks), params, [r.generator for r in reqs])
+        ids = sample(apply_controls(logits, params, rows, masks, pending_ids), params, [r.generator for r in reqs])
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs = None
         if want:

@@ -26,6 +26,11 @@ class CarriedTokens:
             raise ValueError(f"carried rows must be -1 or name one of the {n} rows of the previous step, "
                              f"got {list(self.rows)}")
 
+    def pending(self) -> torch.Tensor:
+        """int64 [B] on the device: row i's carried id, or -1 where the host's id stands."""
+        rows = torch.tensor(list(self.rows), dtype=torch.int64).to(self.source.device)
+        return torch.where(rows >= 0, self.source.index_select(0, rows.clamp(min=0)), -1)
+
     def fill(self, ids: torch.Tensor, rows_on_device: torch.Tensor) -> None:
         """``ids[i] = source[rows[i]]`` where ``rows[i] >= 0``, on the device (``rows_on_device``: ``rows`` as an
         int64 tensor on it, the caller's staging); nothing waits on the host."""

@@ -71,8 +71,7 @@ class ModelRunner:
         """``decode``'s device work, queued, without waiting for it: the sampled ids stay on the device (where the
         next step may read them: its ``carry``) and are on their way to the host. ``carry``: the rows whose last
         token is the previous step's sampled id, not in their ``output_ids`` yet."""
-        pending = [0] * len(reqs) if carry is None else [int(r >= 0) for r in carry.rows]
-        return self.sampler.sample(self.decode_logits(reqs, carry=carry), reqs, pending)
+        return self.sampler.sample(self.decode_logits(reqs, carry=carry), reqs, carry)
 
     def finish_decode(self, reqs: Sequence[Request], sampled: SampledTokens,
                       keep: Sequence[bool] | None = None) -> list[int]:

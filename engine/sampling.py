@@ -178,10 +178,12 @@ def _padded(rows: list[Sequence[int]], pad: int, device: torch.device) -> torch.
 
 
 def apply_controls(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[RowTokens],
-                   token_masks: torch.Tensor | None = None) -> torch.Tensor:
+                   token_masks: torch.Tensor | None = None, pending: torch.Tensor | None = None) -> torch.Tensor:
     """``logits [B, V]`` float32 with every row's controls applied (a new tensor; the input is untouched
     unless no row has any control, in which case it is returned as is). ``token_masks``: bool [B, V], True
-    where a token is allowed (structured output), or None."""
+    where a token is allowed (structured output), or None. ``pending``: int64 [B] on the logits' device, each row's
+    output token that is not in its ``output_ids`` yet (a decode step in flight), -1 for none: the penalties count
+    it as an output token, on the device."""
     if len(rows) != len(params) or logits.shape[0] != len(params):
         raise ValueError(f"apply_controls needs one RowTokens and one params per row (got {logits.shape[0]} rows, "
                          f"{len(params)} params, {len(rows)} RowTokens)")
@@ -212,8 +214,14 @@ def apply_controls(logits: torch.Tensor, params: Sequence[SamplingParams], rows:
         sub = out[penalised]
         pen = [params[i] for i in penalised]
         reps = [p.repetition_penalty for p in pen]
+        extra = None  # [P, 1]: each penalised row's pending output id, or the padding id ``vocab``
+        if pending is not None:
+            p_ids = pending.index_select(0, torch.tensor(penalised).to(device))
+            extra = torch.where(p_ids >= 0, p_ids, vocab).unsqueeze(1)
         if any(r != 1.0 for r in reps):
             seen_ids = _padded([[*rows[i].prompt_ids, *rows[i].output_ids] for i in penalised], vocab, device)
+            if extra is not None:
+                seen_ids = torch.cat([seen_ids, extra], dim=1)
             seen = torch.zeros(len(penalised), vocab + 1, dtype=torch.bool, device=device)
             seen.scatter_(1, seen_ids, True)
             seen = seen[:, :vocab]
@@ -221,6 +229,8 @@ def apply_controls(logits: torch.Tensor, params: Sequence[SamplingParams], rows:
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         if any(p.presence_penalty or p.frequency_penalty for p in pen):
             out_ids = _padded([rows[i].output_ids for i in penalised], vocab, device)
+            if extra is not None:
+                out_ids = torch.cat([out_ids, extra], dim=1)
             counts = torch.zeros(len(penalised), vocab + 1, dtype=torch.float32, device=device)
             counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
             counts = counts[:, :vocab]

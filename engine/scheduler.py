@@ -15,8 +15,8 @@ and only then reads the previous decode step's sampled ids, so those tokens come
 that launched them, and the host's work between steps runs while the device computes. The next step's input ids
 are the previous step's on the device (``engine.carried_tokens``). A stop token is seen one step late: the
 request's row in the step launched meanwhile is dropped. Invariants: ``engine.in_flight``. A batch with a
-request whose sampling reads its output ids on the host (penalties, grammars) runs without overlap: its step is
-read before the next one is launched.
+request whose sampling reads its output ids on the host (a grammar) runs without overlap: its step is read
+before the next one is launched.
 """
 
 from __future__ import annotations
@@ -386,8 +386,9 @@ class Scheduler:
 
 
 def _reads_outputs_on_host(req: Request) -> bool:
-    """Its sampling needs every output id on the host before the next step (penalties, a grammar)."""
-    return req.grammar is not None or req.sampling.has_penalties
+    """Its sampling needs every output id on the host before the next step: a grammar's matcher advances there
+    (penalties count a token in flight on the device)."""
+    return req.grammar is not None
 
 
 def _retraction_victim(running: list[Request], exclude: Request) -> Request | None:

@@ -96,25 +96,75 @@ def test_logprobs_arrive_with_their_tokens_under_overlap(tiny_model_dir):
     assert got[True] == got[False]
 
 
-def test_requests_whose_sampling_reads_their_outputs_run_without_overlap(tiny_model_dir):
-    """Penalties count the output ids on the host: a batch holding such a request reads every step before
-    launching the next (no carried ids), and gives the tokens a run without overlap gives."""
-    pen = SamplingParams(temperature=0, max_tokens=4, frequency_penalty=1.5, repetition_penalty=1.3,
-                         ignore_eos=True)
-    prompts, params = [prompt(11, 5), prompt(8, 6)], [GREEDY, pen]
-    want = make_engine(tiny_model_dir, False).generate(prompts, params)
-    eng = make_engine(tiny_model_dir, True)
-    launch = eng.runner.launch_decode
-    carried: list[bool] = []
+def _count_carried(eng: Engine) -> list[bool]:
+    """Whether each decode step launched took an input id on the device."""
+    launch, carried = eng.runner.launch_decode, []
 
     def traced(reqs, carry=None):
         carried.append(carry is not None and any(r >= 0 for r in carry.rows))
         return launch(reqs, carry)
 
     eng.runner.launch_decode = traced
+    return carried
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "nvfp4"])
+def test_penalties_count_the_token_in_flight_on_the_device(tiny_model_dir, kv_dtype):
+    """Repetition, frequency and presence penalties see every output token, the one still in flight included:
+    the tokens equal those of steps read one by one, and the steps still overlap."""
+    strong = SamplingParams(temperature=0, max_tokens=12, frequency_penalty=2.0, presence_penalty=2.0,
+                            repetition_penalty=2.0, ignore_eos=True)
+    prompts = [prompt(8, 6), prompt(11, 5), prompt(14, 7)]
+    params = [strong, GREEDY, SamplingParams(temperature=0.9, seed=11, max_tokens=10, presence_penalty=2.0,
+                                             frequency_penalty=1.0, ignore_eos=True)]
+    want = make_engine(tiny_model_dir, False, kv_dtype).generate(prompts, params)
+    plain = make_engine(tiny_model_dir, False, kv_dtype).generate(prompts[:1], [GREEDY])[0].token_ids
+    assert want[0].token_ids != plain[:len(want[0].token_ids)]  # the penalties are at work on this prompt
+    eng = make_engine(tiny_model_dir, True, kv_dtype)
+    carried = _count_carried(eng)
     assert outcome(eng.generate(prompts, params)) == outcome(want)
-    # while the penalised request runs no step carries; once it is done the other one overlaps again
-    assert not any(carried[:3]) and any(carried[3:])  # its 3 decode steps, then the greedy one's
+    assert sum(carried) >= 8
+
+
+def test_a_pending_token_is_penalised_as_if_it_were_in_the_output_ids():
+    from engine.sampling import RowTokens, apply_controls
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g)
+    params = [SamplingParams(frequency_penalty=1.2, presence_penalty=0.5, repetition_penalty=1.7),
+              SamplingParams(repetition_penalty=1.4), SamplingParams()]
+    outs = [[4, 9, 4], [7], [1, 2]]
+    pending = torch.tensor([9, -1, 3])  # row 1 has none; row 2 has no penalties
+    got = apply_controls(logits, params, [RowTokens([1, 2], o) for o in outs], pending=pending)
+    with_it = [o + [int(t)] if t >= 0 else o for o, t in zip(outs, pending)]
+    want = apply_controls(logits, params, [RowTokens([1, 2], o) for o in with_it])
+    assert torch.equal(got, want)
+    assert not torch.equal(got, apply_controls(logits, params, [RowTokens([1, 2], o) for o in outs]))
+
+
+def test_a_grammar_request_runs_without_overlap(tiny_model_dir):
+    """A grammar's matcher advances on the host with each token: a batch holding one reads each step before it
+    launches the next (no carried ids) and gives the tokens of a run without overlap."""
+    pytest.importorskip("xgrammar")
+    from engine.grammar import GrammarCompiler
+
+    eng = make_engine(tiny_model_dir, True)
+    sync = make_engine(tiny_model_dir, False)
+    outs = []
+    for e in (sync, eng):
+        carried = _count_carried(e) if e is eng else []
+        g = e.new_request(prompt(9, 2), SamplingParams(temperature=0, max_tokens=6), rid="g")
+        g.grammar = GrammarCompiler(tiny_model_dir, e.model_config.vocab_size, e.eos_token_ids).compile(
+            "regex", "[ab]+")
+        other = e.new_request(prompt(12, 3), GREEDY, rid="o")
+        for r in (g, other):
+            e.scheduler.submit(r)
+        got: dict = {}
+        run_steps(e, got)
+        outs.append({rid: [t for o in v for t in o.new_token_ids] for rid, v in got.items()})
+    assert outs[0] == outs[1]
+    n_g = len(outs[1]["g"])
+    assert not any(carried[:n_g - 1]) and any(carried[n_g:])  # while "g" runs no step carries; after, they do
 
 
 def test_an_abort_while_its_step_is_in_flight_frees_its_pages_once_the_step_is_read(tiny_model_dir):
