@@ -94,36 +94,11 @@ def _trace_decode_steps(runner, events: list) -> None:
     runner.launch_decode, runner.finish_decode = traced_launch, traced_finish
 
 
-def test_without_overlap_a_steps_tokens_are_handed_out_while_the_next_decode_step_is_in_flight(sync_engine):
+def _steps_of_one_request(engine) -> tuple[list, list[int], list[int], list]:
+    """One request of 5 tokens through a started loop: every event in order, the indexes of the decode steps'
+    launches and reads, and the tokens handed out."""
     from engine.engine_loop import EngineLoop
 
-    events: list = []
-    _trace_decode_steps(sync_engine.runner, events)
-    loop = EngineLoop(sync_engine).start()
-    try:
-        _run(loop, [[5, 6, 7, 8, 9]], 5, events)
-    finally:
-        loop.stop()
-    launches = [i for i, e in enumerate(events) if e[0] == "launch"]
-    reads = [i for i, e in enumerate(events) if e[0] == "read"]
-    # the first token comes from the extend; then every decode step's tokens are read before the next step is
-    # launched (its input ids come from the host), and go out inside the next step, after its launch and before
-    # its own tokens are back; the last step's tokens go out once idle
-    assert [events[i][1] for i in launches] == [False] * 4 and len(reads) == 4
-    outs = [e[2] for e in events if e[0] == "out"]
-    assert outs[1:] == [events[i][1] for i in reads]
-    for k in range(1, 4):
-        out_prev = events.index(("out", "r0", events[reads[k - 1]][1]))
-        assert reads[k - 1] < launches[k] < out_prev < reads[k], events
-    assert events[-1] == ("out", "r0", events[reads[-1]][1])
-
-
-def test_with_overlap_a_step_is_launched_before_the_last_steps_tokens_are_read(tiny_model_dir):
-    """Overlap scheduling: decode step k is queued (its input ids read on the device) before step k-1's tokens
-    reach the host, and those go out at once, before step k is read. No step is wasted on a length finish."""
-    from engine.engine_loop import EngineLoop
-
-    engine = _engine(tiny_model_dir, overlap=True)
     events: list = []
     _trace_decode_steps(engine.runner, events)
     loop = EngineLoop(engine).start()
@@ -133,10 +108,29 @@ def test_with_overlap_a_step_is_launched_before_the_last_steps_tokens_are_read(t
         loop.stop()
     launches = [i for i, e in enumerate(events) if e[0] == "launch"]
     reads = [i for i, e in enumerate(events) if e[0] == "read"]
+    outs = [e[2] for e in events if e[0] == "out"]
+    assert outs[1:] == [events[i][1] for i in reads]  # the first token comes from the extend
+    return events, launches, reads, outs
+
+
+def test_without_overlap_a_steps_tokens_are_handed_out_while_the_next_decode_step_is_in_flight(sync_engine):
+    events, launches, reads, _ = _steps_of_one_request(sync_engine)
+    # every decode step's tokens are read before the next step is launched (its input ids come from the host),
+    # and go out inside the next step, after its launch and before its own tokens are back; the last step's
+    # tokens go out once idle
+    assert [events[i][1] for i in launches] == [False] * 4 and len(reads) == 4
+    for k in range(1, 4):
+        out_prev = events.index(("out", "r0", events[reads[k - 1]][1]))
+        assert reads[k - 1] < launches[k] < out_prev < reads[k], events
+    assert events[-1] == ("out", "r0", events[reads[-1]][1])
+
+
+def test_with_overlap_a_step_is_launched_before_the_last_steps_tokens_are_read(tiny_model_dir):
+    """Overlap scheduling: decode step k is queued (its input ids read on the device) before step k-1's tokens
+    reach the host, and those go out at once, before step k is read. No step is wasted on a length finish."""
+    events, launches, reads, _ = _steps_of_one_request(_engine(tiny_model_dir, overlap=True))
     # the first decode step reads the extend's token from the host, every later one the last step's on the device
     assert [events[i][1] for i in launches] == [False, True, True, True] and len(reads) == 4
-    outs = [e[2] for e in events if e[0] == "out"]
-    assert outs[1:] == [events[i][1] for i in reads]
     for k in range(3):
         out_k = events.index(("out", "r0", events[reads[k]][1]))
         assert launches[k + 1] < reads[k] < out_k < reads[k + 1], events

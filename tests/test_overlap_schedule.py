@@ -13,8 +13,9 @@ from engine.carried_tokens import CarriedTokens
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.outcome import FinishReason
-from engine.request import Status, StepOutput
+from engine.request import Status
 from engine.sampling import SamplingParams
+from tests.test_engine_isolation import run
 
 GREEDY = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
 
@@ -37,12 +38,7 @@ def outcome(outs) -> list[tuple]:
 
 
 def run_steps(eng: Engine, outs: dict, steps: int | None = None) -> None:
-    n = 0
-    while eng.scheduler.has_work and (steps is None or n < steps):
-        for o in eng.scheduler.step():
-            if isinstance(o, StepOutput):
-                outs.setdefault(o.rid, []).append(o)
-        n += 1
+    run(eng, steps, outs)
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "nvfp4"])

@@ -89,36 +89,22 @@ def fill_pool_random(pool) -> None:
                 sf.view(torch.uint8).random_(0x28, 0x38)  # 2^-6 .. 2^-4: moderate block scales
 
 
-def _time_ms(fn, iters: int) -> float:
+def _time_ms(fn, samples: int, calls: int = 1) -> float:
+    """Median over ``samples`` of the mean ms per call of ``calls`` calls queued back to back. With several calls
+    each one stages its inputs on the host while the last one still runs on the GPU, as decode steps run under
+    overlap scheduling (the engine's default): the host's staging then costs nothing while it stays below the
+    GPU's time. One call per sample times a step alone, its staging included."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(iters):
+    for _ in range(samples):
         start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def _time_back_to_back_ms(fn, iters: int, rounds: int = 3) -> float:
-    """Mean ms per call of ``iters`` calls queued back to back, median of ``rounds``: each call stages its inputs on
-    the host while the last one still runs on the GPU, as decode steps run under overlap scheduling (the engine's
-    default), so the host's staging costs the step nothing while it stays below the GPU's time."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(rounds):
-        start.record()
-        for _ in range(iters):
+        for _ in range(calls):
             fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
+        times.append(start.elapsed_time(end) / calls)
     times.sort()
     return times[len(times) // 2]
 
@@ -268,7 +254,7 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     runner.decode_logits(reqs)  # captures the graph of this bucket
     out["capture_s"] = time.perf_counter() - t0
     out["graph_ms"] = _time_ms(lambda: runner.decode_logits(reqs), iters)
-    out["back_to_back_ms"] = _time_back_to_back_ms(lambda: runner.decode_logits(reqs), iters)
+    out["back_to_back_ms"] = _time_ms(lambda: runner.decode_logits(reqs), 3, calls=iters)
     out["eager_ms"] = _time_ms(lambda: runner.decode_logits(reqs, use_graphs=False), max(3, iters // 3))
     out.update(attention_times(paths, batch, seq_len, pages_per_seq, width_bucket(pages_per_seq, graphs.max_width),
                                iters, device))
