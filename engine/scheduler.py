@@ -265,10 +265,12 @@ class Scheduler:
         if step is None:
             return
         keep = [r.status is Status.RUNNING for r in step.batch]
-        tokens = self.runner.finish_decode(step.batch, step.sampled, keep)
+        try:
+            tokens = self.runner.finish_decode(step.batch, step.sampled, keep)
+        finally:  # even when reading fails (the loop then aborts everyone), the ended requests' pages go back
+            self.flights.read_done(step)
         self._take_tokens([r for r, k in zip(step.batch, keep) if k], [t for t, k in zip(tokens, keep) if k],
                           outputs)
-        self.flights.read_done(step)
 
     def _take_tokens(self, batch: list[Request], tokens: list[int], outputs: list) -> None:
         self.num_decode_tokens += len(batch)

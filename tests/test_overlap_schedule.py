@@ -12,7 +12,7 @@ import torch
 from engine.carried_tokens import CarriedTokens
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
-from engine.outcome import FinishReason
+from engine.outcome import Failure, FailureKind, FinishReason
 from engine.request import Status
 from engine.sampling import SamplingParams
 from tests.test_engine_isolation import run
@@ -185,6 +185,30 @@ def test_an_abort_while_its_step_is_in_flight_frees_its_pages_once_the_step_is_r
     run_steps(eng, outs)
     assert [t for o in outs["keep"] for t in o.new_token_ids] == ref.token_ids
     assert all(not o.finish_reason for o in outs["gone"])  # no token of it after the abort
+    assert eng.check_integrity().num_in_use == 0
+
+
+def test_a_step_that_fails_to_read_loses_no_page(tiny_model_dir):
+    """Reading a step raises (the engine loop then aborts every request, as ``EngineLoop._abort_all`` does): the
+    pages of a request aborted while that step was in flight still go back, and so do everyone else's."""
+    from engine.engine_loop import EngineLoop
+
+    eng = make_engine(tiny_model_dir, True)
+    sch = eng.scheduler
+    for i, n in enumerate((13, 9)):
+        sch.submit(eng.new_request(prompt(n, 30 + i), GREEDY, rid=f"r{i}"))
+    run_steps(eng, {}, steps=3)
+    assert sch.flights.step is not None
+    sch.abort("r0")  # its pages wait for the step in flight
+
+    def broken(*args, **kw):
+        raise RuntimeError("the device went away")
+
+    eng.runner.finish_decode = broken
+    with pytest.raises(RuntimeError, match="went away"):
+        sch.step()
+    outs = EngineLoop(eng)._abort_all(Failure(FailureKind.INTERNAL, "engine error"))
+    assert [o.rid for o in outs] == ["r1"] and not sch.has_work
     assert eng.check_integrity().num_in_use == 0
 
 
