@@ -110,19 +110,21 @@ class Scheduler:
         return len(self.extending) + len(self.pulling) + len(self.running)
 
     # -- one step -------------------------------------------------------------------------------
-    def step(self, on_device_wait: Callable[[], None] | None = None) -> list[StepEvent]:
+    def step(self, on_device_wait: Callable[[], None] | None = None, overlap: bool = True) -> list[StepEvent]:
         """One scheduling step; everything it produced, in order: the PullStart of each request admitted into
         PULLING, then each request's outputs (a prefill-only request's progress before its end). The step's only
         output channel. ``on_device_wait`` is called before the step blocks on the device: after the decode step
         is launched (ModelRunner.launch_decode) and before an extend batch (which can take 100+ ms), so that the
         caller can hand out the previous step's outputs while the device computes. With a decode step left in
-        flight (``flights.step``), the outputs returned were read while it runs: hand them out at once."""
+        flight (``flights.step``), the outputs returned were read while it runs: hand them out at once.
+        ``overlap=False``: this step's decode step is read before it returns, whatever the configuration (the
+        engine loop's paced steps: the GPU is left to a prefill between them, so their tokens must not wait)."""
         outputs: list[StepEvent] = []
         self._admit(outputs)
         if self.extending:
             self._run_extend(outputs, on_device_wait)
         if self.running or self.flights.step is not None:
-            self._run_decode(outputs, on_device_wait)
+            self._run_decode(outputs, on_device_wait, overlap)
         return outputs
 
     # -- admission ------------------------------------------------------------------------------
@@ -201,11 +203,12 @@ class Scheduler:
                 self._finish(req)
 
     # -- decode (path 3) ------------------------------------------------------------------------
-    def _run_decode(self, outputs: list, on_device_wait: Callable[[], None] | None) -> None:
+    def _run_decode(self, outputs: list, on_device_wait: Callable[[], None] | None, overlap: bool) -> None:
         """Launch one decode step for every running request, then read the step launched before it (overlap), or
         this one at once (no overlap, or a request in the batch that needs its output ids on the host)."""
         batch = self._decode_batch(outputs)
-        sync = self.config.disable_overlap_schedule or any(_reads_outputs_on_host(r) for r in batch)
+        sync = (not overlap or self.config.disable_overlap_schedule
+                or any(_reads_outputs_on_host(r) for r in batch))
         if sync or not batch:
             self._read(outputs)
             batch = [r for r in batch if r.status is Status.RUNNING]

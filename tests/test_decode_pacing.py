@@ -72,8 +72,18 @@ def test_decode_steps_are_paced_only_while_a_pull_is_in_flight(engine):
         loop.submit(Request("pulled", [3] * 9, SP, remote_prefill=True),
                     lambda ev: started.set() if isinstance(ev, PullStart) else None)
         assert started.wait(30)  # admitted, its pull in flight (never completed here)
+        launch, carried = engine.runner.launch_decode, []
+
+        def traced(reqs, carry=None):
+            carried.append(carry is not None and any(r >= 0 for r in carry.rows))
+            return launch(reqs, carry)
+
+        engine.runner.launch_decode = traced
         paced_tokens, paced_gaps = _decode_step_gaps(loop, starts, "beside-a-pull")
+        engine.runner.launch_decode = launch
         assert paced_tokens == free_tokens  # pacing changes when steps run, never what they compute
+        # a paced step is read before the wait after it (no step left in flight across the interval)
+        assert carried and not any(carried)
         assert len(paced_gaps) >= 4 and min(paced_gaps) >= INTERVAL, paced_gaps
         loop.abort("pulled")
         _, after = _decode_step_gaps(loop, starts, "after")
