@@ -277,10 +277,14 @@ def test_carried_rows_must_name_a_row_of_the_previous_step():
 def test_the_flag_turns_overlap_off(tiny_model_dir):
     import argparse
 
-    from svc_common.engine_args import add_engine_args, engine_config_from_args
+    from svc_common.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
     on = engine_config_from_args(p.parse_args(["--model", tiny_model_dir]))
-    off = engine_config_from_args(p.parse_args(["--model", tiny_model_dir, "--disable-overlap-schedule"]))
+    off_args = p.parse_args(["--model", tiny_model_dir, "--disable-overlap-schedule"])
+    off = engine_config_from_args(off_args)
     assert (on.scheduler.disable_overlap_schedule, off.scheduler.disable_overlap_schedule) == (False, True)
+    # `up` hands it on to the services it starts
+    again = engine_config_from_args(p.parse_args(engine_args_to_argv(off_args)))
+    assert again.scheduler.disable_overlap_schedule
