@@ -172,8 +172,9 @@ class EngineLoop:
                 continue
             t0, tokens0 = time.perf_counter(), self.scheduler.num_decode_tokens
             try:
-                # a paced step is read before the wait that follows it: its tokens must not wait a whole interval
-                outputs = self.scheduler.step(on_device_wait=self._flush_pending, overlap=not self._pacing())
+                # a paced step (see _paced_for) is read before the wait after it: its tokens must not wait it out
+                paced = bool(self.decode_interval_while_pulling_s and self.scheduler.pulling)
+                outputs = self.scheduler.step(on_device_wait=self._flush_pending, overlap=not paced)
             except Exception as e:  # a failing batch must not take the service down
                 log.exception("engine step failed; aborting the requests of this step")
                 outputs = self._abort_all(Failure(FailureKind.INTERNAL, f"engine error: {e}"))
@@ -190,10 +191,6 @@ class EngineLoop:
             stats.add(now - t0, self.scheduler.num_decode_tokens - tokens0)
             if (summary := stats.poll(now, runner.decode_wait_s)) is not None and summary.decode_steps:
                 log.info("%s", summary.line())
-
-    def _pacing(self) -> bool:
-        """Decode steps are paced now (a pull in flight, an interval set; see ``_paced_for``)."""
-        return bool(self.decode_interval_while_pulling_s and self.scheduler.pulling)
 
     def _paced_for(self) -> float:
         """Seconds the next step waits: > 0 only when it would be decode-only (nothing to admit or extend)
