@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from benchmarks.serving.pd import main as pd_main
+from benchmarks.serving.pd import report
 from nvfp4_serve_proto import common_pb2, prefill_pb2_grpc
 from tests.service_procs import Launched
 
@@ -59,17 +60,13 @@ def test_two_prefill_services_share_the_prompts_and_outputs_equal_the_engine(tin
 def test_bench_pd_cpu_smoke_writes_every_deployment_ratios_and_the_report(tiny_model_dir, tmp_path):
     out, md = tmp_path / "pd.json", tmp_path / "pd.md"
     rc = pd_main(["--input-len", "48", "--output-len", "4", "--concurrency", "2", "--num-prompts", "3",
-                  "--warmup", "0", "--deployments", "colocated", "pd-grpc", "pd-grpc-fp8", "colocated-sync",
-                  "--out", str(out),
+                  "--warmup", "0", "--deployments", "colocated", "pd-grpc", "pd-grpc-fp8", "--out", str(out),
                   "--report", str(md), "--launch", "--model", tiny_model_dir, "--device", "cpu", "--dtype", "float32",
                   "--page-size", "4", "--chunked-prefill-size", "16", "--max-total-tokens", "2048"])
     assert rc == 0
     doc = json.loads(out.read_text())
     deps = doc["deployments"]
-    assert list(deps) == ["colocated", "pd-grpc", "pd-grpc-fp8", "colocated-sync"]
-    assert all(d["status"] == "ok" for d in deps.values())
-    assert "--disable-overlap-schedule" in deps["colocated-sync"]["up_args"]
-    assert "--disable-overlap-schedule" not in deps["colocated"]["up_args"]
+    assert list(deps) == ["colocated", "pd-grpc", "pd-grpc-fp8"] and all(d["status"] == "ok" for d in deps.values())
     assert all(d["summary"]["completed"] == 3 and d["summary"]["failed"] == 0 for d in deps.values())
     assert deps["colocated"]["summary"]["transfer"]["bytes"] == 0  # colocated: no page travels
     nv, f8 = (deps[k]["summary"]["transfer"]["bytes"] for k in ("pd-grpc", "pd-grpc-fp8"))
@@ -87,15 +84,23 @@ def test_bench_pd_cpu_smoke_writes_every_deployment_ratios_and_the_report(tiny_m
     text = md.read_text()
     assert "| colocated |" in text and "## Against colocated (same run)" in text and "0.5625x" in text
     assert "past the prefill service's own time" in text
-    assert "## Overlap scheduling on / off (colocated / colocated-sync)" in text and "TPOT (ITL p50)" in text
-
+    # overlap on against off, from the same document with the colocated deployment again as if run without it
+    doc["deployments"]["colocated-sync"] = json.loads(json.dumps(deps["colocated"]))
+    doc["deployments"]["colocated-sync"]["summary"].update(output_tok_s=deps["colocated"]["summary"]["output_tok_s"] / 2,
+                                                           itl_p50_ms=20.0)
+    text = report(doc)
+    assert "## Overlap scheduling on / off (colocated / colocated-sync)" in text and "2.00x" in text
+    assert re.search(r"1 / TPOT: [\d,]+ vs 50$", text, re.MULTILINE)
 
 def test_shared_launch_args_lose_the_flags_the_deployments_set():
-    from benchmarks.serving.pd import _OWN_FLAGS, _OWN_SWITCHES, _strip
+    from benchmarks.serving.pd import _OWN_FLAGS, _OWN_SWITCHES, DEPLOYMENTS, _strip, _with_own
 
     shared = ["--model", "m", "--kv-cache-dtype", "fp8_e4m3", "--disable-overlap-schedule", "--num-prefill=1",
               "--page-size", "16"]
-    assert _strip(shared, _OWN_FLAGS, _OWN_SWITCHES) == ["--model", "m", "--page-size", "16"]
+    kept = _strip(shared, _OWN_FLAGS, _OWN_SWITCHES)
+    assert kept == ["--model", "m", "--page-size", "16"]
+    assert _with_own(kept, DEPLOYMENTS["colocated-fp8-sync"])[-2:] == ["fp8_e4m3", "--disable-overlap-schedule"]
+    assert "--disable-overlap-schedule" not in _with_own(kept, DEPLOYMENTS["colocated-fp8"])
 
 
 def test_a_deployments_own_decode_args_join_the_shared_ones():
