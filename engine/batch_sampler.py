@@ -51,17 +51,17 @@ class BatchSampler:
         """Next token ids of every row (no host synchronisation but the grammar masks' copy). ``carry``: the rows
         whose last sampled token is not in their ``output_ids`` yet (a decode step in flight) and where it is on the
         device; it counts towards ``min_tokens`` and the penalties. A grammar needs every token on the host: the
-        scheduler never leaves a token of a grammar's request pending."""
+        scheduler samples a grammar's batch once they are all there (``ModelRunner.sample_decode``)."""
         params = [r.sampling for r in reqs]
         pending = [0] * len(reqs) if carry is None else [int(r >= 0) for r in carry.rows]
         pending_ids = None
         if carry is not None and any(p.has_penalties and n for p, n in zip(params, pending)):
             pending_ids = carry.pending()
         masks = None
-        if any(r.grammar is not None for r in reqs):
+        if any(r.grammar is not None and not r.is_finished for r in reqs):
             masks = torch.ones(logits.shape, dtype=torch.bool)
             for i, r in enumerate(reqs):
-                if r.grammar is not None:
+                if r.grammar is not None and not r.is_finished:  # an ended request's row is dropped when read
                     allowed = r.grammar.allowed()
                     masks[i, :allowed.shape[0]] = allowed
                     masks[i, allowed.shape[0]:] = False

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class InFlightDecode:
     batch: list[Request]  # the step's rows, in order (holding them keeps their ids unique)
-    sampled: SampledTokens
+    sampled: SampledTokens | None  # None only while a late-sampled step's forward runs (set before it is read)
     releases: list[Request] = field(default_factory=list)  # ended meanwhile: pages given back once read
 
     def __post_init__(self) -> None:
@@ -57,8 +57,9 @@ class DecodeFlights:
             return None
         return CarriedTokens(self.step.sampled.ids, [self.step.row_of(r) for r in batch])
 
-    def launched(self, batch: list[Request], sampled: SampledTokens) -> InFlightDecode | None:
-        """A step was launched: it is the one in flight now; returns the one before it (to read next), if any."""
+    def launched(self, batch: list[Request], sampled: SampledTokens | None) -> InFlightDecode | None:
+        """A step was launched: it is the one in flight now; returns the one before it (to read next), if any.
+        ``sampled`` None: its forward only, sampled once the one before it is read (set ``step.sampled`` then)."""
         prev, self.step = self.step, InFlightDecode(batch, sampled)
         return prev
 
@@ -93,7 +94,8 @@ class DecodeFlights:
         if step is None:
             return
         try:
-            step.sampled.ready.wait()
+            if step.sampled is not None:
+                step.sampled.ready.wait()
         except Exception:  # a device fault: the pages go back all the same
             log.exception("the decode step in flight failed")
         self.read_done(step)

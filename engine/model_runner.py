@@ -71,7 +71,15 @@ class ModelRunner:
         """``decode``'s device work, queued, without waiting for it: the sampled ids stay on the device (where the
         next step may read them: its ``carry``) and are on their way to the host. ``carry``: the rows whose last
         token is the previous step's sampled id, not in their ``output_ids`` yet."""
-        return self.sampler.sample(self.decode_logits(reqs, carry=carry), reqs, carry)
+        return self.sample_decode(self.decode_logits(reqs, carry=carry), reqs, carry)
+
+    @torch.inference_mode()
+    def sample_decode(self, logits: torch.Tensor, reqs: Sequence[Request],
+                      carry: CarriedTokens | None = None) -> SampledTokens:
+        """The sampling of a decode step whose forward (``decode_logits``) is queued; the logits must not have been
+        overwritten by a later forward. Rows of requests that ended meanwhile are sampled unconstrained (their
+        tokens are dropped when read)."""
+        return self.sampler.sample(logits, reqs, carry)
 
     def finish_decode(self, reqs: Sequence[Request], sampled: SampledTokens,
                       keep: Sequence[bool] | None = None) -> list[int]:

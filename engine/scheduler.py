@@ -14,9 +14,9 @@ Overlap scheduling (the default; ``--disable-overlap-schedule`` turns it off): a
 and only then reads the previous decode step's sampled ids, so those tokens come out of the step after the one
 that launched them, and the host's work between steps runs while the device computes. The next step's input ids
 are the previous step's on the device (``engine.carried_tokens``). A stop token is seen one step late: the
-request's row in the step launched meanwhile is dropped. Invariants: ``engine.in_flight``. A batch with a
-request whose sampling reads its output ids on the host (a grammar) runs without overlap: its step is read
-before the next one is launched.
+request's row in the step launched meanwhile is dropped. Invariants: ``engine.in_flight``. Penalties count a
+token in flight on the device. A batch with a grammar request, whose matcher takes each token on the host,
+samples late: its forward is queued, the previous step read meanwhile, and then the step is sampled.
 """
 
 from __future__ import annotations
@@ -205,34 +205,51 @@ class Scheduler:
     # -- decode (path 3) ------------------------------------------------------------------------
     def _run_decode(self, outputs: list, on_device_wait: Callable[[], None] | None, overlap: bool) -> None:
         """Launch one decode step for every running request, then read the step launched before it (overlap), or
-        this one at once (no overlap, or a request in the batch that needs its output ids on the host)."""
+        this one at once (no overlap). A batch with a grammar request samples late: its forward is queued, the step
+        before it read meanwhile (the grammars take their tokens), and only then is it sampled, as SGLang does."""
         batch = self._decode_batch(outputs)
-        sync = (not overlap or self.config.disable_overlap_schedule
-                or any(_reads_outputs_on_host(r) for r in batch))
+        sync = not overlap or self.config.disable_overlap_schedule
         if sync or not batch:
             self._read(outputs)
             batch = [r for r in batch if r.status is Status.RUNNING]
         if not batch:
             return
+        late = self.flights.step is not None and any(r.grammar is not None for r in batch)
         try:
-            sampled = self.runner.launch_decode(batch, self.flights.carry(batch))
+            carry = self.flights.carry(batch)
+            launched = self.runner.decode_logits(batch, carry=carry) if late else self.runner.launch_decode(batch, carry)
         except Exception:  # noqa: BLE001 - find the request(s) that fail, and fail only those
             self._read(outputs)  # every token on the host first: the isolated steps run without overlap
-            batch, tokens = decode_each(self.runner, [r for r in batch if r.status is Status.RUNNING],
-                                        lambda req, failure: self._fail(req, outputs, failure))
-            for req in batch:
-                req.kv_len += 1
-            self._take_tokens(batch, tokens, outputs)
+            self._decode_alone(batch, outputs)
             return
         for req in batch:
             req.kv_len += 1  # its K/V slot is written by the launched step
-        prev = self.flights.launched(batch, sampled)
+        prev = self.flights.launched(batch, None if late else launched)
         if on_device_wait is not None:
             on_device_wait()
         if prev is not None:
             self._read(outputs, prev)
+        if late:
+            try:  # every token of the batch is on the host now: nothing carried
+                self.flights.step.sampled = self.runner.sample_decode(launched, batch)
+            except Exception:  # noqa: BLE001 - the forward ran; each request's step again, alone
+                Fence(self.device).wait()  # the queued forward is done with the slots before any page goes back
+                self.flights.read_done(self.flights.pop())
+                for req in batch:
+                    req.kv_len -= 1
+                self._decode_alone(batch, outputs)
+                return
         if sync:
             self._read(outputs)
+
+    def _decode_alone(self, batch: list[Request], outputs: list) -> None:
+        """After a failed decode step (nothing in flight): each running request's step on its own and read at
+        once; a request whose own step fails ends with an error (``step_isolation``)."""
+        ok, tokens = decode_each(self.runner, [r for r in batch if r.status is Status.RUNNING],
+                                 lambda req, failure: self._fail(req, outputs, failure))
+        for req in ok:
+            req.kv_len += 1
+        self._take_tokens(ok, tokens, outputs)
 
     def _decode_batch(self, outputs: list) -> list[Request]:
         """The running requests that take part in the next decode step, each with a page for its slot (pool short:
@@ -388,12 +405,6 @@ class Scheduler:
         tables = [r.page_ids for r in (*self.extending, *self.pulling.values(), *self.running,
                                        *self.held.values(), *ending)]
         return check_integrity(self.allocator, self.cache, tables)
-
-
-def _reads_outputs_on_host(req: Request) -> bool:
-    """Its sampling needs every output id on the host before the next step: a grammar's matcher advances there
-    (penalties count a token in flight on the device)."""
-    return req.grammar is not None
 
 
 def _retraction_victim(running: list[Request], exclude: Request) -> Request | None:

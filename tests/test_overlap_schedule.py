@@ -122,6 +122,36 @@ def test_penalties_count_the_token_in_flight_on_the_device(tiny_model_dir, kv_dt
     assert sum(carried) >= 8
 
 
+def test_a_late_sampling_that_fails_ends_only_its_request(tiny_model_dir):
+    """The sampling of a grammar batch fails after its forward was queued (here: the matcher breaks on its third
+    mask): every request's step runs again alone, the broken one ends with an error, the others get the tokens
+    they would have had, and no page is lost."""
+    pytest.importorskip("xgrammar")
+    from engine.grammar import GrammarCompiler
+
+    want = make_engine(tiny_model_dir, False).generate([prompt(12, 3)], GREEDY)[0].token_ids
+    eng = make_engine(tiny_model_dir, True)
+    g = eng.new_request(prompt(9, 2), SamplingParams(temperature=0, max_tokens=14), rid="g")
+    g.grammar = GrammarCompiler(tiny_model_dir, eng.model_config.vocab_size, eng.eos_token_ids).compile(
+        "regex", "abcdefghijkl")
+    allowed, calls = g.grammar.allowed, [0]
+
+    def breaks_on_the_third():
+        calls[0] += 1
+        if calls[0] >= 3:
+            raise RuntimeError("matcher broke")
+        return allowed()
+
+    g.grammar.allowed = breaks_on_the_third
+    eng.scheduler.submit(eng.new_request(prompt(12, 3), GREEDY, rid="o"))
+    eng.scheduler.submit(g)
+    outs: dict = {}
+    run_steps(eng, outs)
+    assert [t for o in outs["o"] for t in o.new_token_ids] == want
+    assert outs["g"][-1].finish_reason is FinishReason.ABORT and "matcher broke" in outs["g"][-1].failure.message
+    assert eng.check_integrity().num_in_use == 0
+
+
 def test_a_pending_token_is_penalised_as_if_it_were_in_the_output_ids():
     from engine.sampling import RowTokens, apply_controls
 
@@ -138,29 +168,47 @@ def test_a_pending_token_is_penalised_as_if_it_were_in_the_output_ids():
     assert not torch.equal(got, apply_controls(logits, params, [RowTokens([1, 2], o) for o in outs]))
 
 
-def test_a_grammar_request_runs_without_overlap(tiny_model_dir):
-    """A grammar's matcher advances on the host with each token: a batch holding one reads each step before it
-    launches the next (no carried ids) and gives the tokens of a run without overlap."""
+def test_a_grammar_request_is_sampled_once_the_last_step_is_read(tiny_model_dir):
+    """A grammar's matcher takes each token on the host: a batch holding one queues its forward (input ids on the
+    device), reads the step before it, and only then samples, under the grammar; the tokens are those of a run
+    without overlap, and a stop read meanwhile drops that row unconstrained."""
     pytest.importorskip("xgrammar")
     from engine.grammar import GrammarCompiler
 
-    eng = make_engine(tiny_model_dir, True)
-    sync = make_engine(tiny_model_dir, False)
-    outs = []
-    for e in (sync, eng):
-        carried = _count_carried(e) if e is eng else []
-        g = e.new_request(prompt(9, 2), SamplingParams(temperature=0, max_tokens=6), rid="g")
+    outs, order = [], []
+    for overlap in (False, True):
+        e = make_engine(tiny_model_dir, overlap)
+        if overlap:
+            forward, read, sample = e.runner.decode_logits, e.runner.finish_decode, e.runner.sample_decode
+
+            def traced_forward(reqs, use_graphs=True, carry=None, forward=forward):
+                order.append(("forward", carry is not None and any(r >= 0 for r in carry.rows)))
+                return forward(reqs, use_graphs, carry)
+
+            def traced_read(*args, read=read, **kw):
+                order.append(("read",))
+                return read(*args, **kw)
+
+            def traced_sample(*args, sample=sample, **kw):
+                order.append(("sample",))
+                return sample(*args, **kw)
+
+            e.runner.decode_logits, e.runner.finish_decode = traced_forward, traced_read
+            e.runner.sample_decode = traced_sample
+        g = e.new_request(prompt(9, 2), SamplingParams(temperature=0, max_tokens=14), rid="g")
         g.grammar = GrammarCompiler(tiny_model_dir, e.model_config.vocab_size, e.eos_token_ids).compile(
-            "regex", "[ab]+")
-        other = e.new_request(prompt(12, 3), GREEDY, rid="o")
-        for r in (g, other):
+            "regex", "abcdefghijkl")
+        for r in (g, e.new_request(prompt(12, 3), GREEDY, rid="o")):
             e.scheduler.submit(r)
         got: dict = {}
         run_steps(e, got)
         outs.append({rid: [t for o in v for t in o.new_token_ids] for rid, v in got.items()})
-    assert outs[0] == outs[1]
-    n_g = len(outs[1]["g"])
-    assert not any(carried[:n_g - 1]) and any(carried[n_g:])  # while "g" runs no step carries; after, they do
+        assert e.check_integrity().num_in_use == 0
+    assert outs[0] == outs[1] and len(outs[1]["g"]) >= 4  # the grammar's string, a few tokens long, then EOS
+    # with "g" in the batch: forward (carried ids), read of the step before, then the sampling, every step
+    steps = [i for i, ev in enumerate(order) if ev == ("forward", True)]
+    late = [i for i in steps if i + 2 < len(order) and order[i + 1] == ("read",) and order[i + 2] == ("sample",)]
+    assert len(late) >= len(outs[1]["g"]) - 2, order
 
 
 def test_an_abort_while_its_step_is_in_flight_frees_its_pages_once_the_step_is_read(tiny_model_dir):
