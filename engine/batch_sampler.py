@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.carried_tokens import CarriedTokens
+from engine.device_copy import to_device
 from engine.fence import Fence
 from engine.logprobs import PendingLogprobs, gather_logprobs, prompt_logprobs
 from engine.request import Request
@@ -65,13 +66,13 @@ class BatchSampler:
                     allowed = r.grammar.allowed()
                     masks[i, :allowed.shape[0]] = allowed
                     masks[i, allowed.shape[0]:] = False
-            masks = masks.to(logits.device, non_blocking=True)
+            masks = to_device(masks, logits.device)
         rows = [RowTokens(r.prompt_ids, r.output_ids, self._banned(r, n)) for r, n in zip(reqs, pending)]
         ids = sample(apply_controls(logits, params, rows, masks, pending_ids), params, [r.generator for r in reqs])
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs = None
         if want:
-            index = torch.tensor(want, device=logits.device)
+            index = to_device(want, logits.device, torch.int64)
             logprobs = (want, gather_logprobs(logits.index_select(0, index), ids.index_select(0, index),
                                               [params[i].logprobs or 0 for i in want]).copied_to_host())
         host_ids = ids

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_copy import to_device
+
 
 @dataclass(frozen=True)
 class CarriedTokens:
@@ -28,7 +30,7 @@ class CarriedTokens:
 
     def pending(self) -> torch.Tensor:
         """int64 [B] on the device: row i's carried id, or -1 where the host's id stands."""
-        rows = torch.tensor(list(self.rows), dtype=torch.int64).to(self.source.device)
+        rows = to_device(list(self.rows), self.source.device, torch.int64)
         return torch.where(rows >= 0, self.source.index_select(0, rows.clamp(min=0)), -1)
 
     def fill(self, ids: torch.Tensor, rows_on_device: torch.Tensor) -> None:

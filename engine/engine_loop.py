@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.engine import Engine
 from engine.integrity import IntegrityReport
-from engine.outcome import Failure, FailureKind, FinishReason, failure_of
+from engine.outcome import Failure, FailureKind, FinishReason, StepFailed, failure_of
 from engine.request import PrefillProgress, PullStart, Request, StepOutput
 from engine.scheduler_stats import SchedulerStats
 from engine.step_stats import StepStats
@@ -165,19 +165,23 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             checked = False
-            if (wait := self._paced_for()) > 0:
+            # a paced wait (see _paced_for) first reads a step left in flight: its tokens must not wait it out
+            launch = (wait := self._paced_for()) <= 0
+            if not launch and self.scheduler.flights.step is None:
                 self._flush_pending()  # the last step's tokens go out now, not after the wait
                 self._wake.wait(timeout=wait)  # a command (a new request, an abort) ends the wait early
                 self._wake.clear()
                 continue
             t0, tokens0 = time.perf_counter(), self.scheduler.num_decode_tokens
             try:
-                # a paced step (see _paced_for) is read before the wait after it: its tokens must not wait it out
+                # a paced step is read before the wait after it, for the same reason
                 paced = bool(self.decode_interval_while_pulling_s and self.scheduler.pulling)
-                outputs = self.scheduler.step(on_device_wait=self._flush_pending, overlap=not paced)
+                outputs = self.scheduler.step(on_device_wait=self._flush_pending, overlap=not paced, launch=launch)
             except Exception as e:  # a failing batch must not take the service down
-                log.exception("engine step failed; aborting the requests of this step")
-                outputs = self._abort_all(Failure(FailureKind.INTERNAL, f"engine error: {e}"))
+                cause = e.__cause__ if isinstance(e, StepFailed) and e.__cause__ is not None else e
+                log.error("engine step failed; aborting the requests of this step", exc_info=cause)
+                done = e.outputs if isinstance(e, StepFailed) else []  # what ended or came before the failure
+                outputs = done + self._abort_all(Failure(FailureKind.INTERNAL, f"engine error: {cause}"))
             self._flush_pending()  # when this step ran no decode, the last step's outputs are still here
             if self.scheduler.flights.step is not None:
                 self._dispatch(outputs)  # read while the device runs the step in flight: out now
@@ -186,7 +190,7 @@ class EngineLoop:
                 self._pending = [o for o in outputs if not isinstance(o, PullStart)] if starts else outputs
                 self._dispatch(starts)  # pulls start now, not after the next step's launch
             now = time.perf_counter()
-            if self.scheduler.num_decode_tokens > tokens0:
+            if launch and self.scheduler.num_decode_tokens > tokens0:
                 self._next_decode_at = t0 + self.decode_interval_while_pulling_s
             stats.add(now - t0, self.scheduler.num_decode_tokens - tokens0)
             if (summary := stats.poll(now, runner.decode_wait_s)) is not None and summary.decode_steps:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.batch_sampler import SampledTokens
 from engine.carried_tokens import CarriedTokens
+from engine.fence import Fence
 from engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 class InFlightDecode:
     batch: list[Request]  # the step's rows, in order (holding them keeps their ids unique)
     sampled: SampledTokens | None  # None only while a late-sampled step's forward runs (set before it is read)
+    launched: Fence  # completes once the step's forward (every slot write) is done
     releases: list[Request] = field(default_factory=list)  # ended meanwhile: pages given back once read
 
     def __post_init__(self) -> None:
@@ -57,10 +59,10 @@ class DecodeFlights:
             return None
         return CarriedTokens(self.step.sampled.ids, [self.step.row_of(r) for r in batch])
 
-    def launched(self, batch: list[Request], sampled: SampledTokens | None) -> InFlightDecode | None:
+    def launched(self, batch: list[Request], sampled: SampledTokens | None, fence: Fence) -> InFlightDecode | None:
         """A step was launched: it is the one in flight now; returns the one before it (to read next), if any.
         ``sampled`` None: its forward only, sampled once the one before it is read (set ``step.sampled`` then)."""
-        prev, self.step = self.step, InFlightDecode(batch, sampled)
+        prev, self.step = self.step, InFlightDecode(batch, sampled, fence)
         return prev
 
     def pop(self) -> InFlightDecode | None:
@@ -88,14 +90,13 @@ class DecodeFlights:
             self.abandon()
 
     def abandon(self) -> None:
-        """After a failed step: forget the step in flight (waiting for it where the device still answers) and give
-        back the pages it held for ended requests; its tokens are dropped."""
+        """After a failed step: forget the step in flight (waiting for its forward where the device still answers)
+        and give back the pages it held for ended requests; its tokens are dropped."""
         step = self.pop()
         if step is None:
             return
         try:
-            if step.sampled is not None:
-                step.sampled.ready.wait()
+            step.launched.wait()
         except Exception:  # a device fault: the pages go back all the same
             log.exception("the decode step in flight failed")
         self.read_done(step)

@@ -12,6 +12,7 @@ from engine.attention_paths import AttentionPaths, ExtendSeq
 from engine.batch_sampler import BatchSampler, SampledTokens
 from engine.carried_tokens import CarriedTokens
 from engine.decode_graphs import DecodeGraphRunner
+from engine.device_copy import to_device
 from engine.model import CausalLM
 from engine.request import Request
 
@@ -110,13 +111,13 @@ class ModelRunner:
         table = np.zeros((len(reqs), width), dtype=np.int32)
         for i, t in enumerate(tables):
             table[i, :len(t)] = t
-        dev = self.device
-        attn = self.paths.decode(torch.from_numpy(table).to(dev), torch.tensor(lens, dtype=torch.int32).to(dev),
-                                 torch.tensor(slots, dtype=torch.int64).to(dev), self.model.dtype)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev)
+        dev = self.device  # host -> device without waiting for a step still in flight (engine/device_copy.py)
+        attn = self.paths.decode(to_device(torch.from_numpy(table), dev), to_device(lens, dev, torch.int32),
+                                 to_device(slots, dev, torch.int64), self.model.dtype)
+        input_ids = to_device(ids, dev, torch.int64)
         if carry is not None:
-            carry.fill(input_ids, torch.tensor(list(carry.rows), dtype=torch.long).to(dev))
-        hidden = self.model(input_ids, torch.tensor(pos, dtype=torch.long).to(dev), attn)
+            carry.fill(input_ids, to_device(list(carry.rows), dev, torch.int64))
+        hidden = self.model(input_ids, to_device(pos, dev, torch.int64), attn)
         return self.model.compute_logits(hidden)
 
 

@@ -55,6 +55,15 @@ class QueueFull(EngineRefusal, OverflowError):
         super().__init__(Failure(FailureKind.OVERLOADED, message))
 
 
+class StepFailed(Exception):
+    """A scheduler step raised (its cause is chained) after producing ``outputs``: tokens and ends of requests
+    that happened before the failure, which must still reach their callers."""
+
+    def __init__(self, outputs: list) -> None:
+        super().__init__(f"engine step failed after {len(outputs)} outputs")
+        self.outputs = outputs
+
+
 def failure_of(exc: BaseException, prefix: str = "") -> Failure:
     """The typed failure an exception stands for: its own when it carries one, else INTERNAL with the exception's
     type and message (after ``prefix``)."""

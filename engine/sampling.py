@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_copy import to_device
+
 MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs and OpenAI's top_logprobs bound
 
 
@@ -124,9 +126,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         return greedy_ids
 
     def column(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).unsqueeze(1)
+        return to_device(values, device, dtype).unsqueeze(1)
 
-    greedy = torch.tensor([p.greedy for p in params]).to(device, non_blocking=True)
+    greedy = to_device([p.greedy for p in params], device, torch.bool)
     temperature = column([p.temperature if not p.greedy else 1.0 for p in params])
     top_k = column([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64)
     top_p = column([p.top_p if p.top_p < 1.0 else math.inf for p in params])  # inf: no float-rounding cut
@@ -148,8 +150,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
 
     race = torch.empty_like(probs)
     default_rows = [i for i, g in enumerate(generators) if g is None]
-    if default_rows:
-        race[default_rows] = torch.empty(len(default_rows), vocab, device=device).exponential_()
+    if len(default_rows) == len(generators):
+        race.exponential_()
+    elif default_rows:
+        race.index_copy_(0, to_device(default_rows, device, torch.int64),
+                         torch.empty(len(default_rows), vocab, device=device).exponential_())
     for i, gen in enumerate(generators):
         if gen is not None:
             race[i].exponential_(generator=gen)
@@ -174,7 +179,7 @@ def _padded(rows: list[Sequence[int]], pad: int, device: torch.device) -> torch.
     for i, r in enumerate(rows):
         if len(r):
             out[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
-    return out.to(device, non_blocking=True)
+    return to_device(out, device)
 
 
 def apply_controls(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[RowTokens],
@@ -208,15 +213,16 @@ def apply_controls(logits: torch.Tensor, params: Sequence[SamplingParams], rows:
                 if t < vocab:
                     r_idx.append(i), t_idx.append(t), vals.append(float("-inf"))
         if r_idx:
-            out.index_put_((torch.tensor(r_idx).to(device), torch.tensor(t_idx).to(device)),
-                           torch.tensor(vals, dtype=torch.float32).to(device), accumulate=True)
+            out.index_put_((to_device(r_idx, device, torch.int64), to_device(t_idx, device, torch.int64)),
+                           to_device(vals, device, torch.float32), accumulate=True)
     if penalised:
-        sub = out[penalised]
+        rows_p = to_device(penalised, device, torch.int64)
+        sub = out.index_select(0, rows_p)
         pen = [params[i] for i in penalised]
         reps = [p.repetition_penalty for p in pen]
         extra = None  # [P, 1]: each penalised row's pending output id, or the padding id ``vocab``
         if pending is not None:
-            p_ids = pending.index_select(0, torch.tensor(penalised).to(device))
+            p_ids = pending.index_select(0, rows_p)
             extra = torch.where(p_ids >= 0, p_ids, vocab).unsqueeze(1)
         if any(r != 1.0 for r in reps):
             seen_ids = _padded([[*rows[i].prompt_ids, *rows[i].output_ids] for i in penalised], vocab, device)
@@ -225,7 +231,7 @@ def apply_controls(logits: torch.Tensor, params: Sequence[SamplingParams], rows:
             seen = torch.zeros(len(penalised), vocab + 1, dtype=torch.bool, device=device)
             seen.scatter_(1, seen_ids, True)
             seen = seen[:, :vocab]
-            rep = torch.tensor(reps, dtype=torch.float32).to(device).unsqueeze(1)
+            rep = to_device(reps, device, torch.float32).unsqueeze(1)
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         if any(p.presence_penalty or p.frequency_penalty for p in pen):
             out_ids = _padded([rows[i].output_ids for i in penalised], vocab, device)
@@ -234,8 +240,8 @@ def apply_controls(logits: torch.Tensor, params: Sequence[SamplingParams], rows:
             counts = torch.zeros(len(penalised), vocab + 1, dtype=torch.float32, device=device)
             counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
             counts = counts[:, :vocab]
-            freq = torch.tensor([p.frequency_penalty for p in pen], dtype=torch.float32).to(device).unsqueeze(1)
-            pres = torch.tensor([p.presence_penalty for p in pen], dtype=torch.float32).to(device).unsqueeze(1)
+            freq = to_device([p.frequency_penalty for p in pen], device, torch.float32).unsqueeze(1)
+            pres = to_device([p.presence_penalty for p in pen], device, torch.float32).unsqueeze(1)
             sub = sub - freq * counts - pres * (counts > 0).float()
-        out[penalised] = sub
+        out.index_copy_(0, rows_p, sub)
     return out

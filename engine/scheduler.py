@@ -32,7 +32,7 @@ from engine.fence import Fence
 from engine.in_flight import DecodeFlights, InFlightDecode
 from engine.integrity import IntegrityReport, check_integrity
 from engine.model_runner import ModelRunner
-from engine.outcome import Failure, FailureKind, FinishReason, QueueFull, RequestRejected
+from engine.outcome import Failure, FailureKind, FinishReason, QueueFull, RequestRejected, StepFailed
 from engine.page_allocator import PageAllocator
 from engine.radix_cache import RadixCache
 from engine.request import PrefillProgress, PullStart, Request, Status, StepOutput
@@ -110,7 +110,8 @@ class Scheduler:
         return len(self.extending) + len(self.pulling) + len(self.running)
 
     # -- one step -------------------------------------------------------------------------------
-    def step(self, on_device_wait: Callable[[], None] | None = None, overlap: bool = True) -> list[StepEvent]:
+    def step(self, on_device_wait: Callable[[], None] | None = None, overlap: bool = True,
+             launch: bool = True) -> list[StepEvent]:
         """One scheduling step; everything it produced, in order: the PullStart of each request admitted into
         PULLING, then each request's outputs (a prefill-only request's progress before its end). The step's only
         output channel. ``on_device_wait`` is called before the step blocks on the device: after the decode step
@@ -118,13 +119,21 @@ class Scheduler:
         caller can hand out the previous step's outputs while the device computes. With a decode step left in
         flight (``flights.step``), the outputs returned were read while it runs: hand them out at once.
         ``overlap=False``: this step's decode step is read before it returns, whatever the configuration (the
-        engine loop's paced steps: the GPU is left to a prefill between them, so their tokens must not wait)."""
+        engine loop's paced steps: the GPU is left to a prefill between them, so their tokens must not wait).
+        ``launch=False``: only read the step in flight (nothing admitted, extended or launched). Raises StepFailed
+        (the cause chained) with what it produced before a failure."""
         outputs: list[StepEvent] = []
-        self._admit(outputs)
-        if self.extending:
-            self._run_extend(outputs, on_device_wait)
-        if self.running or self.flights.step is not None:
-            self._run_decode(outputs, on_device_wait, overlap)
+        try:
+            if not launch:
+                self._read(outputs)
+                return outputs
+            self._admit(outputs)
+            if self.extending:
+                self._run_extend(outputs, on_device_wait)
+            if self.running or self.flights.step is not None:
+                self._run_decode(outputs, on_device_wait, overlap)
+        except Exception as e:
+            raise StepFailed(outputs) from e
         return outputs
 
     # -- admission ------------------------------------------------------------------------------
@@ -219,12 +228,13 @@ class Scheduler:
             carry = self.flights.carry(batch)
             launched = self.runner.decode_logits(batch, carry=carry) if late else self.runner.launch_decode(batch, carry)
         except Exception:  # noqa: BLE001 - find the request(s) that fail, and fail only those
+            Fence(self.device).wait()  # what the failed launch queued is done before a page goes back
             self._read(outputs)  # every token on the host first: the isolated steps run without overlap
             self._decode_alone(batch, outputs)
             return
         for req in batch:
             req.kv_len += 1  # its K/V slot is written by the launched step
-        prev = self.flights.launched(batch, None if late else launched)
+        prev = self.flights.launched(batch, None if late else launched, Fence(self.device))
         if on_device_wait is not None:
             on_device_wait()
         if prev is not None:
@@ -236,7 +246,8 @@ class Scheduler:
                 Fence(self.device).wait()  # the queued forward is done with the slots before any page goes back
                 self.flights.read_done(self.flights.pop())
                 for req in batch:
-                    req.kv_len -= 1
+                    if req.status is Status.RUNNING:  # an ended one gave its pages back: kv_len 0
+                        req.kv_len -= 1
                 self._decode_alone(batch, outputs)
                 return
         if sync:

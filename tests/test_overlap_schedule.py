@@ -12,7 +12,7 @@ import torch
 from engine.carried_tokens import CarriedTokens
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
-from engine.outcome import Failure, FailureKind, FinishReason
+from engine.outcome import Failure, FailureKind, FinishReason, StepFailed
 from engine.request import Status
 from engine.sampling import SamplingParams
 from tests.test_engine_isolation import run
@@ -253,8 +253,9 @@ def test_a_step_that_fails_to_read_loses_no_page(tiny_model_dir):
         raise RuntimeError("the device went away")
 
     eng.runner.finish_decode = broken
-    with pytest.raises(RuntimeError, match="went away"):
+    with pytest.raises(StepFailed) as failed:
         sch.step()
+    assert "went away" in str(failed.value.__cause__)
     outs = EngineLoop(eng)._abort_all(Failure(FailureKind.INTERNAL, "engine error"))
     assert [o.rid for o in outs] == ["r1"] and not sch.has_work
     assert eng.check_integrity().num_in_use == 0
@@ -336,3 +337,67 @@ def test_the_flag_turns_overlap_off(tiny_model_dir):
     # `up` hands it on to the services it starts
     again = engine_config_from_args(p.parse_args(engine_args_to_argv(off_args)))
     assert again.scheduler.disable_overlap_schedule
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_step_that_fails_still_hands_out_what_it_produced_before(tiny_model_dir, overlap):
+    """A request that ended earlier in a failing step (here: one token, from its prefill) gets its end; the
+    others get an error; every callback is done with and no page is lost."""
+    import threading
+    import time
+
+    from engine.engine_loop import EngineLoop
+
+    eng = make_engine(tiny_model_dir, overlap)
+    loop = EngineLoop(eng, check_integrity_when_idle=False).start()
+    got: dict[str, list] = {"long": [], "one": []}
+    ended = threading.Semaphore(0)
+
+    def cb(rid):
+        def on_output(o):
+            got[rid].append((o.new_token_ids, o.finish_reason))
+            if o.finish_reason:
+                ended.release()
+        return on_output
+
+    try:
+        loop.submit(eng.new_request(prompt(13, 1), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+                                    rid="long"), cb("long"))
+        deadline = time.monotonic() + 30
+        while len(got["long"]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        one = eng.new_request(prompt(9, 2), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), rid="one")
+
+        def fail_the_next_read() -> None:  # on the loop thread, between steps
+            loop._callbacks["one"] = cb("one")
+            eng.scheduler.submit(one)
+
+            def broken(*args, **kw):
+                raise RuntimeError("read failed")
+
+            eng.runner.finish_decode = broken
+
+        loop.call(fail_the_next_read).result(timeout=30)
+        assert ended.acquire(timeout=30) and ended.acquire(timeout=30)
+        assert got["one"] == [([got["one"][0][0][0]], FinishReason.LENGTH)]  # its token and its end
+        assert got["long"][-1][1] is FinishReason.ABORT
+        assert loop.call(lambda: dict(loop._callbacks)).result(timeout=10) == {}
+        assert loop.check_integrity().result(timeout=10).num_in_use == 0
+    finally:
+        loop.stop()
+
+
+def test_a_read_only_step_reads_the_step_in_flight_and_launches_nothing(tiny_model_dir):
+    """What the engine loop runs before a paced wait when a step is still in flight (pacing begins): that
+    step's tokens come out now, not after the wait, and no new step starts."""
+    eng = make_engine(tiny_model_dir, True)
+    sch = eng.scheduler
+    sch.submit(eng.new_request(prompt(11, 4), GREEDY, rid="r"))
+    sch.step()
+    sch.step()  # the prefill's token out; a decode step in flight
+    assert sch.flights.step is not None
+    launches = _count_carried(eng)
+    outs = sch.step(launch=False)
+    assert [o.rid for o in outs] == ["r"] and len(outs[0].new_token_ids) == 1
+    assert sch.flights.step is None and launches == []
+    assert sch.step(launch=False) == []  # nothing in flight: nothing to read

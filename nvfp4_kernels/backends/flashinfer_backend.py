@@ -147,6 +147,7 @@ class FlashInferDecode:
         _require()
         import flashinfer
 
+        self.device = torch.device(device)
         self.kv_layout = kv_layout
         self.graph_batch = graph_batch
         buffers = {}
@@ -170,10 +171,15 @@ class FlashInferDecode:
 
     def plan_host(self, page_table: np.ndarray, seq_lens: np.ndarray, num_qo_heads: int, num_kv_heads: int,
                   head_dim: int, page_size: int, kv_dtype: str, q_dtype: torch.dtype, sm_scale: float) -> None:
-        """``plan`` from host arrays (no device->host sync): page_table [B, W] int32, seq_lens [B]."""
-        indptr, indices, last = paged_indices_host(page_table, seq_lens, page_size)
-        self._plan_csr(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
-                       num_qo_heads, num_kv_heads, head_dim, page_size, kv_dtype, q_dtype, sm_scale)
+        """``plan`` from host arrays (no device->host sync): page_table [B, W] int32, seq_lens [B]. The CSR goes to
+        the wrapper in pinned memory, so its copies to the device are asynchronous: a copy from pageable memory
+        can wait for the work queued before it (the decode step in flight, under overlap scheduling)."""
+        indptr, indices, last = (torch.from_numpy(a).pin_memory()
+                                 for a in paged_indices_host(page_table, seq_lens, page_size))
+        # the page ids go to the device here: FlashInfer copies ids it gets on the host with a blocking copy
+        indices = indices.to(self.device, non_blocking=True)
+        self._plan_csr(indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, kv_dtype, q_dtype,
+                       sm_scale)
 
     def _plan_csr(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, num_qo_heads: int,
                   num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: str, q_dtype: torch.dtype,
