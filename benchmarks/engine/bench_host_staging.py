@@ -16,7 +16,6 @@ memcpy, so the staging figure there is a little higher):
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -25,6 +24,8 @@ import time
 
 import numpy as np
 import torch
+
+from benchmarks.engine.doc_files import write_doc
 
 PAGE = 16
 
@@ -131,12 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                     else sys.argv[1:]),
            "cpu": platform.processor() or platform.machine(),
            "rows": [measure(b, n, a.steps, a.rounds) for b, n in shapes]}
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    md = render(doc)
-    with open(a.md, "w") as f:
-        f.write(md)
-    print(md)
+    write_doc(doc, a.out, a.md, render)
     return 0
 
 

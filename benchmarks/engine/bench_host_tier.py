@@ -22,6 +22,8 @@ import sys
 
 import torch
 
+from benchmarks.engine.doc_files import write_doc
+
 LAYOUT = {"page_size": 16, "num_kv_heads": 8, "head_dim": 128}
 
 
@@ -119,12 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for dt in a.kv_dtypes for r in run(dt, a.layers, a.batches, a.iters, dev)]
     doc = {"gpu": torch.cuda.get_device_name(dev), "layers": a.layers, "rows": rows,
            "command": " ".join(["python -m benchmarks.engine.bench_host_tier", *(argv or sys.argv[1:])])}
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    md = render(doc)
-    with open(a.md, "w") as f:
-        f.write(md)
-    print(md)
+    write_doc(doc, a.out, a.md, render)
     return 0
 
 
