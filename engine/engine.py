@@ -33,6 +33,7 @@ from engine.request import Request, StepOutput
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.startup_error import StartupError
+from nvfp4_kernels import programmatic_launch
 from nvfp4_kernels.backends.registry import get_backend
 from nvfp4_kernels.kv_layout import bytes_per_token_per_layer
 from tokenization.tokenizer import Tokenizer
@@ -56,6 +57,7 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.resolved_device())
+        programmatic_launch.set_enabled(not config.disable_pdl)  # before any capture or compile
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         try:  # every failure here is the checkpoint's (missing files, unsupported model, bad tensors)
             loaded = load_model(config.model_dir, device=self.device, dtype=dtype, num_layers=config.num_layers,

@@ -11,6 +11,7 @@ import torch
 import triton
 
 from nvfp4_kernels.model_ops import HeadRotation, ModelOps, rotate_heads
+from nvfp4_kernels.programmatic_launch import pdl_args
 from nvfp4_kernels.triton.qk_norm_rope import qk_norm_rope_kernel
 from nvfp4_kernels.triton.rmsnorm import rmsnorm_kernel
 from nvfp4_kernels.triton.silu_mul import silu_mul_kernel
@@ -48,7 +49,8 @@ def _launch_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Ten
     block = triton.next_power_of_2(n)
     res, ro = (x, out) if residual is None else (residual, res_out)
     rmsnorm_kernel[(t,)](x, res, w, out, ro, x.stride(0), res.stride(0), out.stride(0), ro.stride(0), n,
-                         float(eps), BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_norm_warps(block))
+                         float(eps), BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_norm_warps(block),
+                         **pdl_args(x))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,7 +86,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, two_i // 2), dtype=gate_up.dtype, device=gate_up.device)
     if t:
         silu_mul_kernel[(t, triton.cdiv(two_i // 2, _SILU_BLOCK))](
-            gate_up, out, gate_up.stride(0), out.stride(0), two_i // 2, BLOCK=_SILU_BLOCK, num_warps=4)
+            gate_up, out, gate_up.stride(0), out.stride(0), two_i // 2, BLOCK=_SILU_BLOCK, num_warps=4,
+            **pdl_args(gate_up))
     return out
 
 
@@ -144,7 +147,8 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
             rotation.unit if rotate else q, qkv.stride(0), cos.stride(0), float(eps),
             rotation.scale if rotate else 1.0, HQ=num_heads, HK=num_kv_heads, HQ_P=hq_p, HK_P=hk_p, D=d,
             HALF_P=triton.next_power_of_2(d // 2), V_P=triton.next_power_of_2(num_kv_heads * d),
-            num_warps=_qk_warps(hq_p * triton.next_power_of_2(d // 2), rotate), HAS_NORM=q_w is not None, ROTATE=rotate)
+            num_warps=_qk_warps(hq_p * triton.next_power_of_2(d // 2), rotate), HAS_NORM=q_w is not None, ROTATE=rotate,
+            **pdl_args(qkv))
     return q, k, v
 
 

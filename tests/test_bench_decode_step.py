@@ -84,3 +84,13 @@ def test_rotated_rows_are_labelled_and_set_against_the_unrotated_step_of_the_sam
     assert "| 1 x 32768 | nvfp4 + hadamard | 7.92 |" in md
     assert "| 1 x 32768 | nvfp4 + hadamard | 7.840 | 7.920 | 1.010 | 2.250 | 2.260 |" in md
     assert "rotation's cost" not in _render([plain], tmp_path)
+
+
+def test_rows_without_pdl_are_labelled_and_set_against_the_same_step_with_it(tmp_path):
+    on = _row(attention_graph_ms=2.25, pdl=True, back_to_back_ms=7.10)
+    off = _row(attention_graph_ms=2.40, pdl=False, graph_ms=8.10, tok_s=123.5, back_to_back_ms=7.50)
+    md = _render([on, off], tmp_path)
+    assert "| 1 x 32768 | nvfp4, no PDL | 8.10 |" in md
+    assert "| 1 x 32768 | nvfp4, no PDL | 7.840 | 8.100 | 1.033 | 2.250 | 2.400 | 7.10 | 7.50 |" in md
+    assert "Programmatic dependent launch on / off" not in _render([on], tmp_path)
+    assert "rotation's cost" not in md

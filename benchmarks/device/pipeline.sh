@@ -50,8 +50,9 @@ stage kernels 540 python3 -m benchmarks.kernels.bench_decode ${KERNELS_ARGS:-} -
 # the TMA-fed Gluon decode variant against the committed kernel (checks, then both timed in alternation)
 stage tma_probe 480 python3 -m benchmarks.kernels.probe_tma ${TMA_PROBE_ARGS:-} --out $R/probe_tma.json
 ENGINE_SHAPES=${ENGINE_SHAPES:-"1x32768 16x32768 44x32768 48x32768 84x32768 10x163840 1x1048576"}
-stage engine 400 python3 -m benchmarks.engine.bench_decode_step --shapes $ENGINE_SHAPES --iters 8 --profile \
-  --out docs/benchmarks/engine_decode.json --md docs/benchmarks/engine_decode.md
+# (ENGINE_ARGS adds flags, e.g. "--pdl-modes on off": each shape with and without programmatic dependent launch)
+stage engine ${ENGINE_TIMEOUT_S:-400} python3 -m benchmarks.engine.bench_decode_step --shapes $ENGINE_SHAPES --iters 8 \
+  --profile ${ENGINE_ARGS:-} --out docs/benchmarks/engine_decode.json --md docs/benchmarks/engine_decode.md
 # the same shapes with the decoder's PyTorch ops instead of the fused kernels (the before/after of the same run)
 stage engine_nofused 400 python3 -m benchmarks.engine.bench_decode_step --shapes $ENGINE_SHAPES --iters 8 --no-fused \
   --out docs/benchmarks/engine_decode_nofused.json --md docs/benchmarks/engine_decode_nofused.md

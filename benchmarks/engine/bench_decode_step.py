@@ -15,7 +15,8 @@ the measured copy bandwidth; the same step queued back to back (each staged whil
 scheduling serves them) shows what the host's staging still costs. ``--profile`` adds the kernels of one graph replay (torch profiler): the top ones,
 their sum per category (GEMM, attention incl. merge, K/V write, norms + RoPE + activation, other) and the
 launch gaps, graph step - kernel sum. ``--no-fused`` runs the model's PyTorch norm/activation/RoPE ops instead
-of the fused Triton kernels (nvfp4_kernels/model_ops.py), for the before/after of the same shapes.
+of the fused Triton kernels (nvfp4_kernels/model_ops.py), for the before/after of the same shapes; ``--pdl-modes on
+off`` runs each shape with and without programmatic dependent launch of the step's own kernels.
 
 The ratio nvfp4 / fp8 of tokens/s at the same shape is the engine-level iso-concurrency figure; the
 end-to-end figures (router, gRPC, streaming) come from ``nvfp4-serve bench experiments``.
@@ -24,6 +25,7 @@ end-to-end figures (router, gRPC, streaming) come from ``nvfp4-serve bench exper
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -35,6 +37,7 @@ import torch
 
 from benchmarks.engine.decode_step_report import CATEGORY_NAMES, print_table, write_md
 from benchmarks.kernels.bench_decode import copy_bandwidth
+from nvfp4_kernels import programmatic_launch
 
 QWEN3_8B = {"architecture": "Qwen3ForCausalLM", "vocab_size": 151936, "hidden_size": 4096,
             "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -289,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-rotations", nargs="+", default=["none"], choices=["none", "hadamard"],
                    help="run every shape and dtype under each --kv-rotation, in this order (none first: the model "
                         "is rotated in place once), so the rotation's cost per step is measured in the same run")
+    p.add_argument("--pdl-modes", nargs="+", default=["on"], choices=["on", "off"],
+                   help="run every shape and dtype with the step's own kernels launched with programmatic dependent "
+                        "launch (on) and/or without (off), in this order, for the before/after of the same run")
     p.add_argument("--profile", action="store_true",
                    help="also profile each shape's graph replay (torch profiler): top kernels, kernel time per "
                         "category and the launch gaps (graph step - kernel sum)")
@@ -300,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--block-select changes only nvfp4 pool writes: give --kv-dtypes nvfp4")
     if len(set(a.kv_rotations)) != len(a.kv_rotations) or a.kv_rotations[1:].count("none"):
         p.error("--kv-rotations: each once, none (if given) first")
+    if len(set(a.pdl_modes)) != len(a.pdl_modes):
+        p.error("--pdl-modes: each once")
     if a.render:
         with open(a.render) as f:
             doc = json.load(f)
@@ -317,23 +325,25 @@ def main(argv: list[str] | None = None) -> int:
             from engine.kv_rotation import head_rotation
 
             model.rotate_kv(head_rotation(rotation, cfg.head_dim, dev, model.dtype))
-        for b, l in a.shapes:
-            for dt in a.kv_dtypes:
-                try:
-                    row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile, a.block_select)
-                except Exception as e:  # noqa: BLE001 - recorded, the other shapes go on
-                    traceback.print_exc()
-                    row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
-                    torch.cuda.empty_cache()
-                row["kv_rotation"] = rotation
-                if "weight_gb" in row:
-                    row["non_attention_floor_ms"] = row["weight_gb"] / bw
-                rows.append(row)
+        for (b, l), dt, pdl in itertools.product(a.shapes, a.kv_dtypes, a.pdl_modes):
+            programmatic_launch.set_enabled(pdl == "on")  # the graphs of run_shape are captured under it
+            try:
+                row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile, a.block_select)
+            except Exception as e:  # noqa: BLE001 - recorded, the other shapes go on
+                traceback.print_exc()
+                row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
                 torch.cuda.empty_cache()
-                _log(json.dumps(row))
+            row["kv_rotation"], row["pdl"] = rotation, programmatic_launch.uses_pdl(torch.empty(0, device=dev))
+            if "weight_gb" in row:
+                row["non_attention_floor_ms"] = row["weight_gb"] / bw
+            rows.append(row)
+            torch.cuda.empty_cache()
+            _log(json.dumps(row))
+    programmatic_launch.set_enabled(True)
     print_table(rows, a.layers)
     doc = {"gpu": torch.cuda.get_device_name(dev), "copy_tb_s": bw, "layers": a.layers, "fused_ops": not a.no_fused,
            "block_select": a.block_select, "kv_rotations": a.kv_rotations,
+           "pdl_modes": a.pdl_modes,
            "model": "Qwen3-8B-shaped, random bf16 weights", "command": " ".join(["python -m benchmarks.engine.bench_decode_step", *sys.argv[1:]]), "rows": rows}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)

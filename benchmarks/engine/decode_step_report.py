@@ -51,6 +51,7 @@ def write_md(doc: dict, path: str) -> None:
                      f"{c['tb_s']} | {c['rest']} | {c['floor']} | {c['over']} | {c['tok_s']} | {c['vs_fp8']} |")
     lines += _back_to_back_lines(rows)
     lines += _rotation_lines(rows)
+    lines += _pdl_lines(rows)
     lines += _category_lines(rows)
     lines += _kernel_lines(rows)
     with open(path, "w") as f:
@@ -59,14 +60,16 @@ def write_md(doc: dict, path: str) -> None:
 
 
 def _kv(r: dict) -> str:
-    """The row's cache dtype, with its --kv-rotation where it has one."""
+    """The row's cache dtype, with its --kv-rotation where it has one, and "no PDL" where launched without it."""
     rot = r.get("kv_rotation", "none")
-    return r["kv_dtype"] if rot == "none" else f"{r['kv_dtype']} + {rot}"
+    kv = r["kv_dtype"] if rot == "none" else f"{r['kv_dtype']} + {rot}"
+    return kv if r.get("pdl", True) else f"{kv}, no PDL"
 
 
 def _fp8_rows(rows: list[dict]) -> dict[tuple[int, int], dict]:
     return {(r["batch"], r["seq_len"]): r for r in rows
-            if r["kv_dtype"] == "fp8_e4m3" and r.get("kv_rotation", "none") == "none" and "tok_s" in r}
+            if r["kv_dtype"] == "fp8_e4m3" and r.get("kv_rotation", "none") == "none" and r.get("pdl", True)
+            and "tok_s" in r}
 
 
 def _back_to_back_lines(rows: list[dict]) -> list[str]:
@@ -92,20 +95,35 @@ def _back_to_back_lines(rows: list[dict]) -> list[str]:
 
 def _rotation_lines(rows: list[dict]) -> list[str]:
     """Each rotated row's step against the unrotated row of its dtype and shape in the same run."""
+    return _same_run_lines(rows, "The rotation's cost per step (same run)", "kv_rotation", "none",
+                           ("unrotated", "rotated"))
+
+
+def _pdl_lines(rows: list[dict]) -> list[str]:
+    """Each step launched without programmatic dependent launch against the same step with it (``--pdl-modes``)."""
+    return _same_run_lines(rows, "Programmatic dependent launch on / off (same run)", "pdl", True,
+                           ("with PDL", "without PDL"))
+
+
+def _same_run_lines(rows: list[dict], title: str, key: str, base, names: tuple[str, str]) -> list[str]:
+    """The rows whose ``key`` is not ``base`` against the row of the same dtype and shape whose ``key`` is ``base``
+    (a missing key counts as ``base``): step and attention ms of both, and their ratio."""
     plain = {(r["kv_dtype"], r["batch"], r["seq_len"]): r for r in rows
-             if r.get("kv_rotation", "none") == "none" and "graph_ms" in r}
+             if r.get(key, base) == base and "graph_ms" in r}
     pairs = [(r, plain[(r["kv_dtype"], r["batch"], r["seq_len"])]) for r in rows
-             if r.get("kv_rotation", "none") != "none" and "graph_ms" in r
+             if r.get(key, base) != base and "graph_ms" in r
              and (r["kv_dtype"], r["batch"], r["seq_len"]) in plain]
     if not pairs:
         return []
-    out = ["", "### The rotation's cost per step (same run)", "",
-           ("| B x L | kv | step ms unrotated | step ms rotated | rotated / unrotated | attention ms unrotated "
-            "| attention ms rotated |"), "|---|---|---|---|---|---|---|"]
+    a, b = names
+    out = ["", f"### {title}", "",
+           (f"| B x L | kv | step ms {a} | step ms {b} | {b} / {a} | attention ms {a} | attention ms {b} "
+            f"| back to back ms {a} | back to back ms {b} |"), "|---|---|---|---|---|---|---|---|---|"]
     for r, p in pairs:
         out.append(f"| {r['batch']} x {r['seq_len']} | {_kv(r)} | {p['graph_ms']:.3f} | {r['graph_ms']:.3f} | "
                    f"{r['graph_ms'] / p['graph_ms']:.3f} | {p['attention_graph_ms']:.3f} | "
-                   f"{r['attention_graph_ms']:.3f} |")
+                   f"{r['attention_graph_ms']:.3f} | {_ms(p.get('back_to_back_ms'))} | "
+                   f"{_ms(r.get('back_to_back_ms'))} |")
     return out
 
 

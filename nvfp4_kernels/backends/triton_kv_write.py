@@ -16,6 +16,7 @@ import triton
 from nvfp4_kernels.backends.reference import ReferenceBackend
 from nvfp4_kernels.backends.triton_nvfp4 import fp32_scale
 from nvfp4_kernels.kv_layout import LayerKV
+from nvfp4_kernels.programmatic_launch import pdl_args
 from nvfp4_kernels.triton.kv_write import kv_write_kernel
 
 # a program's rows hold this many values, 8 a thread at 4 warps: a decode step's launch has a few programs on a
@@ -71,4 +72,4 @@ def write_rows(layer: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Te
     kv_write_kernel[(triton.cdiv(rows, block_r), 2)](
         k, v, slots, pool_k, pool_v, rows, fp32_scale(layer.k_scale), fp32_scale(layer.v_scale),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        HK=hk, D=d, BLOCK_R=block_r, FP8=fp8, X_IS_BF16=k.dtype == torch.bfloat16)
+        HK=hk, D=d, BLOCK_R=block_r, FP8=fp8, X_IS_BF16=k.dtype == torch.bfloat16, **pdl_args(k))

@@ -18,6 +18,7 @@ import torch
 import triton
 
 from nvfp4_kernels.kv_layout import LayerKV
+from nvfp4_kernels.programmatic_launch import pdl_args
 from nvfp4_kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_kernel
 
 _QUANT_BLOCK_ROWS = 32  # the workspace dequant's rows per program
@@ -101,7 +102,7 @@ def quantize_kv_rows(slots: torch.Tensor, k: torch.Tensor, k_pool: PoolRows, v: 
     nvfp4_quantize_kernel[(triton.cdiv(rows, block_r), len(writes))](
         kx, vx, slots, kp.data, u8(kp.scales), vp.data, u8(vp.scales), rows, fp32_scale(kp.global_scale),
         fp32_scale(vp.global_scale), kx.stride(0), kx.stride(1), vx.stride(0), vx.stride(1),
-        HK=hk, D=d, BLOCK_R=block_r, BLOCK_SELECT=block_select,
+        HK=hk, D=d, BLOCK_R=block_r, BLOCK_SELECT=block_select, **pdl_args(kx),
         enable_fp_fusion=not block_select)  # block select: the error sums' fp32 order is part of the result
 
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_kernels.triton.nvfp4_quantize import e4m3_rne_signed_sat, slot_rows
+from nvfp4_kernels.triton.pdl import pdl_enter
 
 
 @triton.jit
@@ -59,10 +60,12 @@ def kv_write_kernel(
     K, V, SLOTS, POOL_K, POOL_V, num_rows, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     HK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, FP8: tl.constexpr, X_IS_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """POOL_K[SLOTS[t], h] = enc(K[t, h]) and POOL_V likewise; POOL_* are uint8 (FP8) or bf16, contiguous.
 
     Program (i, j) writes row block i of K (j = 0) or of V (j = 1): K's and V's programs run side by side."""
+    pdl_enter(PDL)
     is_v = tl.program_id(1) == 1
     r_ok, t, h, row = slot_rows(SLOTS, num_rows, HK, BLOCK_R)
     col = tl.arange(0, D)

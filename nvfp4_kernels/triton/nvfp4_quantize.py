@@ -19,6 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nvfp4_kernels.triton.pdl import pdl_enter
+
 
 @triton.jit
 def slot_rows(SLOTS, num_rows, HK: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -140,11 +142,13 @@ def nvfp4_quantize_kernel(
     K, V, SLOTS, K_DATA, K_SCALES, V_DATA, V_SCALES, num_rows, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     HK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SELECT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Program (i, j): row block i of K (j = 0) or V (j = 1) -> that tensor's pool slots SLOTS[token], head h.
 
     A grid of (blocks, 2) writes K and V in one launch, their programs side by side; (blocks, 1) writes K only.
     K and V share a dtype (the pointer select needs one element type) and their pools share a layout."""
+    pdl_enter(PDL)
     is_v = tl.program_id(1) == 1
     _quantize_block(tl.where(is_v, V, K), SLOTS, tl.where(is_v, V_DATA, K_DATA), tl.where(is_v, V_SCALES, K_SCALES),
                     num_rows, tl.where(is_v, v_scale, k_scale), tl.where(is_v, stride_vt, stride_kt),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nvfp4_kernels.triton.pdl import pdl_enter
 from nvfp4_kernels.triton.rounding import round_to
 
 
@@ -92,7 +93,8 @@ def _rotate_v_heads(src, dst, U, rot_scale, H: tl.constexpr, H_P: tl.constexpr, 
 def qk_norm_rope_kernel(QKV, POS, COS, SIN, QW, KW, Q, K, V, U, stride_t, stride_cos, eps, rot_scale,
                         HQ: tl.constexpr, HK: tl.constexpr, HQ_P: tl.constexpr, HK_P: tl.constexpr,
                         D: tl.constexpr, HALF_P: tl.constexpr, V_P: tl.constexpr, HAS_NORM: tl.constexpr,
-                        ROTATE: tl.constexpr):
+                        ROTATE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     row = QKV + t * stride_t

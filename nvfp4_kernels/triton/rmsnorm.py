@@ -12,12 +12,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nvfp4_kernels.triton.pdl import pdl_enter
 from nvfp4_kernels.triton.rounding import round_to
 
 
 @triton.jit
 def rmsnorm_kernel(X, RES, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                   BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                   BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols

@@ -10,11 +10,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nvfp4_kernels.triton.pdl import pdl_enter
 from nvfp4_kernels.triton.rounding import round_to
 
 
 @triton.jit
-def silu_mul_kernel(GU, OUT, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+def silu_mul_kernel(GU, OUT, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols

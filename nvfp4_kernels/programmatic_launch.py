@@ -1,0 +1,49 @@
+"""Programmatic dependent launch (PDL, SM90 and later) for the project's own kernels of a decode step.
+
+A kernel launched with PDL may be scheduled while the kernel before it on the stream still finishes: its
+launch and block start-up overlap that kernel's tail instead of following its completion. Inside a CUDA graph
+the capture keeps it as a programmatic edge. A decode step runs a few hundred small kernels, so these gaps
+add up (the "launch gaps" column of docs/benchmarks/engine_decode.md); FlashInfer launches its attention and
+merge kernels this way by default on SM90.
+
+Invariant: a kernel launched with ``launch_pdl=uses_pdl(t)`` passes the same value as its ``PDL`` constexpr, and
+with it calls ``pdl_enter`` (nvfp4_kernels/triton/pdl.py) before it touches any memory another kernel writes or
+reads: the wait there returns once the kernel before it has completed and its writes are visible, so the order
+of the stream holds as without PDL. Waits chain: that kernel completed only after its own wait returned.
+
+``set_enabled(False)`` launches every later kernel without it (the benchmarks' before/after, the engine's
+``--disable-pdl``); a CUDA graph keeps what was in force when it was captured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_state = {"enabled": True}
+_capable: dict[int, bool] = {}
+
+
+def set_enabled(enabled: bool) -> None:
+    """Whether kernels launched from now on use PDL where the GPU supports it (process-wide)."""
+    _state["enabled"] = bool(enabled)
+
+
+def enabled() -> bool:
+    return _state["enabled"]
+
+
+def uses_pdl(t: torch.Tensor) -> bool:
+    """Whether a kernel over ``t`` is launched with PDL: enabled, ``t`` on a CUDA GPU of compute capability 9+."""
+    if not _state["enabled"] or t.device.type != "cuda":
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _capable:
+        _capable[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _capable[index]
+
+
+def pdl_args(t: torch.Tensor) -> dict[str, bool]:
+    """The launch keywords of a kernel with a ``PDL`` constexpr over ``t``: its constexpr and Triton's launch option,
+    always equal (the invariant above)."""
+    on = uses_pdl(t)
+    return {"PDL": on, "launch_pdl": on}
