@@ -25,7 +25,10 @@ _PROFILE_DOC = (
     "rest (embedding, the copies of the step's inputs, elementwise ops). `launch gaps` = step ms - kernel sum: "
     "the time the GPU runs none of the step's kernels (the host's staging before the replay, the gaps between "
     "kernels). Kernels of a CUDA graph replay, measured against `graph ms`; rows marked eager: the profiler saw no "
-    "kernel inside the replay, so these are the eager step's kernels against `eager ms`.")
+    "kernel inside the replay, so these are the eager step's kernels against `eager ms`. With programmatic "
+    "dependent launch a kernel starts before the one it follows ends and its time includes that wait, so the "
+    "sums overlap and the gaps shrink, below 0 where a kernel waits long (the NVFP4 merge behind the decode); "
+    "the step ms is the figure to compare.")
 
 
 def write_md(doc: dict, path: str) -> None:
