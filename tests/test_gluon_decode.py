@@ -37,11 +37,11 @@ _SIG = {"Q": "*bf16", "K16": "*i16", "KSF": "*u8", "V16": "*i16", "VSF": "*u8", 
 _ALIGNED = ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh")
 
 
-def _compile(d: int, bt: int, stages: int, group: int, max_registers: int | None = None, pdl: bool = False):
+def _compile(d: int, bt: int, stages: int, group: int, max_registers: int | None = None):
     from nvfp4_kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
 
     cx = {"HK": 8, "G": group, "GN": max(8, triton.next_power_of_2(group)), "D": d, "PAGE": 16, "BT": bt,
-          "STAGES": stages, "PDL": pdl}
+          "STAGES": stages}
     names = list(_SIG)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if _SIG[n].startswith("*") or n in _ALIGNED}
     src = GluonASTSource(fn=nvfp4_decode_gluon_kernel, signature=dict(_SIG, **{k: "constexpr" for k in cx}),

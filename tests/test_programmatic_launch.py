@@ -1,9 +1,10 @@
-"""Programmatic dependent launch of the decode step's own kernels (nvfp4_kernels/programmatic_launch.py).
+"""Programmatic dependent launch of the decode step's small kernels (nvfp4_kernels/programmatic_launch.py).
 
-CPU: every kernel a decode step launches takes a ``PDL`` constexpr that, when on, puts the grid-dependency wait
-and the early launch of the next kernel first in its code (sm_90a PTX and SASS), and nothing when off; the launch
-keywords follow the tensor's device and the process switch. GPU: a step's kernels launched with PDL inside a CUDA
-graph give the outputs of launches without it (the other GPU tests run with PDL, the default).
+CPU: each of those kernels takes a ``PDL`` constexpr that, when on, puts the grid-dependency wait and the early
+launch of the next kernel first in its code (sm_90a PTX and SASS), and nothing when off; the NVFP4 decode kernels
+never wait on a grid dependency (they are launched without PDL); the launch keywords follow the tensor's device
+and the process switch. GPU: a step's kernels launched with PDL inside a CUDA graph give the outputs of launches
+without it (the other GPU tests run with PDL, the default).
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ from tests.test_kernel_crosscompile import _DECODE_SIG, _QUANT_SIG, _compile, _s
 
 
 def _kernels(pdl: bool):
-    """(name, compiled for sm_90a) of every kernel of a decode step that the project launches itself."""
+    """(name, compiled for sm_90a) of every kernel of a decode step launched with PDL where it is on."""
     from nvfp4_kernels.backends.triton_nvfp4 import quant_block_rows
     from nvfp4_kernels.triton.kv_write import kv_write_kernel
-    from nvfp4_kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
     from nvfp4_kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel
     from nvfp4_kernels.triton.qk_norm_rope import qk_norm_rope_kernel
     from nvfp4_kernels.triton.rmsnorm import rmsnorm_kernel
@@ -45,16 +45,10 @@ def _kernels(pdl: bool):
                                                          "X_IS_BF16": True, **p}, 90)
     yield "nvfp4_quantize", _compile(nvfp4_quantize_kernel, _QUANT_SIG,
                                      {"HK": 8, "D": 128, "BLOCK_R": quant_block_rows(128, False), **p}, 90)
-    yield "nvfp4_decode", _compile(nvfp4_decode_kernel, _DECODE_SIG,
-                                   {"HK": 8, "G": 4, "GP": 16, "D": 128, "PAGE": 16, "NW": 4, "BW": 32, "MODE": 0,
-                                    **p}, 90)
-    yield "merge", _compile(merge_kernel, {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", "num_splits": "i32",
-                                           "stride_ob": "i32", "stride_oh": "i32"}, {"D": 128, **p}, 90)
-    yield "nvfp4_decode_gluon", _compile_gluon(128, 32, 2, 4, pdl=pdl)
 
 
 @pytest.mark.parametrize("pdl", [True, False])
-def test_every_decode_step_kernel_waits_for_the_grid_before_it_first_when_launched_with_pdl(tmp_path, pdl):
+def test_each_small_step_kernel_waits_for_the_grid_first_when_launched_with_pdl(tmp_path, pdl):
     kernels = list(_kernels(pdl))
     for name, k in kernels:
         ptx = k.asm["ptx"]
@@ -69,6 +63,19 @@ def test_every_decode_step_kernel_waits_for_the_grid_before_it_first_when_launch
     for name, k in kernels:  # the SASS of both: ACQBULK (the wait), PREEXIT (the next kernel's launch)
         sass = _sass(k, tmp_path)
         assert ("ACQBULK" in sass and "PREEXIT" in sass) == pdl, name
+
+
+def test_the_nvfp4_decode_kernels_never_wait_on_a_grid_dependency(tmp_path):
+    from nvfp4_kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
+
+    kernels = [_compile(nvfp4_decode_kernel, _DECODE_SIG, {"HK": 8, "G": 4, "GP": 16, "D": 128, "PAGE": 16, "NW": 4,
+                                                           "BW": 32, "MODE": 0}, 90),
+               _compile(merge_kernel, {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", "num_splits": "i32",
+                                       "stride_ob": "i32", "stride_oh": "i32"}, {"D": 128}, 90),
+               _compile_gluon(128, 32, 2, 4)]
+    for k in kernels:
+        assert "griddepcontrol" not in k.asm["ptx"]
+        assert "ACQBULK" not in _sass(k, tmp_path)
 
 
 def test_launch_keywords_follow_the_device_and_the_switch():

@@ -24,7 +24,6 @@ from nvfp4_kernels.backends.base import DecodeOptions, DecodePlan
 from nvfp4_kernels.backends.decode_kernels import GLUON_HEAD_DIMS, DecodeKernel
 from nvfp4_kernels.backends.triton_nvfp4 import check_nvfp4_layer, u8
 from nvfp4_kernels.kv_layout import LayerKV
-from nvfp4_kernels.programmatic_launch import pdl_args
 from nvfp4_kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
 
 _LOG2E = math.log2(math.e)
@@ -244,7 +243,7 @@ class TritonNvfp4Decode:
             self._launch_triton(plan, q, layer, sm_scale)
         op, lse = st.o_part, st.lse_part
         out = torch.empty_like(q)
-        merge_kernel[(batch, hq)](op, lse, out, st.num_splits, out.stride(0), out.stride(1), D=d, **pdl_args(out))
+        merge_kernel[(batch, hq)](op, lse, out, st.num_splits, out.stride(0), out.stride(1), D=d)
         return out
 
     @staticmethod
@@ -267,7 +266,7 @@ class TritonNvfp4Decode:
             *self._kernel_args(plan, q, layer, sm_scale, e2m1_fold(mode)),
             HK=hk, G=group, GP=max(16, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
             NW=cfg.num_warps, BW=cfg.block_w, MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **cfg.launch_options, **pdl_args(q))
+            **cfg.launch_options)
 
     def kernel_for(self, head_dim: int, group: int, device: torch.device) -> str:
         """``<part>:<config label>`` of the decodes this part plans for ``head_dim`` and ``group`` on ``device``."""
@@ -293,5 +292,4 @@ class TritonNvfp4Decode:
         nvfp4_decode_gluon_kernel[(hk, st.num_splits, batch)](
             *self._kernel_args(plan, q, layer, sm_scale, e2m1_fold(1)),
             HK=hk, G=group, GN=max(8, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
-            BT=st.config.block_w, STAGES=st.config.num_stages, num_warps=1, **st.config.launch_options,
-            **pdl_args(q))
+            BT=st.config.block_w, STAGES=st.config.num_stages, num_warps=1, **st.config.launch_options)

@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from nvfp4_kernels.triton.e2m1 import e2m1x4
-from nvfp4_kernels.triton.pdl import pdl_enter
 
 # The decode kernels' ints that follow the batch shape (see the module docstring); the partial buffers' other
 # strides are multiples of D, so they specialize the same way for every shape.
@@ -77,10 +76,9 @@ def nvfp4_decode_kernel(
     stride_lb, stride_lh,  # LSE_PART [B, Hq, num_splits] fp32 (split stride 1)
     chunk_tokens,
     HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    NW: tl.constexpr, BW: tl.constexpr, MODE: tl.constexpr, PDL: tl.constexpr = False,
+    NW: tl.constexpr, BW: tl.constexpr, MODE: tl.constexpr,
 ):
     """Pool pages are contiguous: K16/V16 [P, PAGE, HK, D/4] int16, KSF/VSF [P, PAGE, HK, D/16] uint8."""
-    pdl_enter(PDL)
     h = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -171,11 +169,10 @@ def nvfp4_decode_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def merge_kernel(O_PART, LSE_PART, O, num_splits, stride_ob, stride_oh, D: tl.constexpr, PDL: tl.constexpr = False):
+def merge_kernel(O_PART, LSE_PART, O, num_splits, stride_ob, stride_oh, D: tl.constexpr):
     """out[b, hq] = sum_s 2**(lse_s - lse) * o_s, lse = log2(sum_s 2**lse_s): merge of the splits, a tile of them
     at a time with a running max. O_PART [B, Hq, num_splits, D] and LSE_PART [B, Hq, num_splits] fp32 are contiguous
     (the plan makes them), so their offsets follow from num_splits and D alone: no stride is an argument."""
-    pdl_enter(PDL)
     SPLIT_TILE: tl.constexpr = MERGE_ELEMENTS // D
     b = tl.program_id(0)
     hq = tl.program_id(1)

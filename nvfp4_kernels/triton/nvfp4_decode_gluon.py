@@ -221,16 +221,6 @@ def _attend(k_slot, ks_slot, v_slot, vs_slot, q0, q1, q2, q3, t0, end, qk_scale,
     return m_new, l_i, acc0, acc1, acc2, acc3
 
 
-@gluon.jit
-def _pdl_enter(PDL: gl.constexpr):
-    """nvfp4_kernels/triton/pdl.py's ``pdl_enter`` for Gluon: wait for the kernel before (its writes visible), then
-    let the one after be scheduled; nothing when PDL is False."""
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
 @gluon.jit(do_not_specialize=PLAN_INTS)  # one compile for every batch shape (nvfp4_decode.py)
 def nvfp4_decode_gluon_kernel(
     Q, K16, KSF, V16, VSF, PAGE_TABLE, SEQ_LENS, O_PART, LSE_PART,
@@ -240,10 +230,9 @@ def nvfp4_decode_gluon_kernel(
     stride_lb, stride_lh,  # LSE_PART [B, Hq, num_splits] fp32 (split stride 1)
     chunk_tokens,
     HK: gl.constexpr, G: gl.constexpr, GN: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
-    BT: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False,
+    BT: gl.constexpr, STAGES: gl.constexpr,
 ):
     """Pool pages are contiguous: K16/V16 [P, PAGE, HK, D/4] int16, KSF/VSF [P, PAGE, HK, D/16] uint8. num_warps=1."""
-    _pdl_enter(PDL)
     DW: gl.constexpr = D // 4
     NS: gl.constexpr = D // 16
     mma: gl.constexpr = _MMA
