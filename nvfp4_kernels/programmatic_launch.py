@@ -38,8 +38,9 @@ def enabled() -> bool:
 
 
 def uses_pdl(t: torch.Tensor) -> bool:
-    """Whether a kernel over ``t`` is launched with PDL: enabled, ``t`` on a CUDA GPU of compute capability 9+."""
-    if not _state["enabled"] or t.device.type != "cuda":
+    """Whether a kernel over ``t`` is launched with PDL: enabled, ``t`` on an NVIDIA GPU of compute capability 9+
+    (a ROCm build's "cuda" devices have no such launch)."""
+    if not _state["enabled"] or t.device.type != "cuda" or torch.version.hip is not None:
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if index not in _capable:
