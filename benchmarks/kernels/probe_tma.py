@@ -4,6 +4,7 @@ run, each shape twice in alternation.
 
     python -m benchmarks.kernels.probe_tma [--shapes 44x32768 ...] [--configs 32:2:24 16:3:24 ...] [--out F]
     python -m benchmarks.kernels.probe_tma --compile-only     # no GPU: registers and loop instructions, sm_90a
+    compute-sanitizer python -m benchmarks.kernels.probe_tma --check-only   # where a check faults
 """
 
 from __future__ import annotations
@@ -160,7 +161,9 @@ def check(dev) -> list[dict]:
         q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
         ref = bd.fp32_decode_reference(layer, pt, seq, q, 1 / math.sqrt(d))
         gb = TritonBackend(DecodeConfig(1, bt, st, 24, DecodeKernel.GLUON))
+        print(f"check case g {g} d {d} lens {lens} bt {bt} page {pg} stages {st}", flush=True)
         o = gb.decode(gb.plan_decode(pt, seq, hq, bd.HK, d, pg), q, layer, 1 / math.sqrt(d)).float()
+        torch.cuda.synchronize(dev)  # a fault shows at the case that made it
         err = float((o - ref).norm() / ref.norm())
         out.append({"g": g, "d": d, "lens": lens, "bt": bt, "page": pg, "stages": st, "rel_err": err,
                     "finite": bool(torch.isfinite(o).all())})
@@ -175,6 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--check-only", action="store_true",
+                    help="the checks alone, each case synchronized (run under compute-sanitizer: stage tma_sanitize)")
     a = ap.parse_args(argv)
     if a.compile_only:
         for npg, stages in ((2, 2), (1, 3), (1, 4), (2, 3)):
@@ -192,6 +197,10 @@ def main(argv=None) -> int:
     for c in check(dev):
         print(f"check tma {c}", flush=True)
         rows.append({"kernel": "tma", "check": c})
+    if a.check_only:
+        use(False)
+        write_json(a.out, copy, rows)
+        return 0
     base = [DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)]
     tcfgs = [DecodeConfig(1, *[int(v) for v in x.split(":")], DecodeKernel.GLUON) for x in a.configs]
     for rnd in range(a.rounds):
