@@ -219,11 +219,12 @@ class EngineConfig:
     disable_fused_ops: bool = field(default=False, metadata=flag(
         "run RMSNorm, SiLU-and-multiply and q/k norm + RoPE as PyTorch ops on CUDA too (default: fused Triton "
         "kernels on CUDA; CPU always uses the PyTorch ops)"))
-    # Programmatic dependent launch of the step's own kernels on SM90+ (nvfp4_kernels/programmatic_launch.py):
+    # Programmatic dependent launch of the step's small kernels on SM90+ (nvfp4_kernels/programmatic_launch.py):
     # a kernel's launch overlaps the tail of the one before it. Process-wide; the switch is for comparisons.
     disable_pdl: bool = field(default=False, metadata=flag(
-        "launch the decode step's own kernels without programmatic dependent launch (default: with it on SM90+ "
-        "GPUs, so each one's launch overlaps the end of the kernel before it)"))
+        "launch the step's small kernels (norms, activation, q/k norm + RoPE, K/V writes) without programmatic "
+        "dependent launch (default: with it on SM90+ GPUs, so each one's launch overlaps the end of the kernel "
+        "before it)"))
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
