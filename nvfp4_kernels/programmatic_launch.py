@@ -17,14 +17,20 @@ reads: the wait there returns once the kernel before it has completed and its wr
 of the stream holds as without PDL. Waits chain: that kernel completed only after its own wait returned.
 
 ``set_enabled(False)`` launches every later kernel without it (the benchmarks' before/after, the engine's
-``--disable-pdl``); a CUDA graph keeps what was in force when it was captured.
+``--disable-pdl``); a CUDA graph keeps what was in force when it was captured. The switch is process-wide: the
+last engine built in a process sets it. ``for_target`` gives the launch keywords of a named GPU whatever the
+tensors' device (warm-cache compiles the GPU's variants from CPU tensors: the constexpr and the launch option
+are both in Triton's cache key).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
-_state = {"enabled": True}
+_state: dict = {"enabled": True, "target": None}
 _capable: dict[int, bool] = {}
 
 
@@ -40,12 +46,28 @@ def enabled() -> bool:
 def uses_pdl(t: torch.Tensor) -> bool:
     """Whether a kernel over ``t`` is launched with PDL: enabled, ``t`` on an NVIDIA GPU of compute capability 9+
     (a ROCm build's "cuda" devices have no such launch)."""
-    if not _state["enabled"] or t.device.type != "cuda" or torch.version.hip is not None:
+    if not _state["enabled"]:
+        return False
+    if _state["target"] is not None:
+        return _state["target"] >= (9, 0)
+    if t.device.type != "cuda" or torch.version.hip is not None:
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if index not in _capable:
         _capable[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _capable[index]
+
+
+@contextmanager
+def for_target(capability: tuple[int, int], enabled: bool = True) -> Iterator[None]:
+    """Inside: every launch's keywords as on an NVIDIA GPU of ``capability`` with PDL ``enabled``, whatever the
+    tensors' device; the previous state after."""
+    before = dict(_state)
+    _state.update(enabled=bool(enabled), target=tuple(capability))
+    try:
+        yield
+    finally:
+        _state.update(before)
 
 
 def pdl_args(t: torch.Tensor) -> dict[str, bool]:

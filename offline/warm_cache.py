@@ -48,7 +48,7 @@ from svc_common.config_flags import argparse_kwargs, flag_name, iter_flags
 
 # The engine flags that decide which kernel variants the engine asks for (engine/config.py declares them).
 _ENGINE_FIELDS = ("model_dir", "dtype", "attention_backend", "nvfp4_decode_kernel", "context_length", "kv_dtype", "page_size",
-                  "max_running_requests", "cuda_graph_max_bs")
+                  "max_running_requests", "cuda_graph_max_bs", "disable_pdl")
 _BACKENDS = ("auto", "triton", "triton-block-select")
 _DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ROW_CLASSES = range(1, 17)  # token counts whose row counts (tokens * Hk) reach every specialization class
@@ -79,6 +79,7 @@ class WarmPlan:
     qk_norm: bool = False
     host_launchers: bool = False  # Triton's host launcher stubs too (offline/triton_host_launchers.py)
     nvfp4_decode_kernel: str = "auto"  # the engine's --nvfp4-decode-kernel
+    pdl: bool = True  # not --disable-pdl: the small kernels' variants with programmatic dependent launch (SM90+)
 
 
 def build_parser(prog: str = "nvfp4-serve warm-cache") -> argparse.ArgumentParser:
@@ -165,7 +166,8 @@ def plan_from_args(a: argparse.Namespace) -> WarmPlan:
                     tuple(dict.fromkeys(a.kv_cache_dtype)), a.page_size,
                     min(a.cuda_graph_max_bs, a.max_running_requests), max_width_pages(context, a.page_size),
                     a.attention_backend == "triton-block-select", capability, a.num_sms, mc.hidden_size,
-                    mc.intermediate_size, mc.qk_norm, not a.no_host_launchers, a.nvfp4_decode_kernel)
+                    mc.intermediate_size, mc.qk_norm, not a.no_host_launchers, a.nvfp4_decode_kernel,
+                    not a.disable_pdl)
 
 
 def _cache_files(root: Path) -> set[Path]:
@@ -175,6 +177,7 @@ def _cache_files(root: Path) -> set[Path]:
 def warm_triton(plan: WarmPlan) -> tuple[dict[str, tuple[int, int]], list[str] | None]:
     """Compile the Triton kernels of ``plan`` into TRITON_CACHE_DIR; ({kernel: (launches, variants compiled)},
     the kernel of each host launcher stub built, or None where ``plan`` builds none)."""
+    from nvfp4_kernels import programmatic_launch
     from nvfp4_kernels.triton.kv_write import kv_write_kernel
     from nvfp4_kernels.triton.nvfp4_decode import merge_kernel
     from nvfp4_kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_kernel
@@ -182,7 +185,8 @@ def warm_triton(plan: WarmPlan) -> tuple[dict[str, tuple[int, int]], list[str] |
 
     dense = [kv for kv in plan.kv_dtypes if kv in ("fp8_e4m3", "bf16")]
     kernels = [*_model_op_kernels(), *([kv_write_kernel] if dense else [])]
-    with compile_for(TritonTarget(plan.capability), plan.host_launchers) as drv:
+    with (compile_for(TritonTarget(plan.capability), plan.host_launchers) as drv,
+          programmatic_launch.for_target(plan.capability, plan.pdl)):  # the launch keywords the GPU will use
         if "nvfp4" in plan.kv_dtypes:
             _warm_nvfp4(plan)
             kernels += [_decode_kernel(plan), merge_kernel, nvfp4_quantize_kernel, nvfp4_to_fp8_kernel]

@@ -94,3 +94,24 @@ def test_rows_without_pdl_are_labelled_and_set_against_the_same_step_with_it(tmp
     assert "| 1 x 32768 | nvfp4, no PDL | 7.840 | 8.100 | 1.033 | 2.250 | 2.400 | 7.10 | 7.50 |" in md
     assert "Programmatic dependent launch on / off" not in _render([on], tmp_path)
     assert "rotation's cost" not in md
+
+
+def test_same_run_pairs_differ_in_one_setting_and_vs_fp8_keeps_the_pdl_mode(tmp_path):
+    rows = [_row(kv_dtype=kv, kv_rotation=rot, pdl=pdl, graph_ms=ms, tok_s=1e3 / ms, attention_graph_ms=1.0)
+            for kv, rot, pdl, ms in (("fp8_e4m3", "none", True, 6.0), ("fp8_e4m3", "none", False, 8.0),
+                                     ("nvfp4", "none", True, 5.0), ("nvfp4", "none", False, 5.5),
+                                     ("nvfp4", "hadamard", True, 5.2), ("nvfp4", "hadamard", False, 7.0))]
+    md = _render(rows, tmp_path)
+    # PDL pairs: same rotation; rotation pairs: same PDL mode
+    assert "| 1 x 32768 | nvfp4, no PDL | 5.000 | 5.500 | 1.100 |" in md
+    assert "| 1 x 32768 | nvfp4 + hadamard, no PDL | 5.200 | 7.000 | 1.346 |" in md
+    assert "| 1 x 32768 | nvfp4 + hadamard | 5.000 | 5.200 | 1.040 |" in md
+    assert "| 1 x 32768 | nvfp4 + hadamard, no PDL | 5.500 | 7.000 | 1.273 |" in md
+    # vs fp8 within the row's PDL mode: 8.0 / 5.5 without, 6.0 / 5.0 with
+    assert "| 1 x 32768 | nvfp4, no PDL | 5.50 |" in md and "| 182 | 1.45x |" in md
+    assert "| 200 | 1.20x |" in md
+
+
+def test_a_gpu_without_pdl_labels_the_rows_asked_for_with_it(tmp_path):
+    md = _render([_row(attention_graph_ms=2.25, pdl=True, pdl_launched=False)], tmp_path)
+    assert "| 1 x 32768 | nvfp4, PDL n/a | 7.84 |" in md

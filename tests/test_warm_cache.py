@@ -126,6 +126,12 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
         assert len(cubins[name]) == launches[name][1] >= 1, (name, launches, res.stdout)
         assert all(m["target"]["arch"] == 90 and m["target"]["backend"] == "cuda" for m in cubins[name])
     assert len(cubins["nvfp4_quantize_kernel"]) >= 2  # row counts divisible by 16 and not
+    # the variants an SM90 GPU launches: the small kernels with programmatic dependent launch, the decode without
+    for name in ("rmsnorm_kernel", "silu_mul_kernel", "qk_norm_rope_kernel", "kv_write_kernel",
+                 "nvfp4_quantize_kernel"):
+        assert all(m["launch_pdl"] is True for m in cubins[name]), name
+    for name in ("nvfp4_decode_gluon_kernel", "merge_kernel", "nvfp4_to_fp8_kernel"):
+        assert all(not m.get("launch_pdl") for m in cubins[name]), name
     # Triton's host launcher stubs: one per distinct launcher source (variants of one signature share it)
     stubs = sorted(cache.rglob("__triton_launcher*.so"))
     if (why := _stub_toolchain(libcuda)) is None:

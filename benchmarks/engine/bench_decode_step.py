@@ -273,6 +273,33 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     return out  # the pool and graphs are freed with this frame; main() empties the cache
 
 
+def _measure(a: argparse.Namespace, model, cfg, dev: torch.device, bw: float) -> list[dict]:
+    """Every (--kv-rotations, shape, dtype, --pdl-modes) row, in that order of loops."""
+    rows = []
+    for rotation in a.kv_rotations:
+        if rotation != "none":
+            from engine.kv_rotation import head_rotation
+
+            model.rotate_kv(head_rotation(rotation, cfg.head_dim, dev, model.dtype))
+        for (b, l), dt, pdl in itertools.product(a.shapes, a.kv_dtypes, a.pdl_modes):
+            programmatic_launch.set_enabled(pdl == "on")  # the graphs of run_shape are captured under it
+            try:
+                row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile, a.block_select)
+            except Exception as e:  # noqa: BLE001 - recorded, the other shapes go on
+                traceback.print_exc()
+                row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
+                torch.cuda.empty_cache()
+            # pdl: the mode asked for (rows are paired by it); pdl_launched: whether this GPU launched with it
+            row.update(kv_rotation=rotation, pdl=pdl == "on",
+                       pdl_launched=programmatic_launch.uses_pdl(torch.empty(0, device=dev)))
+            if "weight_gb" in row:
+                row["non_attention_floor_ms"] = row["weight_gb"] / bw
+            rows.append(row)
+            torch.cuda.empty_cache()
+            _log(json.dumps(row))
+    return rows
+
+
 def _shape(s: str) -> tuple[int, int]:
     b, _, l = s.lower().partition("x")
     return int(b), int(l)
@@ -319,27 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     max_len = max(l for _, l in a.shapes) + 128
     model, cfg = build_model(a.layers, max_len, dev, fused_ops=not a.no_fused)
     bw = copy_bandwidth(dev)
-    rows = []
-    for rotation in a.kv_rotations:
-        if rotation != "none":
-            from engine.kv_rotation import head_rotation
-
-            model.rotate_kv(head_rotation(rotation, cfg.head_dim, dev, model.dtype))
-        for (b, l), dt, pdl in itertools.product(a.shapes, a.kv_dtypes, a.pdl_modes):
-            programmatic_launch.set_enabled(pdl == "on")  # the graphs of run_shape are captured under it
-            try:
-                row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile, a.block_select)
-            except Exception as e:  # noqa: BLE001 - recorded, the other shapes go on
-                traceback.print_exc()
-                row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
-                torch.cuda.empty_cache()
-            row["kv_rotation"], row["pdl"] = rotation, programmatic_launch.uses_pdl(torch.empty(0, device=dev))
-            if "weight_gb" in row:
-                row["non_attention_floor_ms"] = row["weight_gb"] / bw
-            rows.append(row)
-            torch.cuda.empty_cache()
-            _log(json.dumps(row))
-    programmatic_launch.set_enabled(True)
+    pdl_before = programmatic_launch.enabled()
+    try:
+        rows = _measure(a, model, cfg, dev, bw)
+    finally:
+        programmatic_launch.set_enabled(pdl_before)
     print_table(rows, a.layers)
     doc = {"gpu": torch.cuda.get_device_name(dev), "copy_tb_s": bw, "layers": a.layers, "fused_ops": not a.no_fused,
            "block_select": a.block_select, "kv_rotations": a.kv_rotations,

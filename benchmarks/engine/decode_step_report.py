@@ -49,7 +49,7 @@ def write_md(doc: dict, path: str) -> None:
         if "error" in r:
             lines.append(f"| {shape} | {_kv(r)} | {r['error']} | | | | | | | | | |")
             continue
-        c = _cells(r, fp8.get((r["batch"], r["seq_len"])))
+        c = _cells(r, fp8.get(_fp8_key(r)))
         lines.append(f"| {shape} | {_kv(r)} | {c['graph']} | {c['eager']} | {c['attn']} | {c['attn_eager']} | "
                      f"{c['tb_s']} | {c['rest']} | {c['floor']} | {c['over']} | {c['tok_s']} | {c['vs_fp8']} |")
     lines += _back_to_back_lines(rows)
@@ -63,16 +63,31 @@ def write_md(doc: dict, path: str) -> None:
 
 
 def _kv(r: dict) -> str:
-    """The row's cache dtype, with its --kv-rotation where it has one, and "no PDL" where launched without it."""
+    """The row's cache dtype, with its --kv-rotation where it has one, "no PDL" where run with --pdl-modes off, and
+    "PDL n/a" where asked for on a GPU that launches without it."""
     rot = r.get("kv_rotation", "none")
     kv = r["kv_dtype"] if rot == "none" else f"{r['kv_dtype']} + {rot}"
-    return kv if r.get("pdl", True) else f"{kv}, no PDL"
+    if not r.get("pdl", True):
+        return f"{kv}, no PDL"
+    return kv if r.get("pdl_launched", True) else f"{kv}, PDL n/a"
 
 
-def _fp8_rows(rows: list[dict]) -> dict[tuple[int, int], dict]:
-    return {(r["batch"], r["seq_len"]): r for r in rows
-            if r["kv_dtype"] == "fp8_e4m3" and r.get("kv_rotation", "none") == "none" and r.get("pdl", True)
-            and "tok_s" in r}
+# The settings a row is measured under besides its shape and dtype, with the value rows of older JSONs had.
+_SETTINGS = {"kv_rotation": "none", "pdl": True}
+
+
+def _settings(r: dict, leave_out: str = "") -> tuple:
+    return tuple(r.get(k, v) for k, v in _SETTINGS.items() if k != leave_out)
+
+
+def _fp8_rows(rows: list[dict]) -> dict[tuple, dict]:
+    """The unrotated fp8 row of each shape and PDL mode (``_fp8_key``): the "vs fp8" column's denominator."""
+    return {_fp8_key(r): r for r in rows
+            if r["kv_dtype"] == "fp8_e4m3" and r.get("kv_rotation", "none") == "none" and "tok_s" in r}
+
+
+def _fp8_key(r: dict) -> tuple:
+    return r["batch"], r["seq_len"], r.get("pdl", True)
 
 
 def _back_to_back_lines(rows: list[dict]) -> list[str]:
@@ -109,13 +124,13 @@ def _pdl_lines(rows: list[dict]) -> list[str]:
 
 
 def _same_run_lines(rows: list[dict], title: str, key: str, base, names: tuple[str, str]) -> list[str]:
-    """The rows whose ``key`` is not ``base`` against the row of the same dtype and shape whose ``key`` is ``base``
-    (a missing key counts as ``base``): step and attention ms of both, and their ratio."""
-    plain = {(r["kv_dtype"], r["batch"], r["seq_len"]): r for r in rows
-             if r.get(key, base) == base and "graph_ms" in r}
-    pairs = [(r, plain[(r["kv_dtype"], r["batch"], r["seq_len"])]) for r in rows
-             if r.get(key, base) != base and "graph_ms" in r
-             and (r["kv_dtype"], r["batch"], r["seq_len"]) in plain]
+    """The rows whose ``key`` is not ``base`` against the row of the same dtype, shape and other settings whose
+    ``key`` is ``base`` (a missing key counts as ``base``): step and attention ms of both, and their ratio."""
+    def same(r: dict) -> tuple:  # everything but ``key``: the pair differs in that setting alone
+        return r["kv_dtype"], r["batch"], r["seq_len"], *_settings(r, leave_out=key)
+
+    plain = {same(r): r for r in rows if r.get(key, base) == base and "graph_ms" in r}
+    pairs = [(r, plain[same(r)]) for r in rows if r.get(key, base) != base and "graph_ms" in r and same(r) in plain]
     if not pairs:
         return []
     a, b = names
@@ -189,6 +204,6 @@ def print_table(rows: list[dict], layers: int) -> None:
         if "error" in r:
             print(f"{shape:>12} {_kv(r):>9}  {r['error']}")
             continue
-        c = _cells(r, fp8.get((r["batch"], r["seq_len"])))
+        c = _cells(r, fp8.get(_fp8_key(r)))
         keys = ("graph", "eager", "attn", "attn_eager", "tb_s", "rest", "floor", "over", "tok_s", "vs_fp8")
         print(f"{shape:>12} {_kv(r):>9} " + " ".join(f"{c[k]:>10}" for k in keys))
