@@ -74,6 +74,17 @@ def test_the_nvfp4_decode_kernels_never_wait_on_a_grid_dependency(tmp_path):
         assert "ACQBULK" not in _sass(k, tmp_path)
 
 
+def test_a_named_target_gives_its_launch_keywords_on_cpu_tensors_and_the_state_comes_back():
+    cpu = torch.zeros(1)
+    with programmatic_launch.for_target((9, 0)):
+        assert programmatic_launch.pdl_args(cpu) == {"PDL": True, "launch_pdl": True}
+    with programmatic_launch.for_target((9, 0), enabled=False):
+        assert not programmatic_launch.uses_pdl(cpu)
+    with programmatic_launch.for_target((8, 9)):
+        assert not programmatic_launch.uses_pdl(cpu)
+    assert not programmatic_launch.uses_pdl(cpu) and programmatic_launch.enabled()
+
+
 def test_launch_keywords_follow_the_device_and_the_switch():
     cpu = torch.zeros(1)
     assert programmatic_launch.pdl_args(cpu) == {"PDL": False, "launch_pdl": False}
