@@ -45,17 +45,19 @@ def enabled() -> bool:
 
 def uses_pdl(t: torch.Tensor) -> bool:
     """Whether a kernel over ``t`` is launched with PDL: enabled, ``t`` on an NVIDIA GPU of compute capability 9+
-    (a ROCm build's "cuda" devices have no such launch)."""
+    (a ROCm build's "cuda" devices have no such launch). Called per launch: cheap checks first, the GPU's answer
+    cached per device index."""
     if not _state["enabled"]:
         return False
     if _state["target"] is not None:
         return _state["target"] >= (9, 0)
-    if t.device.type != "cuda" or torch.version.hip is not None:
+    if not t.is_cuda:
         return False
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if index not in _capable:
-        _capable[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _capable[index]
+    index = t.get_device()
+    capable = _capable.get(index)
+    if capable is None:
+        capable = _capable[index] = torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+    return capable
 
 
 @contextmanager
@@ -70,8 +72,11 @@ def for_target(capability: tuple[int, int], enabled: bool = True) -> Iterator[No
         _state.update(before)
 
 
+_WITH = {"PDL": True, "launch_pdl": True}
+_WITHOUT = {"PDL": False, "launch_pdl": False}
+
+
 def pdl_args(t: torch.Tensor) -> dict[str, bool]:
     """The launch keywords of a kernel with a ``PDL`` constexpr over ``t``: its constexpr and Triton's launch option,
-    always equal (the invariant above)."""
-    on = uses_pdl(t)
-    return {"PDL": on, "launch_pdl": on}
+    always equal (the invariant above). A shared dict: unpack it (``**``), never change it."""
+    return _WITH if uses_pdl(t) else _WITHOUT
