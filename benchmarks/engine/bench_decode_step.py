@@ -16,7 +16,7 @@ scheduling serves them) shows what the host's staging still costs. ``--profile``
 their sum per category (GEMM, attention incl. merge, K/V write, norms + RoPE + activation, other) and the
 launch gaps, graph step - kernel sum. ``--no-fused`` runs the model's PyTorch norm/activation/RoPE ops instead
 of the fused Triton kernels (nvfp4_kernels/model_ops.py), for the before/after of the same shapes; ``--pdl-modes on
-off`` runs each shape with and without programmatic dependent launch of the step's own kernels.
+off`` runs each shape with and without programmatic dependent launch of the step's small kernels.
 
 The ratio nvfp4 / fp8 of tokens/s at the same shape is the engine-level iso-concurrency figure; the
 end-to-end figures (router, gRPC, streaming) come from ``nvfp4-serve bench experiments``.
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="run every shape and dtype under each --kv-rotation, in this order (none first: the model "
                         "is rotated in place once), so the rotation's cost per step is measured in the same run")
     p.add_argument("--pdl-modes", nargs="+", default=["on"], choices=["on", "off"],
-                   help="run every shape and dtype with the step's own kernels launched with programmatic dependent "
+                   help="run every shape and dtype with the step's small kernels launched with programmatic dependent "
                         "launch (on) and/or without (off), in this order, for the before/after of the same run")
     p.add_argument("--profile", action="store_true",
                    help="also profile each shape's graph replay (torch profiler): top kernels, kernel time per "
