@@ -89,11 +89,11 @@ def test_launch_keywords_follow_the_device_and_the_switch():
     cpu = torch.zeros(1)
     assert programmatic_launch.pdl_args(cpu) == {"PDL": False, "launch_pdl": False}
     assert programmatic_launch.enabled()
-    programmatic_launch.set_enabled(False)
-    try:
+    with programmatic_launch.for_target((9, 0)):  # a GPU that takes PDL: the switch alone turns it off
+        assert programmatic_launch.uses_pdl(cpu)
+        programmatic_launch.set_enabled(False)
         assert not programmatic_launch.enabled() and not programmatic_launch.uses_pdl(cpu)
-    finally:
-        programmatic_launch.set_enabled(True)
+    assert programmatic_launch.enabled()  # for_target put the switch back
 
 
 @pytest.mark.gpu
