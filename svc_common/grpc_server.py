@@ -4,8 +4,10 @@ reflection, TLS, metrics RPC."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -14,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.outcome import EngineRefusal
+from engine.startup_error import StartupError
 from svc_common.errors import ServiceError, service_error
 from svc_common.service_auth import server_interceptors
 from svc_common.tls import TLSConfig
@@ -128,8 +131,10 @@ def build_server(max_message_bytes: int, tls: TLSConfig | None = None) -> grpc.a
     """A grpc.aio server that requires ``tls.service_token`` on every call but the health check (when set) and
     maps handler exceptions to statuses."""
     token = tls.service_token if tls is not None else ""
+    # so_reuseport off: a second service started on a taken port fails to bind instead of silently taking
+    # half of the first one's connections.
     return grpc.aio.server(interceptors=[*server_interceptors(token), ErrorMappingInterceptor()],
-                           options=server_options(max_message_bytes))
+                           options=[*server_options(max_message_bytes), ("grpc.so_reuseport", 0)])
 
 
 async def add_health_and_reflection(server: grpc.aio.Server,
@@ -166,14 +171,36 @@ def _add_reflection_v1(server: grpc.aio.Server, names: Sequence[str]) -> None:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def _taken(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be listened on ("" when it can, or when only gRPC can tell): checked with a plain
+    socket first, so a taken port is one clear line rather than gRPC's own log of the failed bind."""
+    if port == 0:
+        return ""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no owner
+            probe.bind(addr)
+    except OSError as e:
+        return "the port is taken (another service on it?)" if e.errno == errno.EADDRINUSE else str(e)
+    return ""
+
+
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None = None) -> int:
     """Bind a port (0 picks a free one), secure when ``tls`` is enabled; returns the bound port."""
     tls = tls or TLSConfig()
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, tls.server_credentials()) if tls.enabled else \
-        server.add_insecure_port(address)
+    taken = _taken(host, port)
+    if taken:
+        raise StartupError(f"cannot listen on {address}: {taken}; pass another --port (0 picks a free one)")
+    try:
+        bound = server.add_secure_port(address, tls.server_credentials()) if tls.enabled else \
+            server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises where older versions returned 0
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"cannot bind gRPC server to {address}")
+        raise StartupError(f"cannot listen on {address}: the port is taken (another service on it?) or the address "
+                           "is not this host's; pass another --port (0 picks a free one) or --host")
     if host in LOOPBACK:
         log.info("gRPC on %s:%d (%s), loopback only: pass --host 0.0.0.0 to serve other hosts", host, bound,
                  tls.describe())

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from nvfp4_serve.launcher import free_port
 from nvfp4_serve_proto import common_pb2, decode_pb2_grpc, prefill_pb2
 from svc_common.kv_copy import part_page_bytes
 from svc_common.kv_wire import encode_page_run
@@ -114,10 +113,13 @@ CASES: dict[str, tuple[Callable[[Wire], list[bytes]], grpc.StatusCode, str]] = {
 }
 
 
-async def fake_prefill(port: int, case: Callable[[Wire], list[bytes]], wire: dict,
-                       idle_lanes: bool = False) -> grpc.aio.Server:
-    """A Prefill server at ``port`` answering every Prefill call with ``case``'s messages; with ``idle_lanes``,
-    PrefillLane calls are accepted and send nothing (until the server stops)."""
+async def fake_prefill(case: Callable[[Wire], list[bytes]], wire: dict,
+                       idle_lanes: bool = False) -> tuple[grpc.aio.Server, str]:
+    """A Prefill server on a port of its own answering every Prefill call with ``case``'s messages (``wire`` may
+    be filled in after the start, before the first call); with ``idle_lanes``, PrefillLane calls are accepted and
+    send nothing (until the server stops). Returns the server and its address. It binds port 0 itself and
+    refuses to share it: a port picked ahead with free_port can be handed to a real service started in between,
+    and the kernel would then spread one address's connections over both servers."""
 
     async def prefill(request: prefill_pb2.PrefillRequest, context):
         for msg in case(Wire(request, wire["layout"], wire["page_bytes"])):
@@ -132,11 +134,11 @@ async def fake_prefill(port: int, case: Callable[[Wire], list[bytes]], wire: dic
     if idle_lanes:
         handlers["PrefillLane"] = grpc.unary_stream_rpc_method_handler(
             lane, request_deserializer=prefill_pb2.PrefillLaneRequest.FromString, response_serializer=None)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("nvfp4serve.v1.Prefill", handlers),))
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return server
+    return server, f"127.0.0.1:{port}"
 
 
 async def _status(call) -> tuple[grpc.StatusCode, str, float]:
@@ -152,16 +154,15 @@ async def _status(call) -> tuple[grpc.StatusCode, str, float]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_hostile_transfer_fails_alone_while_a_legitimate_one_completes(tiny_model_dir, name):
     case, code, fragment = CASES[name]
-    fake = f"127.0.0.1:{free_port()}"
     legit_ids = prompt(40, offset=3)
 
     async def scenario():
-        async with services(tiny_model_dir, page_size=PAGE, chunk_size=CHUNK, also_allowed=(fake,)) as s:
-            pool = s.decode.engine.pool
-            server = await fake_prefill(int(fake.rsplit(":", 1)[1]), case,
-                                        {"layout": s.decode.layout, "page_bytes": part_page_bytes(pool)})
-            gate = ChunkGate(s.prefill.engine.runner, 2)  # the legitimate transfer waits mid-stream
-            try:
+        wire: dict = {}
+        server, fake = await fake_prefill(case, wire)
+        try:
+            async with services(tiny_model_dir, page_size=PAGE, chunk_size=CHUNK, also_allowed=(fake,)) as s:
+                wire.update(layout=s.decode.layout, page_bytes=part_page_bytes(s.decode.engine.pool))
+                gate = ChunkGate(s.prefill.engine.runner, 2)  # the legitimate transfer waits mid-stream
                 async with grpc.aio.insecure_channel(s.decode_address) as ch:
                     stub = decode_pb2_grpc.DecodeStub(ch)
                     legit = asyncio.ensure_future(s.generate("legit", legit_ids, 5))
@@ -172,9 +173,9 @@ def test_a_hostile_transfer_fails_alone_while_a_legitimate_one_completes(tiny_mo
                     gate.release()
                     tokens = await legit
                 load, rep = await s.idle()
-            finally:
-                await server.stop(None)
-            return result, tokens, load, rep
+        finally:
+            await server.stop(None)
+        return result, tokens, load, rep
 
     (got_code, details, seconds), tokens, load, rep = asyncio.run(scenario())
     assert got_code == code and fragment in details, (got_code, details)
@@ -192,15 +193,14 @@ def test_a_prefill_the_deployment_does_not_name_is_never_dialled_and_cannot_pois
     async def scenario():
         async with services(tiny_model_dir, page_size=PAGE, chunk_size=CHUNK) as s:
             replay = {"layout": s.decode.layout, "page_bytes": part_page_bytes(s.decode.engine.pool)}
-            port = free_port()
-            server = await fake_prefill(port, lambda w: [w.header(), *w.all_pages(0x11), w.done(q_ids[3])], replay)
+            server, fake = await fake_prefill(lambda w: [w.header(), *w.all_pages(0x11), w.done(q_ids[3])], replay)
             try:
                 async with grpc.aio.insecure_channel(s.decode_address) as ch:
                     stub = decode_pb2_grpc.DecodeStub(ch)
                     statuses = []
                     for i in range(200):
                         req = s.request(f"p{i}", p_ids, 4)
-                        req.prefill_address = f"127.0.0.1:{port if i == 0 else 20000 + i}"
+                        req.prefill_address = fake if i == 0 else f"127.0.0.1:{20000 + i}"
                         statuses.append(await _status(stub.Generate(req)))
                 channels = len(s.decode.receiver.channels)
                 tokens = await s.generate("p", p_ids, 6)

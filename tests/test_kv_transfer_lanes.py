@@ -177,7 +177,6 @@ HOSTILE_LANES = {  # case -> (the fake prefill's Prefill stream, a fragment of t
 @pytest.mark.parametrize("case", list(HOSTILE_LANES))
 def test_a_decode_refuses_lanes_it_did_not_offer_or_pages_off_their_lane(four_layer_model, case):
     """The decode's side: each case fails its request with UNAVAILABLE and frees its pages."""
-    from nvfp4_serve.launcher import free_port
     from nvfp4_serve_proto import decode_pb2_grpc
     from svc_common.kv_copy import part_page_bytes
     from tests.test_hostile_prefill import fake_prefill
@@ -185,20 +184,21 @@ def test_a_decode_refuses_lanes_it_did_not_offer_or_pages_off_their_lane(four_la
     messages, fragment = HOSTILE_LANES[case]
 
     async def scenario():
-        port = free_port()
-        async with services(four_layer_model, "nvfp4", PAGE, CHUNK, also_allowed=(f"127.0.0.1:{port}",),
-                            grpc_lanes=2) as pd:
-            wire = {"layout": pd.decode.layout, "page_bytes": part_page_bytes(pd.decode.engine.pool)}
-            fake = await fake_prefill(port, messages, wire, idle_lanes=True)
-            req = pd.request(f"hostile-{len(case)}", prompt(20), 2)
-            req.prefill_address = f"127.0.0.1:{port}"
-            try:
+        wire: dict = {}
+        fake, address = await fake_prefill(messages, wire, idle_lanes=True)
+        try:
+            async with services(four_layer_model, "nvfp4", PAGE, CHUNK, also_allowed=(address,),
+                                grpc_lanes=2) as pd:
+                wire.update(layout=pd.decode.layout, page_bytes=part_page_bytes(pd.decode.engine.pool))
+                req = pd.request(f"hostile-{len(case)}", prompt(20), 2)
+                req.prefill_address = address
                 async with grpc.aio.insecure_channel(pd.decode_address) as dch:
                     code = await _drain(decode_pb2_grpc.DecodeStub(dch).Generate(req))
-            finally:
-                await fake.stop(None)
-            _, rep = await pd.idle()
-            return code, rep
+                await fake.stop(None)  # its idle lanes end before the pools are checked
+                _, rep = await pd.idle()
+        finally:
+            await fake.stop(None)
+        return code, rep
 
     (code, details), rep = asyncio.run(scenario())
     assert code is grpc.StatusCode.UNAVAILABLE and fragment in details, details

@@ -5,6 +5,8 @@ functions and classes small enough to read. Checked on the source (ast), every i
 from __future__ import annotations
 
 import ast
+import functools
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -31,11 +33,27 @@ MAX_FUNCTION_LINES = 80
 MAX_METHODS = 20
 
 
+_PARSE = """
+import ast, pickle, sys
+from pathlib import Path
+paths = sys.argv[1:]
+sys.stdout.buffer.write(pickle.dumps([ast.parse(Path(p).read_text(encoding="utf-8"), filename=p) for p in paths]))
+"""
+
+
+@functools.cache
+def _parsed(package: str) -> tuple[tuple[Path, ast.AST], ...]:
+    """The package's modules parsed in a fresh interpreter: CPython 3.11's AST builder keeps its recursion
+    depth per interpreter, so a parse in another thread of the test process (threads earlier tests left
+    running) can make this one fail with "AST constructor recursion depth mismatch"."""
+    paths = [path for path in sorted((ROOT / package).rglob("*.py"))
+             if package != "nvfp4_serve_proto" and "__pycache__" not in path.parts]
+    out = subprocess.run([sys.executable, "-c", _PARSE, *map(str, paths)], capture_output=True, check=True)
+    return tuple(zip(paths, pickle.loads(out.stdout)))
+
+
 def _modules(package: str):
-    for path in sorted((ROOT / package).rglob("*.py")):
-        if package == "nvfp4_serve_proto" or "__pycache__" in path.parts:
-            continue
-        yield path, ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    yield from _parsed(package)
 
 
 def _imported_packages(tree: ast.AST):
