@@ -67,8 +67,51 @@ def test_rest_is_the_graph_step_minus_the_graph_attention(tmp_path):
 
 def test_back_to_back_steps_get_their_own_rest_beside_the_step_alone(tmp_path):
     md = _render([_row(attention_graph_ms=2.25, back_to_back_ms=6.80)], tmp_path)
-    assert "| 1 x 32768 | nvfp4 | 7.84 | 6.80 | 4.55 | 1.28x | 147 |" in md
+    assert "| 1 x 32768 | nvfp4 | 7.84 | 6.80 | 4.55 | 1.28x | - | - | 147 |" in md
     assert "back to back" not in _render([_row(attention_graph_ms=2.25)], tmp_path)
+
+
+def test_the_step_without_attention_is_its_own_column_against_the_floor(tmp_path):
+    md = _render([_row(attention_graph_ms=2.25, back_to_back_ms=6.80, no_attention_back_to_back_ms=4.26)], tmp_path)
+    assert "| 1 x 32768 | nvfp4 | 7.84 | 6.80 | 4.55 | 1.28x | 4.26 | 1.20x | 147 |" in md
+
+
+def test_the_stand_in_runs_every_kernel_of_the_step_but_the_decode_attention(tiny_model_dir):
+    """The step through AttentionStandIn writes each layer's K/V as the real step does, never calls the
+    backend's decode, and (its attention output being zeros) gives other logits than the real step."""
+    import torch
+
+    from benchmarks.engine.attention_stand_in import AttentionStandIn
+    from engine.attention_paths import AttentionPaths
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import Engine
+    from engine.model_runner import ModelRunner
+    from engine.request import Request
+    from engine.sampling import SamplingParams
+
+    eng = Engine(EngineConfig(model_dir=tiny_model_dir, device="cpu", dtype="float32",
+                              cache=CacheConfig(kv_dtype="nvfp4", page_size=4, max_total_tokens=256)))
+    paths, calls = eng.runner.paths, []
+    for layer in paths.pool.layers:  # valid NVFP4 bytes under the 9 cached tokens (codes 0.5, small scales)
+        for t in (layer.k, layer.v, layer.k_sf, layer.v_sf):
+            t.view(torch.uint8).fill_(0x11)
+
+    class Recording:
+        def __getattr__(self, name):
+            attr = getattr(paths.backend, name)
+            if name in ("decode", "write_kv"):
+                return lambda *a, **kw: (calls.append(name), attr(*a, **kw))[1]
+            return attr
+
+    stand_in = AttentionPaths(paths.pool, AttentionStandIn(Recording()), paths.workspace_tokens,
+                              paths.num_qo_heads, paths.sm_scale, paths.device)
+    req = Request("r", list(range(3, 13)), SamplingParams(max_tokens=1), page_ids=[0, 1, 2])
+    req.kv_len = 9  # the step writes token 9 and attends over 10
+    got = ModelRunner(eng.runner.model, stand_in, paths.device).decode_logits([req], use_graphs=False)
+    layers = len(paths.pool.layers)
+    assert calls == ["write_kv"] * layers
+    real = eng.runner.decode_logits([req], use_graphs=False)
+    assert got.shape == real.shape and torch.isfinite(got).all() and not torch.allclose(got, real)
 
 
 def test_an_older_json_with_only_the_eager_attention_shows_no_rest(tmp_path):

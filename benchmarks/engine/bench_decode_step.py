@@ -219,6 +219,24 @@ def attention_times(paths, batch: int, seq_len: int, pages_per_seq: int, width: 
     return {"attention_graph_ms": _time_ms(replay, n), "attention_eager_ms": _time_ms(loop(exact), n)}
 
 
+def no_attention_times(model, paths, device: torch.device, reqs: list, max_width: int, iters: int) -> dict:
+    """The same step with its decode attention replaced by one small kernel (``AttentionStandIn``), under CUDA
+    graphs as the step runs: ``no_attention_ms`` alone and ``no_attention_back_to_back_ms`` queued back to back.
+    The rest of the step measured directly, not as the difference of two large figures."""
+    from benchmarks.engine.attention_stand_in import AttentionStandIn
+    from engine.attention_paths import AttentionPaths
+    from engine.decode_graphs import DecodeGraphRunner
+    from engine.model_runner import ModelRunner
+
+    stand_in = AttentionPaths(paths.pool, AttentionStandIn(paths.backend), paths.workspace_tokens,
+                              paths.num_qo_heads, paths.sm_scale, device)
+    runner = ModelRunner(model, stand_in, device, DecodeGraphRunner(model, stand_in, device, max(len(reqs), 1),
+                                                                    max_width, True))
+    runner.decode_logits(reqs)  # captures
+    return {"no_attention_ms": _time_ms(lambda: runner.decode_logits(reqs), iters),
+            "no_attention_back_to_back_ms": _time_ms(lambda: runner.decode_logits(reqs), 3, calls=iters)}
+
+
 def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, device: torch.device,
               profile: bool = False, block_select: bool = False) -> dict:
     from engine.attention_paths import AttentionPaths
@@ -266,6 +284,7 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     out["attention_tb_s"] = kv_bytes / (out["attention_graph_ms"] * 1e-3) / 1e12
     out["tok_s"] = batch / (out["graph_ms"] * 1e-3)
     out["non_attention_ms"] = out["graph_ms"] - out["attention_graph_ms"]
+    out.update(no_attention_times(model, paths, device, reqs, graphs.max_width, iters))
     out["weight_gb"] = weight_bytes_per_step(model, batch) / 1e9
     if profile:
         out.update(step_profile(lambda: runner.decode_logits(reqs),
