@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLANNING = re.compile(
     r"\bissue\s*#?\d+|\bthe issue\b|\bissue's|done[- ]when|\bthe seed's\b|shared/DESIGN", re.IGNORECASE)
 FIRST_COMMANDS = ('pip install torch==2.13.0 && pip install -e . && nvfp4-serve up',
-                  'pip install torch==2.13.0 && pip install -e ".[test]" && python3 -m pytest -q tests')
+                  'pip install torch==2.13.0 && pip install -e ".[test]" && python3 -m pytest -q -n 2 --dist loadfile tests')
 
 
 def user_docs() -> list[Path]:
