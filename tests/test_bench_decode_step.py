@@ -76,6 +76,28 @@ def test_the_step_without_attention_is_its_own_column_against_the_floor(tmp_path
     assert "| 1 x 32768 | nvfp4 | 7.84 | 6.80 | 4.55 | 1.28x | 4.26 | 1.20x | 147 |" in md
 
 
+def test_rows_measured_only_without_attention_say_so_and_show_that_step_against_the_floor(tmp_path, capsys):
+    from benchmarks.engine.decode_step_report import print_table
+
+    row = {"kv_dtype": "fp8_e4m3", "batch": 44, "seq_len": 32768, "weight_gb": 15.1, "non_attention_floor_ms": 3.55,
+           "no_attention_ms": 4.90, "no_attention_back_to_back_ms": 4.62}
+    md = _render([row], tmp_path)
+    assert "| 44 x 32768 | fp8_e4m3 | only the step without attention measured" in md
+    assert "| 44 x 32768 | fp8_e4m3 | - | - | - | - | 4.62 | 1.30x | - |" in md
+    print_table([row], 36)
+    assert "without attention, back to back: 4.62 ms, 1.30x the floor" in capsys.readouterr().out
+
+
+def test_only_without_attention_refuses_profile():
+    import pytest
+
+    from benchmarks.engine.bench_decode_step import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--only-without-attention", "--profile"])
+    assert e.value.code == 2
+
+
 def test_the_stand_in_runs_every_kernel_of_the_step_but_the_decode_attention(tiny_model_dir):
     """The step through AttentionStandIn writes each layer's K/V as the real step does, never calls the
     backend's decode, and (its attention output being zeros) gives other logits than the real step."""

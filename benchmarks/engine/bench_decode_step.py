@@ -238,7 +238,10 @@ def no_attention_times(model, paths, device: torch.device, reqs: list, max_width
 
 
 def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, device: torch.device,
-              profile: bool = False, block_select: bool = False) -> dict:
+              profile: bool = False, block_select: bool = False, only_without_attention: bool = False) -> dict:
+    """One row: the step (graph, back to back, eager), its attention alone and the step without attention; with
+    ``only_without_attention`` the last alone (no attention kernel is planned or compiled: FlashInfer stays
+    unloaded for bf16/fp8)."""
     from engine.attention_paths import AttentionPaths
     from engine.decode_graphs import DecodeGraphRunner, max_width_pages, width_bucket
     from engine.kv_pool import KVPool
@@ -262,15 +265,19 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     fill_pool_random(pool)
     backend = TritonBlockSelectBackend() if block_select else TritonBackend()
     paths = AttentionPaths(pool, backend, PAGE, cfg.num_attention_heads, cfg.head_dim ** -0.5, device)
-    graphs = DecodeGraphRunner(model, paths, device, max(batch, 1), max_width_pages(seq_len + 64, PAGE), True)
-    runner = ModelRunner(model, paths, device, graphs)
+    width = max_width_pages(seq_len + 64, PAGE)
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     reqs = []
     for i in range(batch):
         r = Request(f"r{i}", [1] * seq_len, sp, page_ids=list(range(i * pages_per_seq, (i + 1) * pages_per_seq)))
         r.kv_len = seq_len - 1  # the step writes token seq_len-1 and attends over seq_len tokens
         reqs.append(r)
-    out = {"kv_dtype": kv_dtype, "batch": batch, "seq_len": seq_len, "pool_gib": pool_bytes / 2**30}
+    out = {"kv_dtype": kv_dtype, "batch": batch, "seq_len": seq_len, "pool_gib": pool_bytes / 2**30,
+           "weight_gb": weight_bytes_per_step(model, batch) / 1e9}
+    if only_without_attention:
+        return {**out, **no_attention_times(model, paths, device, reqs, width, iters)}
+    graphs = DecodeGraphRunner(model, paths, device, max(batch, 1), width, True)
+    runner = ModelRunner(model, paths, device, graphs)
     t0 = time.perf_counter()
     runner.decode_logits(reqs)  # captures the graph of this bucket
     out["capture_s"] = time.perf_counter() - t0
@@ -284,8 +291,7 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     out["attention_tb_s"] = kv_bytes / (out["attention_graph_ms"] * 1e-3) / 1e12
     out["tok_s"] = batch / (out["graph_ms"] * 1e-3)
     out["non_attention_ms"] = out["graph_ms"] - out["attention_graph_ms"]
-    out.update(no_attention_times(model, paths, device, reqs, graphs.max_width, iters))
-    out["weight_gb"] = weight_bytes_per_step(model, batch) / 1e9
+    out.update(no_attention_times(model, paths, device, reqs, width, iters))
     if profile:
         out.update(step_profile(lambda: runner.decode_logits(reqs),
                                 lambda: runner.decode_logits(reqs, use_graphs=False), out["graph_ms"], out["eager_ms"]))
@@ -303,7 +309,8 @@ def _measure(a: argparse.Namespace, model, cfg, dev: torch.device, bw: float) ->
         for (b, l), dt, pdl in itertools.product(a.shapes, a.kv_dtypes, a.pdl_modes):
             programmatic_launch.set_enabled(pdl == "on")  # the graphs of run_shape are captured under it
             try:
-                row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile, a.block_select)
+                row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile, a.block_select,
+                                a.only_without_attention)
             except Exception as e:  # noqa: BLE001 - recorded, the other shapes go on
                 traceback.print_exc()
                 row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
@@ -344,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also profile each shape's graph replay (torch profiler): top kernels, kernel time per "
                         "category and the launch gaps (graph step - kernel sum)")
+    p.add_argument("--only-without-attention", action="store_true",
+                   help="time only the step with its decode attention replaced by one small kernel (the rest of the "
+                        "step, directly): no attention kernel is compiled, a quick check of the non-attention work")
     p.add_argument("--out", default="docs/benchmarks/engine_decode.json")
     p.add_argument("--md", default=None, help="also write the table as markdown here")
     p.add_argument("--render", default=None, metavar="JSON", help="only render --md from an earlier JSON")
@@ -354,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--kv-rotations: each once, none (if given) first")
     if len(set(a.pdl_modes)) != len(a.pdl_modes):
         p.error("--pdl-modes: each once")
+    if a.only_without_attention and a.profile:
+        p.error("--profile profiles the whole step, which --only-without-attention does not run")
     if a.render:
         with open(a.render) as f:
             doc = json.load(f)
@@ -373,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, a.layers)
     doc = {"gpu": torch.cuda.get_device_name(dev), "copy_tb_s": bw, "layers": a.layers, "fused_ops": not a.no_fused,
            "block_select": a.block_select, "kv_rotations": a.kv_rotations,
-           "pdl_modes": a.pdl_modes,
+           "pdl_modes": a.pdl_modes, "only_without_attention": a.only_without_attention,
            "model": "Qwen3-8B-shaped, random bf16 weights", "command": " ".join(["python -m benchmarks.engine.bench_decode_step", *sys.argv[1:]]), "rows": rows}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)

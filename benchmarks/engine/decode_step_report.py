@@ -49,6 +49,9 @@ def write_md(doc: dict, path: str) -> None:
         if "error" in r:
             lines.append(f"| {shape} | {_kv(r)} | {r['error']} | | | | | | | | | |")
             continue
+        if "graph_ms" not in r:
+            lines.append(f"| {shape} | {_kv(r)} | {_ONLY_WITHOUT} | | | | | | | | | |")
+            continue
         c = _cells(r, fp8.get(_fp8_key(r)))
         lines.append(f"| {shape} | {_kv(r)} | {c['graph']} | {c['eager']} | {c['attn']} | {c['attn_eager']} | "
                      f"{c['tb_s']} | {c['rest']} | {c['floor']} | {c['over']} | {c['tok_s']} | {c['vs_fp8']} |")
@@ -60,6 +63,9 @@ def write_md(doc: dict, path: str) -> None:
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
+
+
+_ONLY_WITHOUT = "only the step without attention measured (--only-without-attention)"
 
 
 def _kv(r: dict) -> str:
@@ -93,7 +99,8 @@ def _fp8_key(r: dict) -> tuple:
 def _back_to_back_lines(rows: list[dict]) -> list[str]:
     """Each row's step alone (synchronised: the host's staging before the replay leaves the GPU idle) against the
     same step queued back to back (each staged while the last one runs, as overlap scheduling serves them)."""
-    rows = [r for r in rows if r.get("back_to_back_ms") is not None and r.get("attention_graph_ms") is not None]
+    rows = [r for r in rows if r.get("back_to_back_ms") is not None and r.get("attention_graph_ms") is not None
+            or r.get("no_attention_back_to_back_ms") is not None]
     if not rows:
         return []
     out = ["", "### Steps back to back (as overlap scheduling serves them)", "",
@@ -107,11 +114,12 @@ def _back_to_back_lines(rows: list[dict]) -> list[str]:
             "| without attention / floor | tok/s |"),
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        b2b, floor = r["back_to_back_ms"], r.get("non_attention_floor_ms")
-        rest, direct = b2b - r["attention_graph_ms"], r.get("no_attention_back_to_back_ms")
-        out.append(f"| {r['batch']} x {r['seq_len']} | {_kv(r)} | {r['graph_ms']:.2f} | {b2b:.2f} | {rest:.2f} | "
-                   f"{_over(rest, floor)} | {_ms(direct)} | {_over(direct, floor)} | "
-                   f"{r['batch'] / (b2b * 1e-3):.0f} |")
+        b2b, floor = r.get("back_to_back_ms"), r.get("non_attention_floor_ms")
+        rest = None if b2b is None or r.get("attention_graph_ms") is None else b2b - r["attention_graph_ms"]
+        direct = r.get("no_attention_back_to_back_ms")
+        tok_s = "-" if b2b is None else f"{r['batch'] / (b2b * 1e-3):.0f}"
+        out.append(f"| {r['batch']} x {r['seq_len']} | {_kv(r)} | {_ms(r.get('graph_ms'))} | {_ms(b2b)} | "
+                   f"{_ms(rest)} | {_over(rest, floor)} | {_ms(direct)} | {_over(direct, floor)} | {tok_s} |")
     return out
 
 
@@ -211,6 +219,11 @@ def print_table(rows: list[dict], layers: int) -> None:
         shape = f"{r['batch']}x{r['seq_len']}"
         if "error" in r:
             print(f"{shape:>12} {_kv(r):>9}  {r['error']}")
+            continue
+        if "graph_ms" not in r:
+            direct, floor = r.get("no_attention_back_to_back_ms"), r.get("non_attention_floor_ms")
+            print(f"{shape:>12} {_kv(r):>9}  without attention, back to back: {_ms(direct)} ms, "
+                  f"{_over(direct, floor)} the floor")
             continue
         c = _cells(r, fp8.get(_fp8_key(r)))
         keys = ("graph", "eager", "attn", "attn_eager", "tb_s", "rest", "floor", "over", "tok_s", "vs_fp8")
