@@ -29,7 +29,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import sys
 import threading
 import time
@@ -40,18 +39,12 @@ from nvfp4_serve.supervisor import RESTART_POLICIES, Child, stop_all, supervise
 from nvfp4_serve.supervisor import spawn as _spawn
 from svc_common.cli_help import HelpFormatter, add_version
 from svc_common.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
+from svc_common.free_port import free_port
 from svc_common.kv_transfer import TRANSFER_MODES
 from svc_common.model_source import hub_id_of
 from svc_common.preflight import check_device, prepare_engine_args
 from svc_common.service_auth import API_KEY_ENV, SERVICE_TOKEN_ENV
 from svc_common.tls import TLSConfig, add_tls_args, check_handshake, tls_argv, tls_from_args
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
 
 SHARED_GPU_DECODE_INTERVAL_MS = 26.0  # the step starts 26 ms apart; a step that waits behind a prefill kernel adds ~15 ms: p99 under 40 ms
 

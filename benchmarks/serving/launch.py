@@ -17,23 +17,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from svc_common.free_port import free_port
+
 _READY = re.compile(r"nvfp4-serve ready: (\S+)")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launcher_command(args: list[str]) -> list[str]:
     """``python -m nvfp4_serve.cli up ARGS``, with ``--port`` set to a free one unless ARGS give it."""
     args = list(args)
     if not any(a == "--port" or a.startswith("--port=") for a in args):
-        args += ["--port", str(_free_port())]
+        args += ["--port", str(free_port())]
     return [sys.executable, "-m", "nvfp4_serve.cli", "up", *args]
 
 
