@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; tma_probe, tma_sanitize, one_user, itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big, transfer_thread are on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; tma_probe, tma_sanitize, one_user, engine_direct, itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big, transfer_thread are on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -56,6 +56,11 @@ ENGINE_SHAPES=${ENGINE_SHAPES:-"1x32768 16x32768 44x32768 48x32768 84x32768 10x1
 # (ENGINE_ARGS adds flags, e.g. "--pdl-modes on off": each shape with and without programmatic dependent launch)
 stage engine ${ENGINE_TIMEOUT_S:-400} python3 -m benchmarks.engine.bench_decode_step --shapes $ENGINE_SHAPES --iters 8 \
   --profile ${ENGINE_ARGS:-} --out docs/benchmarks/engine_decode.json --md docs/benchmarks/engine_decode.md
+# the rest of the step alone, each layer's decode attention replaced by one small kernel: nothing of FlashInfer is
+# compiled, so it is the quick check of the non-attention work (about a minute), with and without PDL
+stage engine_direct 300 python3 -m benchmarks.engine.bench_decode_step --only-without-attention \
+  --shapes ${DIRECT_SHAPES:-1x32768 16x32768 44x32768} --iters 8 --pdl-modes on off \
+  --out docs/benchmarks/engine_decode_direct.json --md docs/benchmarks/engine_decode_direct.md
 # the same shapes with the decoder's PyTorch ops instead of the fused kernels (the before/after of the same run)
 stage engine_nofused 400 python3 -m benchmarks.engine.bench_decode_step --shapes $ENGINE_SHAPES --iters 8 --no-fused \
   --out docs/benchmarks/engine_decode_nofused.json --md docs/benchmarks/engine_decode_nofused.md
