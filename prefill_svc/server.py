@@ -12,7 +12,7 @@ from nvfp4_serve_proto import prefill_pb2
 from prefill_svc.config import SENDER_PROCESS, PrefillConfig, sender_of
 from prefill_svc.servicer import PrefillServicer, add_to_server
 from prefill_svc.worker import PrefillWorker
-from svc_common.grpc_server import build_server, start_and_wait
+from svc_common.grpc_server import build_server, check_port, start_and_wait
 from svc_common.host_malloc import keep_freed_blocks
 from svc_common.kv_transfer_ipc import pool_view
 from svc_common.metrics import ServiceMetrics
@@ -48,6 +48,7 @@ async def _serve_behind_sender(config: PrefillConfig, worker: PrefillWorker, loo
                                metrics: ServiceMetrics) -> None:
     from prefill_svc.sender_process import EngineSocket, SenderProcess, SenderSpec
 
+    check_port(config.host, config.port)  # the sender process binds it: a taken port is one line here, not its traceback
     socket = EngineSocket()
     internal = TLSConfig(service_token=config.tls.service_token)  # the Unix link: the token, no certificates
     server = build_server(config.max_message_bytes, internal)

@@ -171,9 +171,16 @@ def _add_reflection_v1(server: grpc.aio.Server, names: Sequence[str]) -> None:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def check_port(host: str, port: int) -> None:
+    """StartupError (one line naming the flag) where ``host:port`` cannot be listened on: checked with a plain
+    socket before gRPC binds, so a taken port is one clear line rather than gRPC's own log of the failed bind.
+    Port 0 (any free one) passes."""
+    taken = _taken(host, port)
+    if taken:
+        raise StartupError(f"cannot listen on {host}:{port}: {taken}; pass another --port (0 picks a free one)")
+
+
 def _taken(host: str, port: int) -> str:
-    """Why ``host:port`` cannot be listened on ("" when it can, or when only gRPC can tell): checked with a plain
-    socket first, so a taken port is one clear line rather than gRPC's own log of the failed bind."""
     if port == 0:
         return ""
     try:
@@ -190,9 +197,7 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None = 
     """Bind a port (0 picks a free one), secure when ``tls`` is enabled; returns the bound port."""
     tls = tls or TLSConfig()
     address = f"{host}:{port}"
-    taken = _taken(host, port)
-    if taken:
-        raise StartupError(f"cannot listen on {address}: {taken}; pass another --port (0 picks a free one)")
+    check_port(host, port)
     try:
         bound = server.add_secure_port(address, tls.server_credentials()) if tls.enabled else \
             server.add_insecure_port(address)

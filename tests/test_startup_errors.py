@@ -274,8 +274,9 @@ def test_prepare_engine_args_resolves_the_model_in_place(tiny_model_dir):
     assert Path(a.model, "config.json").is_file() and Path(a.model).name == "default"
 
 
-@pytest.mark.parametrize("service", ["prefill", "decode"])
-def test_a_port_another_process_listens_on_is_one_line_not_a_shared_port(tiny_model_dir, capsys, service):
+@pytest.mark.parametrize("service,extra", [("prefill", ()), ("prefill", ("--kv-sender", "process")),
+                                           ("decode", ())])
+def test_a_port_another_process_listens_on_is_one_line_not_a_shared_port(tiny_model_dir, capsys, service, extra):
     """gRPC would otherwise bind beside the other listener (SO_REUSEPORT) and take half of its connections."""
     import socket
     import threading
@@ -285,7 +286,7 @@ def test_a_port_another_process_listens_on_is_one_line_not_a_shared_port(tiny_mo
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
-        line = service_error(service, "--model", tiny_model_dir, "--device", "cpu", "--port", str(port),
+        line = service_error(service, "--model", tiny_model_dir, "--device", "cpu", "--port", str(port), *extra,
                              capsys=capsys, code=1)
     assert f"cannot listen on 127.0.0.1:{port}: the port is taken" in line and "--port" in line
     left = [t.name for t in threading.enumerate() if t.ident not in before and "_poll_wrapper" not in t.name]
