@@ -5,8 +5,10 @@ Used by tests/test_soak.py."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -33,7 +35,9 @@ class SoakPlan:
     chaos: tuple[tuple[float, str], ...] = ((0.2, "prefill"), (0.45, "decode-1"), (0.7, "prefill"))
     transfer_delay_s: float = 0.03  # prefill: before each KV page message (a transfer spans several)
     num_probes: int = 6  # the last requests go out once every worker is healthy again, all at once (plain)
-    max_attempts: int = 8  # client retries of 429/5xx (honouring Retry-After)
+    # clients retry 429/5xx (honouring Retry-After) for up to this long after their first attempt: a killed
+    # service's restart takes a process start, tens of seconds on a loaded 2-core machine
+    retry_window_s: float = 90.0
     page_size: int = 4
 
     @classmethod
@@ -179,8 +183,8 @@ async def run_job(client: httpx.AsyncClient, job: Job, plan: SoakPlan, model: st
         if resp.status_code == 200:
             return Outcome("completed", resp.json()["choices"][0]["text"], 200, 1)
         return Outcome("failed", "", resp.status_code, 1, resp.text)
-    last = Outcome("failed")
-    for attempt in range(1, plan.max_attempts + 1):
+    last, deadline = Outcome("failed"), time.monotonic() + plan.retry_window_s
+    for attempt in itertools.count(1):
         if job.kind == "stream":
             status, text, err, wait = await _stream_once(client, body, None)
         else:
@@ -190,7 +194,7 @@ async def run_job(client: httpx.AsyncClient, job: Job, plan: SoakPlan, model: st
         if status == 200:
             return Outcome("completed", text, 200, attempt)
         last = Outcome("failed", "", status, attempt, err)
-        if status not in RETRY_STATUSES:
+        if status not in RETRY_STATUSES or time.monotonic() + wait > deadline:
             return last
         await asyncio.sleep(wait)
     return last
