@@ -20,10 +20,12 @@ for m, n, k, bn, bk, sk in [(1, 96, 512, 32, 128, 1), (5, 80, 384, 32, 128, 2), 
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     worst = max(worst, float(((y.float() - ref).abs() / (ref.abs() + 1)).max()))
 assert worst < 2 ** -7, worst  # one bf16 rounding of the output
-for bad in ((torch.zeros(65, 64), torch.zeros(8, 64)), (torch.zeros(2, 64), torch.zeros(8, 32))):
+x, w = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16)
+for bad_x, bad_w, kw in ((torch.zeros(65, 64), w, {}), (x, torch.zeros(8, 32), {}), (x, w, {"block_n": 24}),
+                         (x, w, {"split_k": 0}), (x, w, {"block_k": 32, "prefetch": 1})):
     try:
-        skinny_linear(bad[0].to(torch.bfloat16), bad[1].to(torch.bfloat16))
-        raise SystemExit("accepted a bad shape")
+        skinny_linear(bad_x.to(torch.bfloat16), bad_w.to(torch.bfloat16), **kw)
+        raise SystemExit(f"accepted {kw or 'a bad shape'}")
     except ValueError:
         pass
 print("ok", worst)

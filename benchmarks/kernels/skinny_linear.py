@@ -75,6 +75,11 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: 
         raise ValueError(f"x [M, K] and w [N, K] with unit column strides, got {tuple(x.shape)} and {tuple(w.shape)}")
     if not 1 <= m <= 64:
         raise ValueError(f"skinny_linear takes 1..64 rows, got {m}")
+    if any(b < 16 or b & (b - 1) for b in (block_n, block_k)) or split_k < 1 or prefetch < 0:
+        raise ValueError(f"block_n and block_k are powers of two >= 16, split_k >= 1, prefetch >= 0 (got {block_n}, "
+                         f"{block_k}, {split_k}, {prefetch})")
+    if prefetch and block_k < 64:
+        raise ValueError(f"prefetch sends 128-byte lines: block_k must be >= 64, got {block_k}")
     block_m = max(16, triton.next_power_of_2(m))
     y = (torch.empty if split_k == 1 else torch.zeros)((m, n), dtype=x.dtype if split_k == 1 else torch.float32,
                                                        device=x.device)
