@@ -183,7 +183,7 @@ async def run_job(client: httpx.AsyncClient, job: Job, plan: SoakPlan, model: st
         if resp.status_code == 200:
             return Outcome("completed", resp.json()["choices"][0]["text"], 200, 1)
         return Outcome("failed", "", resp.status_code, 1, resp.text)
-    last, deadline = Outcome("failed"), time.monotonic() + plan.retry_window_s
+    deadline = time.monotonic() + plan.retry_window_s
     for attempt in itertools.count(1):
         if job.kind == "stream":
             status, text, err, wait = await _stream_once(client, body, None)
@@ -197,4 +197,3 @@ async def run_job(client: httpx.AsyncClient, job: Job, plan: SoakPlan, model: st
         if status not in RETRY_STATUSES or time.monotonic() + wait > deadline:
             return last
         await asyncio.sleep(wait)
-    return last

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from svc_common.free_port import _SPAN, ephemeral_low, free_port
 
 
@@ -46,5 +48,6 @@ def test_the_kernels_range_is_read_and_an_unknown_one_falls_back_to_port_zero(tm
 
 def test_on_linux_the_default_draw_avoids_the_ephemeral_range():
     low = ephemeral_low()
-    if low is not None and low > 1024:
-        assert all(max(1024, low - _SPAN) <= free_port() < low for _ in range(20))
+    if low is None or low <= 1024:
+        pytest.skip("this machine names no ephemeral range with room below it")
+    assert all(max(1024, low - _SPAN) <= free_port() < low for _ in range(20))

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from nvfp4_kernels.triton.pdl import pdl_enter
 
 
 @triton.jit
@@ -43,9 +44,7 @@ def skinny_linear_kernel(X, W, Y, M, N, K, k_span, stride_xm, stride_wn, stride_
         kl = k_lo + j * BLOCK_K + rl
         _prefetch_l2(W + rn[:, None] * stride_wn + kl[None, :],
                      (rn[:, None] < N) & (kl[None, :] < K) & (kl[None, :] < k_lo + k_span))
-    if PDL:  # x is the kernel ahead's output
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # x is the kernel ahead's output
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i in range(0, k_span, BLOCK_K):
         k = k_lo + i
