@@ -214,11 +214,13 @@ class EngineConfig:
         "decode eagerly on CUDA (default: decode batches up to --cuda-graph-max-bs replay CUDA graphs)"))
     cuda_graph_max_bs: int = field(default=256, metadata=flag(
         "largest decode batch run under a CUDA graph; larger batches run eagerly"))
-    # The decoder's RMSNorms (with the residual adds), SiLU-and-multiply and q/k norm + RoPE as fused Triton
-    # kernels on CUDA (nvfp4_kernels/model_ops.py); the switch keeps the PyTorch ops, for comparisons.
+    # The decoder's RMSNorms (with the residual adds), SiLU-and-multiply, q/k norm + RoPE and a decode step's
+    # projections as Triton kernels on CUDA (nvfp4_kernels/fused_ops.py); the switch keeps the PyTorch ops and
+    # cuBLAS, for comparisons.
     disable_fused_ops: bool = field(default=False, metadata=flag(
-        "run RMSNorm, SiLU-and-multiply and q/k norm + RoPE as PyTorch ops on CUDA too (default: fused Triton "
-        "kernels on CUDA; CPU always uses the PyTorch ops)"))
+        "run RMSNorm, SiLU-and-multiply, q/k norm + RoPE and every projection as PyTorch ops (cuBLAS) on CUDA too "
+        "(default: fused Triton kernels on CUDA, and a Triton linear for the projections of decode batches up to "
+        "64 rows on SM90+ GPUs; CPU always uses the PyTorch ops)"))
     # Programmatic dependent launch of the step's small kernels on SM90+ (nvfp4_kernels/programmatic_launch.py):
     # a kernel's launch overlaps the tail of the one before it. Process-wide; the switch is for comparisons.
     disable_pdl: bool = field(default=False, metadata=flag(

@@ -13,9 +13,10 @@ Query head h attends with KV head ``h // num_q_per_kv`` (HF ``repeat_kv`` groupi
 
 Parameters are fused where the math allows (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``);
 ``checkpoint_targets`` maps each HF tensor name to the rows of the fused parameter it fills.
-The norms, SiLU-and-multiply and q/k norm + RoPE go through a ``nvfp4_kernels.model_ops.ModelOps`` chosen per
-forward by the device of the hidden states: fused Triton kernels on CUDA (unless ``fused_ops=False``), the
-PyTorch reference elsewhere. The residual stream is carried beside the hidden states so that each residual
+The norms, SiLU-and-multiply, q/k norm + RoPE and the layers' projections go through a
+``nvfp4_kernels.model_ops.ModelOps`` chosen per forward by the device of the hidden states: fused Triton kernels
+on CUDA (unless ``fused_ops=False``; a projection of a decode step's few rows through the skinny linear where
+``fused_ops.skinny_applies``, else cuBLAS), the PyTorch reference elsewhere. The residual stream is carried beside the hidden states so that each residual
 add is fused into the RMSNorm after it (same bf16 roundings as adding first).
 Weights are allocated uninitialised: use ``engine.loader.load_model`` to get a usable model.
 """
@@ -48,8 +49,8 @@ class Linear(nn.Module):
         self.weight = _param((out_features, in_features), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -93,12 +94,12 @@ class Attention(nn.Module):
         q_w = None if self.q_norm is None else self.q_norm.weight
         k_w = None if self.k_norm is None else self.k_norm.weight
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        q, k, v = ops.qk_norm_rope(self.qkv_proj(x), positions, cos, sin, q_w, k_w, eps, self.num_heads,
+        q, k, v = ops.qk_norm_rope(self.qkv_proj(x, ops), positions, cos, sin, q_w, k_w, eps, self.num_heads,
                                    self.num_kv_heads, self.kv_rotation)
         o = attn(layer_id, q, k, v)
         if o.shape != q.shape:
             raise ValueError(f"attention function returned shape {tuple(o.shape)}, expected {tuple(q.shape)}")
-        return self.o_proj(o.reshape(num_tokens, self.q_size))
+        return self.o_proj(o.reshape(num_tokens, self.q_size), ops)
 
 
 class MLP(nn.Module):
@@ -111,7 +112,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x, ops)), ops)
 
 
 class DecoderLayer(nn.Module):

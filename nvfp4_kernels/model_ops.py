@@ -1,6 +1,6 @@
-"""The decoder layer's elementwise and norm ops (everything but the matmuls and attention), by device.
+"""The decoder layer's ops (everything but attention and the logits), by device.
 
-``ModelOps`` names the four ops ``engine.model`` calls; ``REFERENCE_OPS`` is their pure-PyTorch form, the
+``ModelOps`` names the five ops ``engine.model`` calls; ``REFERENCE_OPS`` is their pure-PyTorch form, the
 numerics the model always had (HF order: normalise in fp32, round, times the weight) and the CPU path;
 ``nvfp4_kernels.op_select.model_ops(device, fused)`` picks between them and the fused Triton kernels
 (nvfp4_kernels/fused_ops.py), which take this module's types. Shapes (T tokens, model dtype throughout):
@@ -11,6 +11,7 @@ numerics the model always had (HF order: normalise in fp32, round, times the wei
     qk_norm_rope(qkv [T, (Hq + 2Hk) D], positions [T], cos, sin [P, D/2] fp32, q_w, k_w [D] | None, eps, Hq, Hk)
         -> q [T, Hq, D], k [T, Hk, D] (per-head RMSNorm when q_w/k_w are given, then neox RoPE), v [T, Hk, D]
         ``rotation`` (a ``HeadRotation``, --kv-rotation): q, k and v then leave rotated, each head ``x @ R``
+    linear(x [T, K], w [N, K], b [N] | None) -> x w^T + b [T, N]     (the projections)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class ModelOps(NamedTuple):
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,4 +107,4 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     return rotate_heads(q, rotation), rotate_heads(k, rotation), rotate_heads(v, rotation)
 
 
-REFERENCE_OPS = ModelOps("reference", rms_norm, add_rms_norm, silu_mul, qk_norm_rope)
+REFERENCE_OPS = ModelOps("reference", rms_norm, add_rms_norm, silu_mul, qk_norm_rope, F.linear)

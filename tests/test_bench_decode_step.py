@@ -88,14 +88,30 @@ def test_rows_measured_only_without_attention_say_so_and_show_that_step_against_
     assert "without attention, back to back: 4.62 ms, 1.30x the floor" in capsys.readouterr().out
 
 
-def test_only_without_attention_refuses_profile():
-    import pytest
+def test_a_profiled_step_without_attention_is_set_against_its_own_time(tmp_path):
+    cats = {"gemm": 5.7, "attention": 0.0, "kv_write": 0.07, "norm_rope_act": 0.31, "other": 0.07}
+    cats["total"] = sum(cats.values())
+    row = {"kv_dtype": "nvfp4", "batch": 44, "seq_len": 32768, "weight_gb": 15.1, "non_attention_floor_ms": 5.0,
+           "no_attention_ms": 6.9, "no_attention_back_to_back_ms": 6.6, "no_attention_eager_ms": 30.1,
+           "kernel_ms": cats, "kernels_from": "graph", "launch_gaps_ms": 6.9 - cats["total"],
+           "kernels": [{"kernel": "rmsnorm_kernel", "us": 166.0, "launches": 73}], "profiled": "step without attention"}
+    md = _render([row], tmp_path)
+    assert "| 44 x 32768 | nvfp4 | 6.90 (without attention) | 5.70 | 0.00 | 0.07 | 0.31 | 0.07 | 6.15 | 0.75 |" in md
+    assert "### Kernels of one step without attention: 44 x 32768, nvfp4 (torch profiler, CUDA graph replay)" in md
+    row["kernels_from"] = "eager"
+    assert "| 30.10 (eager, without attention) |" in _render([row], tmp_path)
 
-    from benchmarks.engine.bench_decode_step import main
 
-    with pytest.raises(SystemExit) as e:
-        main(["--only-without-attention", "--profile"])
-    assert e.value.code == 2
+def test_the_compact_pool_of_the_step_without_attention_owns_the_pages_the_step_writes():
+    from benchmarks.engine.bench_decode_step import row_pages
+
+    for seq_len in (1, 15, 16, 17, 32768, 32769):
+        full_first, full = row_pages(seq_len, 16, compact=False)
+        assert full_first == 0 and full * 16 >= seq_len + 1
+        first, own = row_pages(seq_len, 16, compact=True)
+        assert first + own == full  # the table keeps its width
+        assert first * 16 <= seq_len - 1 < (first + own) * 16  # the written token's page is owned
+        assert own <= 2
 
 
 def test_the_stand_in_runs_every_kernel_of_the_step_but_the_decode_attention(tiny_model_dir):
@@ -180,3 +196,23 @@ def test_same_run_pairs_differ_in_one_setting_and_vs_fp8_keeps_the_pdl_mode(tmp_
 def test_a_gpu_without_pdl_labels_the_rows_asked_for_with_it(tmp_path):
     md = _render([_row(attention_graph_ms=2.25, pdl=True, pdl_launched=False)], tmp_path)
     assert "| 1 x 32768 | nvfp4, PDL n/a | 7.84 |" in md
+
+
+def test_rows_through_cublas_are_paired_with_the_skinny_rows_of_the_same_run(tmp_path):
+    base = {"kv_dtype": "nvfp4", "batch": 16, "seq_len": 32768, "weight_gb": 15.1, "non_attention_floor_ms": 5.0,
+            "pdl": True, "pdl_launched": True}
+    rows = [dict(base, linear="skinny", no_attention_back_to_back_ms=6.30),
+            dict(base, linear="cublas", no_attention_back_to_back_ms=6.50)]
+    md = _render(rows, tmp_path)
+    assert "| 16 x 32768 | nvfp4 | - | - | 6.30 | 6.50 | 1.032 |" in md
+    assert "| 16 x 32768 | nvfp4, cuBLAS | - | - | - | - | 6.50 | 1.30x | - |" in md
+
+
+def test_no_fused_needs_the_cublas_linear_mode():
+    import pytest
+
+    from benchmarks.engine.bench_decode_step import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--no-fused"])
+    assert e.value.code == 2

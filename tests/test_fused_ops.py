@@ -43,18 +43,20 @@ def _unfused_forward(model, input_ids, positions, attn):
     """The decoder as engine/model.py computed it before the fused ops: separate adds, norms, rope."""
     import torch.nn.functional as F
 
+    from nvfp4_kernels.model_ops import REFERENCE_OPS
+
     h = F.embedding(input_ids, model.model.embed_tokens.weight)
     for i, layer in enumerate(model.model.layers):
         a = layer.self_attn
         x = layer.input_layernorm(h)
-        q, k, v = a.qkv_proj(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q, k, v = a.qkv_proj(x, REFERENCE_OPS).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         n = x.shape[0]
         q, k = a.q_norm(q.view(n, a.num_heads, a.head_dim)), a.k_norm(k.view(n, a.num_kv_heads, a.head_dim))
         q, k = model.rotary(positions, q, k)
         o = attn(i, q, k, v.reshape(n, a.num_kv_heads, a.head_dim).contiguous())
-        h = h + a.o_proj(o.reshape(n, a.q_size))
-        gate, up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(h)).split(layer.mlp.intermediate_size, -1)
-        h = h + layer.mlp.down_proj(F.silu(gate) * up)
+        h = h + a.o_proj(o.reshape(n, a.q_size), REFERENCE_OPS)
+        gate, up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(h), REFERENCE_OPS).split(layer.mlp.intermediate_size, -1)
+        h = h + layer.mlp.down_proj(F.silu(gate) * up, REFERENCE_OPS)
     return model.model.norm(h)
 
 

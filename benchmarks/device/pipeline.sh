@@ -59,12 +59,14 @@ ENGINE_SHAPES=${ENGINE_SHAPES:-"1x32768 16x32768 44x32768 48x32768 84x32768 10x1
 stage engine ${ENGINE_TIMEOUT_S:-400} python3 -m benchmarks.engine.bench_decode_step --shapes $ENGINE_SHAPES --iters 8 \
   --profile ${ENGINE_ARGS:-} --out docs/benchmarks/engine_decode.json --md docs/benchmarks/engine_decode.md
 # the rest of the step alone, each layer's decode attention replaced by one small kernel: nothing of FlashInfer is
-# compiled, so it is the quick check of the non-attention work (about a minute), with and without PDL
+# compiled, so it is the quick check of the non-attention work (about a minute), with and without PDL; its pool holds
+# only the pages the step writes, so every shape fits where the weights do (DIRECT_ARGS=--profile: its kernels)
 stage engine_direct 300 python3 -m benchmarks.engine.bench_decode_step --only-without-attention \
-  --shapes ${DIRECT_SHAPES:-1x32768 16x32768 44x32768} --iters 8 --pdl-modes on off \
+  --shapes ${DIRECT_SHAPES:-1x32768 16x32768 44x32768} --iters 8 --pdl-modes on off ${DIRECT_ARGS:-} \
   --out docs/benchmarks/engine_decode_direct.json --md docs/benchmarks/engine_decode_direct.md
 # the same shapes with the decoder's PyTorch ops instead of the fused kernels (the before/after of the same run)
 stage engine_nofused 400 python3 -m benchmarks.engine.bench_decode_step --shapes $ENGINE_SHAPES --iters 8 --no-fused \
+  --linear-modes cublas \
   --out docs/benchmarks/engine_decode_nofused.json --md docs/benchmarks/engine_decode_nofused.md
 # nvfp4 with the per-block scale search in its pool writes (triton-block-select): the step's cost of the search
 stage engine_blocksel 300 python3 -m benchmarks.engine.bench_decode_step --shapes 1x32768 16x32768 44x32768 --iters 8 \

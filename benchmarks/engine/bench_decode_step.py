@@ -16,7 +16,10 @@ scheduling serves them) shows what the host's staging still costs. ``--profile``
 their sum per category (GEMM, attention incl. merge, K/V write, norms + RoPE + activation, other) and the
 launch gaps, graph step - kernel sum. ``--no-fused`` runs the model's PyTorch norm/activation/RoPE ops instead
 of the fused Triton kernels (nvfp4_kernels/model_ops.py), for the before/after of the same shapes; ``--pdl-modes on
-off`` runs each shape with and without programmatic dependent launch of the step's small kernels.
+off`` runs each shape with and without programmatic dependent launch of the step's small kernels, and
+``--linear-modes skinny cublas`` with the decode projections through the skinny linear where it applies (as the
+engine runs them) and all through cuBLAS. ``--only-without-attention`` times only the step with each layer's
+attention replaced by one small kernel, over a pool of just the pages the step writes.
 
 The ratio nvfp4 / fp8 of tokens/s at the same shape is the engine-level iso-concurrency figure; the
 end-to-end figures (router, gRPC, streaming) come from ``nvfp4-serve bench experiments``.
@@ -219,10 +222,23 @@ def attention_times(paths, batch: int, seq_len: int, pages_per_seq: int, width: 
     return {"attention_graph_ms": _time_ms(replay, n), "attention_eager_ms": _time_ms(loop(exact), n)}
 
 
-def no_attention_times(model, paths, device: torch.device, reqs: list, max_width: int, iters: int) -> dict:
+def row_pages(seq_len: int, page: int, compact: bool) -> tuple[int, int]:
+    """(first owned table entry, owned pages) of a row whose step writes token ``seq_len - 1`` (the table holds
+    ``seq_len + 1`` tokens). Compact (the step without attention, where nothing reads the pool): a row owns only
+    the pages from the one its token is written to, its earlier entries name the scratch page, so every shape
+    fits wherever the weights do; otherwise every page."""
+    pages = math.ceil((seq_len + 1) / page)
+    first = (seq_len - 1) // page if compact else 0
+    return first, pages - first
+
+
+def no_attention_times(model, paths, device: torch.device, reqs: list, max_width: int, iters: int,
+                       profile: bool = False) -> dict:
     """The same step with its decode attention replaced by one small kernel (``AttentionStandIn``), under CUDA
     graphs as the step runs: ``no_attention_ms`` alone and ``no_attention_back_to_back_ms`` queued back to back.
-    The rest of the step measured directly, not as the difference of two large figures."""
+    The rest of the step measured directly, not as the difference of two large figures. With ``profile`` (only
+    asked where the whole step is not run) this step's kernels, as ``step_profile`` gives them, and its eager
+    time ``no_attention_eager_ms``."""
     from benchmarks.engine.attention_stand_in import AttentionStandIn
     from engine.attention_paths import AttentionPaths
     from engine.decode_graphs import DecodeGraphRunner
@@ -233,8 +249,15 @@ def no_attention_times(model, paths, device: torch.device, reqs: list, max_width
     runner = ModelRunner(model, stand_in, device, DecodeGraphRunner(model, stand_in, device, max(len(reqs), 1),
                                                                     max_width, True))
     runner.decode_logits(reqs)  # captures
-    return {"no_attention_ms": _time_ms(lambda: runner.decode_logits(reqs), iters),
-            "no_attention_back_to_back_ms": _time_ms(lambda: runner.decode_logits(reqs), 3, calls=iters)}
+    out = {"no_attention_ms": _time_ms(lambda: runner.decode_logits(reqs), iters),
+           "no_attention_back_to_back_ms": _time_ms(lambda: runner.decode_logits(reqs), 3, calls=iters)}
+    if profile:
+        out["no_attention_eager_ms"] = _time_ms(lambda: runner.decode_logits(reqs, use_graphs=False), 3)
+        out.update(step_profile(lambda: runner.decode_logits(reqs),
+                                lambda: runner.decode_logits(reqs, use_graphs=False), out["no_attention_ms"],
+                                out["no_attention_eager_ms"]))
+        out["profiled"] = "step without attention"
+    return out
 
 
 def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, device: torch.device,
@@ -252,7 +275,8 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     from nvfp4_kernels.kv_layout import bytes_per_token_per_layer
 
     pages_per_seq = math.ceil((seq_len + 1) / PAGE)
-    num_pages = batch * pages_per_seq
+    first_own, own_pages = row_pages(seq_len, PAGE, compact=only_without_attention)
+    num_pages = batch * own_pages
     per_token = cfg.num_hidden_layers * bytes_per_token_per_layer(kv_dtype, cfg.num_key_value_heads, cfg.head_dim)
     pool_bytes = num_pages * PAGE * per_token
     free, _ = torch.cuda.mem_get_info(device)
@@ -269,13 +293,16 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     reqs = []
     for i in range(batch):
-        r = Request(f"r{i}", [1] * seq_len, sp, page_ids=list(range(i * pages_per_seq, (i + 1) * pages_per_seq)))
+        own = list(range(i * own_pages, (i + 1) * own_pages))
+        page_ids = [pool.scratch_page] * first_own + own if first_own else own
+        r = Request(f"r{i}", [1] * seq_len, sp, page_ids=page_ids)
         r.kv_len = seq_len - 1  # the step writes token seq_len-1 and attends over seq_len tokens
         reqs.append(r)
     out = {"kv_dtype": kv_dtype, "batch": batch, "seq_len": seq_len, "pool_gib": pool_bytes / 2**30,
            "weight_gb": weight_bytes_per_step(model, batch) / 1e9}
     if only_without_attention:
-        return {**out, **no_attention_times(model, paths, device, reqs, width, iters)}
+        out["pool"] = "compact: the pages the step writes"
+        return {**out, **no_attention_times(model, paths, device, reqs, width, iters, profile)}
     graphs = DecodeGraphRunner(model, paths, device, max(batch, 1), width, True)
     runner = ModelRunner(model, paths, device, graphs)
     t0 = time.perf_counter()
@@ -306,8 +333,11 @@ def _measure(a: argparse.Namespace, model, cfg, dev: torch.device, bw: float) ->
             from engine.kv_rotation import head_rotation
 
             model.rotate_kv(head_rotation(rotation, cfg.head_dim, dev, model.dtype))
-        for (b, l), dt, pdl in itertools.product(a.shapes, a.kv_dtypes, a.pdl_modes):
+        from nvfp4_kernels import fused_ops
+
+        for (b, l), dt, pdl, lin in itertools.product(a.shapes, a.kv_dtypes, a.pdl_modes, a.linear_modes):
             programmatic_launch.set_enabled(pdl == "on")  # the graphs of run_shape are captured under it
+            fused_ops.set_skinny_linear(lin == "skinny")  # and under this
             try:
                 row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile, a.block_select,
                                 a.only_without_attention)
@@ -316,7 +346,7 @@ def _measure(a: argparse.Namespace, model, cfg, dev: torch.device, bw: float) ->
                 row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
                 torch.cuda.empty_cache()
             # pdl: the mode asked for (rows are paired by it); pdl_launched: whether this GPU launched with it
-            row.update(kv_rotation=rotation, pdl=pdl == "on",
+            row.update(kv_rotation=rotation, pdl=pdl == "on", linear=lin,
                        pdl_launched=programmatic_launch.uses_pdl(torch.empty(0, device=dev)))
             if "weight_gb" in row:
                 row["non_attention_floor_ms"] = row["weight_gb"] / bw
@@ -348,9 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pdl-modes", nargs="+", default=["on"], choices=["on", "off"],
                    help="run every shape and dtype with the step's small kernels launched with programmatic dependent "
                         "launch (on) and/or without (off), in this order, for the before/after of the same run")
+    p.add_argument("--linear-modes", nargs="+", default=["skinny"], choices=["skinny", "cublas"],
+                   help="run every shape and dtype with the decode projections through the skinny linear where it "
+                        "applies (skinny, as the engine runs them) and/or all through cuBLAS, in this order, for the "
+                        "before/after of the same run")
     p.add_argument("--profile", action="store_true",
                    help="also profile each shape's graph replay (torch profiler): top kernels, kernel time per "
-                        "category and the launch gaps (graph step - kernel sum)")
+                        "category and the launch gaps (graph step - kernel sum); with --only-without-attention, "
+                        "of the step without attention")
     p.add_argument("--only-without-attention", action="store_true",
                    help="time only the step with its decode attention replaced by one small kernel (the rest of the "
                         "step, directly): no attention kernel is compiled, a quick check of the non-attention work")
@@ -364,8 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--kv-rotations: each once, none (if given) first")
     if len(set(a.pdl_modes)) != len(a.pdl_modes):
         p.error("--pdl-modes: each once")
-    if a.only_without_attention and a.profile:
-        p.error("--profile profiles the whole step, which --only-without-attention does not run")
+    if len(set(a.linear_modes)) != len(a.linear_modes):
+        p.error("--linear-modes: each once")
+    if a.no_fused and a.linear_modes != ["cublas"]:
+        p.error("--no-fused runs every projection through cuBLAS: give --linear-modes cublas")
     if a.render:
         with open(a.render) as f:
             doc = json.load(f)
@@ -381,11 +418,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = _measure(a, model, cfg, dev, bw)
     finally:
+        from nvfp4_kernels import fused_ops
+
         programmatic_launch.set_enabled(pdl_before)
+        fused_ops.set_skinny_linear(True)
     print_table(rows, a.layers)
     doc = {"gpu": torch.cuda.get_device_name(dev), "copy_tb_s": bw, "layers": a.layers, "fused_ops": not a.no_fused,
            "block_select": a.block_select, "kv_rotations": a.kv_rotations,
-           "pdl_modes": a.pdl_modes, "only_without_attention": a.only_without_attention,
+           "pdl_modes": a.pdl_modes, "linear_modes": a.linear_modes, "only_without_attention": a.only_without_attention,
            "model": "Qwen3-8B-shaped, random bf16 weights", "command": " ".join(["python -m benchmarks.engine.bench_decode_step", *sys.argv[1:]]), "rows": rows}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)

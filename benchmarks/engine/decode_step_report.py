@@ -58,6 +58,7 @@ def write_md(doc: dict, path: str) -> None:
     lines += _back_to_back_lines(rows)
     lines += _rotation_lines(rows)
     lines += _pdl_lines(rows)
+    lines += _linear_lines(rows)
     lines += _category_lines(rows)
     lines += _kernel_lines(rows)
     with open(path, "w") as f:
@@ -69,17 +70,20 @@ _ONLY_WITHOUT = "only the step without attention measured (--only-without-attent
 
 
 def _kv(r: dict) -> str:
-    """The row's cache dtype, with its --kv-rotation where it has one, "no PDL" where run with --pdl-modes off, and
-    "PDL n/a" where asked for on a GPU that launches without it."""
+    """The row's cache dtype, with its --kv-rotation where it has one, "cuBLAS" where its projections all ran
+    through cuBLAS (--linear-modes cublas), "no PDL" where run with --pdl-modes off, and "PDL n/a" where asked for
+    on a GPU that launches without it."""
     rot = r.get("kv_rotation", "none")
     kv = r["kv_dtype"] if rot == "none" else f"{r['kv_dtype']} + {rot}"
+    if r.get("linear") == "cublas":  # --linear-modes cublas (rows before the skinny linear carry no key)
+        kv = f"{kv}, cuBLAS"
     if not r.get("pdl", True):
         return f"{kv}, no PDL"
     return kv if r.get("pdl_launched", True) else f"{kv}, PDL n/a"
 
 
 # The settings a row is measured under besides its shape and dtype, with the value rows of older JSONs had.
-_SETTINGS = {"kv_rotation": "none", "pdl": True}
+_SETTINGS = {"kv_rotation": "none", "pdl": True, "linear": "cublas"}
 
 
 def _settings(r: dict, leave_out: str = "") -> tuple:
@@ -139,6 +143,27 @@ def _pdl_lines(rows: list[dict]) -> list[str]:
                            ("with PDL", "without PDL"))
 
 
+def _linear_lines(rows: list[dict]) -> list[str]:
+    """Each step with every projection through cuBLAS against the same step with the skinny linear where it applies
+    (``--linear-modes``): the whole step where it was run, and the step without attention, back to back."""
+    def same(r: dict) -> tuple:
+        return r["kv_dtype"], r["batch"], r["seq_len"], *_settings(r, leave_out="linear")
+
+    skinny = {same(r): r for r in rows if r.get("linear") == "skinny" and "error" not in r}
+    pairs = [(r, skinny[same(r)]) for r in rows if r.get("linear") == "cublas" and same(r) in skinny]
+    if not pairs:
+        return []
+    out = ["", "### Projections: the skinny linear against cuBLAS (same run)", "",
+           ("| B x L | kv | step ms, skinny | step ms, cuBLAS | without attention ms, skinny | without attention ms, "
+            "cuBLAS | cuBLAS / skinny (without attention) |"), "|---|---|---|---|---|---|---|"]
+    for c, k in pairs:
+        a, b = k.get("no_attention_back_to_back_ms"), c.get("no_attention_back_to_back_ms")
+        ratio = "-" if a is None or b is None else f"{b / a:.3f}"
+        out.append(f"| {c['batch']} x {c['seq_len']} | {_kv(k)} | {_ms(k.get('back_to_back_ms'))} | "
+                   f"{_ms(c.get('back_to_back_ms'))} | {_ms(a)} | {_ms(b)} | {ratio} |")
+    return out
+
+
 def _same_run_lines(rows: list[dict], title: str, key: str, base, names: tuple[str, str]) -> list[str]:
     """The rows whose ``key`` is not ``base`` against the row of the same dtype, shape and other settings whose
     ``key`` is ``base`` (a missing key counts as ``base``): step and attention ms of both, and their ratio."""
@@ -188,11 +213,20 @@ def _category_lines(rows: list[dict]) -> list[str]:
            "|---|---|---|" + "---|" * (len(names) + 2)]
     for r in prof:
         cats, eager = r["kernel_ms"], r.get("kernels_from") == "eager"
-        step = f"{r['eager_ms']:.2f} (eager)" if eager else f"{r['graph_ms']:.2f}"
+        step = _profiled_step(r, eager)
         out.append(f"| {r['batch']} x {r['seq_len']} | {_kv(r)} | {step} | "
                    + " | ".join(f"{cats[c]:.2f}" for c in CATEGORY_NAMES)
                    + f" | {cats['total']:.2f} | {r['launch_gaps_ms']:.2f} |")
     return out
+
+
+def _profiled_step(r: dict, eager: bool) -> str:
+    """The step time a profiled row's kernels are set against: the whole step's, or (``profiled``) the step
+    without attention's."""
+    if r.get("profiled") == "step without attention":
+        return (f"{r['no_attention_eager_ms']:.2f} (eager, without attention)" if eager
+                else f"{r['no_attention_ms']:.2f} (without attention)")
+    return f"{r['eager_ms']:.2f} (eager)" if eager else f"{r['graph_ms']:.2f}"
 
 
 def _kernel_lines(rows: list[dict]) -> list[str]:
@@ -202,7 +236,8 @@ def _kernel_lines(rows: list[dict]) -> list[str]:
         if not r.get("kernels"):
             continue
         source = "CUDA graph replay" if r.get("kernels_from") == "graph" else "eager step"
-        title = f"### Kernels of one step: {r['batch']} x {r['seq_len']}, {_kv(r)} (torch profiler, {source})"
+        what = "one step without attention" if r.get("profiled") == "step without attention" else "one step"
+        title = f"### Kernels of {what}: {r['batch']} x {r['seq_len']}, {_kv(r)} (torch profiler, {source})"
         out += ["", title, "", "| kernel | us per step | launches per step |", "|---|---|---|"]
         out += [f"| `{k['kernel']}` | {k['us']:.1f} | {k['launches']:.0f} |" for k in r["kernels"]]
     return out

@@ -1,6 +1,7 @@
-"""Our skinny linear (``benchmarks/kernels/skinny_linear.py``) against cuBLAS (``F.linear``) on the decode step's
-projections (development probe): each checked against the fp32 product, then 36 calls in a row (one per layer)
-captured as one CUDA graph and timed, as the step replays them; TB/s = weight bytes / time per call.
+"""Our skinny linear (``nvfp4_kernels/fused_ops.py``, ``skinny_linear``) against cuBLAS (``F.linear``) on the decode step's
+projections (development probe): each checked against the fp32 product, then 36 calls in a row (one per layer,
+each on its own copy of the weight, so no call finds its weight in L2 from the call before) captured as one CUDA
+graph and timed, as the step replays them; TB/s = weight bytes / time per call.
 
     python -m benchmarks.kernels.probe_gemv [--rows 1 16 44] [--configs 32:256:1:3 ...] [--out F]
     python -m benchmarks.kernels.probe_gemv --compile-only    # no GPU: registers and spills per config, sm_90a
@@ -37,7 +38,7 @@ def compile_report(cfg: dict, rows: int = 16) -> dict:
     from triton.compiler import ASTSource
 
     from benchmarks.kernels.probe_tma import sass_report
-    from benchmarks.kernels.skinny_linear import skinny_linear_kernel
+    from nvfp4_kernels.triton.skinny_linear import skinny_linear_kernel
 
     sig = {"X": "*bf16", "W": "*bf16", "Y": "*bf16" if cfg["split_k"] == 1 else "*fp32", "M": "i32", "N": "i32",
            "K": "i32", "k_span": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
@@ -55,16 +56,16 @@ def compile_report(cfg: dict, rows: int = 16) -> dict:
 
 
 def _graph_ms(fn, calls: int = LAYERS, samples: int = 20) -> float:
-    """ms per call of ``calls`` calls of ``fn`` captured as one CUDA graph (median of ``samples`` replays)."""
+    """ms per call of ``fn(0) ... fn(calls - 1)`` captured as one CUDA graph (median of ``samples`` replays)."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
+        for i in range(2):
+            fn(i)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(i)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -81,17 +82,18 @@ def _graph_ms(fn, calls: int = LAYERS, samples: int = 20) -> float:
 def measure(rows: list[int], configs: list[str], dev: torch.device) -> list[dict]:
     import torch.nn.functional as F
 
-    from benchmarks.kernels.skinny_linear import skinny_linear
+    from nvfp4_kernels.fused_ops import SkinnyConfig, skinny_linear
 
     out = []
     for name, n, k in PROJECTIONS:
         w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+        ws = [w] + [w.clone() for _ in range(LAYERS - 1)]  # one per layer: L2 (50-60 MB) holds none of them
         wbytes = w.numel() * w.element_size()
         for m in rows:
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             ref = x.float() @ w.float().t()
             base = {"projection": name, "n": n, "k": k, "rows": m, "weight_mb": wbytes / 1e6}
-            ms = _graph_ms(lambda x=x, w=w: F.linear(x, w))
+            ms = _graph_ms(lambda i, x=x, ws=ws: F.linear(x, ws[i]))
             out.append({**base, "kernel": "cublas", "ms": ms, "tb_s": wbytes / ms / 1e9})
             for text in configs:
                 cfg = parse_config(text)
@@ -99,12 +101,13 @@ def measure(rows: list[int], configs: list[str], dev: torch.device) -> list[dict
                     label = f"skinny {text}" + (" pdl" if pdl else "") + (f" pf{prefetch}" if prefetch else "")
                     row = {**base, "kernel": label, **cfg, "pdl": pdl, "prefetch": prefetch}
                     try:
-                        y = skinny_linear(x, w, pdl=pdl, prefetch=prefetch, **cfg)
+                        y = skinny_linear(x, w, SkinnyConfig(**cfg), pdl=pdl, prefetch=prefetch)
                         err = float((y.float() - ref).abs().max() / ref.abs().max())
                         if not err < 1e-2:
                             raise AssertionError(f"relative error {err:.2e}")
-                        row["ms"] = _graph_ms(lambda x=x, w=w, pdl=pdl, prefetch=prefetch, cfg=cfg:
-                                              skinny_linear(x, w, pdl=pdl, prefetch=prefetch, **cfg))
+                        row["ms"] = _graph_ms(lambda i, x=x, ws=ws, pdl=pdl, prefetch=prefetch, cfg=cfg:
+                                              skinny_linear(x, ws[i], SkinnyConfig(**cfg), pdl=pdl,
+                                                            prefetch=prefetch))
                         row["tb_s"] = wbytes / row["ms"] / 1e9
                     except Exception as e:  # noqa: BLE001 - recorded, the other configs go on
                         row["error"] = f"{type(e).__name__}: {e}"
