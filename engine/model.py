@@ -112,7 +112,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x, ops)), ops)
+        gate_up = self.gate_up_proj
+        return self.down_proj(ops.gate_up_silu_mul(x, gate_up.weight, gate_up.bias), ops)
 
 
 class DecoderLayer(nn.Module):

@@ -189,11 +189,12 @@ def set_skinny_linear(enabled: bool) -> None:
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = DECODE_SKINNY, pdl: bool | None = None,
-                  prefetch: int = 0) -> torch.Tensor:
+                  prefetch: int = 0, gated: bool = False) -> torch.Tensor:
     """y = x @ w^T: x [M, K] (1 <= M <= 64, unit column stride), w [N, K] contiguous, one dtype of bf16/fp16 ->
     y [M, N] in that dtype (fp32 accumulation, one rounding). ``pdl``: launched with programmatic dependent launch
     (None: as ``programmatic_launch`` decides for x); ``prefetch``: the first that many weight blocks of each
-    program sent towards L2 before its wait (GPU only, block_k >= 64)."""
+    program sent towards L2 before its wait (GPU only, block_k >= 64). ``gated``: w is a merged gate-up weight
+    [2I, K] and y [M, I] = silu_mul(x @ w^T), as ``silu_mul`` rounds it (split_k 1)."""
     if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1] or x.stride(1) != 1 or not w.is_contiguous():
         raise ValueError(f"skinny_linear takes x [M, K] with a unit column stride and a contiguous w [N, K], got "
                          f"{tuple(x.shape)} strides {x.stride()} and {tuple(w.shape)}")
@@ -206,6 +207,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = DECODE_S
     if prefetch < 0 or (prefetch and cfg.block_k < 64):
         raise ValueError(f"prefetch sends 128-byte lines: prefetch >= 0 and, with it, block_k >= 64 (got "
                          f"{prefetch}, {cfg.block_k})")
+    if gated and (n % 2 or cfg.split_k != 1):
+        raise ValueError(f"a gated skinny_linear takes a [gate | up] weight of even rows and split_k 1, got {n} "
+                         f"rows, split_k {cfg.split_k}")
+    n = n // 2 if gated else n
     launch = pdl_args(x) if pdl is None else {"PDL": pdl, "launch_pdl": pdl}
     split = cfg.split_k > 1
     y = (torch.zeros if split else torch.empty)((m, n), dtype=torch.float32 if split else x.dtype, device=x.device)
@@ -214,7 +219,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = DECODE_S
         x, w, y, m, n, k, k_span, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         PREFETCH=prefetch if x.is_cuda else 0, BF16_DOT=x.is_cuda, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch)
+        num_stages=cfg.num_stages, GATED=gated, **launch)
     return y.to(x.dtype) if split else y
 
 
@@ -246,4 +251,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
     return F.linear(x, w, b)
 
 
-TRITON_OPS = ModelOps("triton", rms_norm, add_rms_norm, silu_mul, qk_norm_rope, linear)
+def gate_up_silu_mul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """silu_mul(x @ w^T (+ b)) for the merged gate-up weight w [2I, K]: one gated skinny launch where
+    ``skinny_applies`` (no gate-up output, no second kernel), else the projection then ``silu_mul``."""
+    if skinny_applies(x, w, b) and w.shape[0] % 2 == 0:
+        return skinny_linear(x, w, gated=True)
+    return silu_mul(linear(x, w, b))
+
+
+TRITON_OPS = ModelOps("triton", rms_norm, add_rms_norm, silu_mul, qk_norm_rope, linear, gate_up_silu_mul)

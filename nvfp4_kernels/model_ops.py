@@ -1,6 +1,6 @@
 """The decoder layer's ops (everything but attention and the logits), by device.
 
-``ModelOps`` names the five ops ``engine.model`` calls; ``REFERENCE_OPS`` is their pure-PyTorch form, the
+``ModelOps`` names the six ops ``engine.model`` calls; ``REFERENCE_OPS`` is their pure-PyTorch form, the
 numerics the model always had (HF order: normalise in fp32, round, times the weight) and the CPU path;
 ``nvfp4_kernels.op_select.model_ops(device, fused)`` picks between them and the fused Triton kernels
 (nvfp4_kernels/fused_ops.py), which take this module's types. Shapes (T tokens, model dtype throughout):
@@ -12,6 +12,7 @@ numerics the model always had (HF order: normalise in fp32, round, times the wei
         -> q [T, Hq, D], k [T, Hk, D] (per-head RMSNorm when q_w/k_w are given, then neox RoPE), v [T, Hk, D]
         ``rotation`` (a ``HeadRotation``, --kv-rotation): q, k and v then leave rotated, each head ``x @ R``
     linear(x [T, K], w [N, K], b [N] | None) -> x w^T + b [T, N]     (the projections)
+    gate_up_silu_mul(x [T, K], w [2I, K], b [2I] | None) -> silu_mul(linear(x, w, b)) [T, I]   (the MLP's input side)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ModelOps(NamedTuple):
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    gate_up_silu_mul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,4 +109,8 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     return rotate_heads(q, rotation), rotate_heads(k, rotation), rotate_heads(v, rotation)
 
 
-REFERENCE_OPS = ModelOps("reference", rms_norm, add_rms_norm, silu_mul, qk_norm_rope, F.linear)
+def gate_up_silu_mul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return silu_mul(F.linear(x, w, b))
+
+
+REFERENCE_OPS = ModelOps("reference", rms_norm, add_rms_norm, silu_mul, qk_norm_rope, F.linear, gate_up_silu_mul)

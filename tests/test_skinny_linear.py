@@ -24,9 +24,20 @@ for m, n, k, cfg in [(1, 96, 512, SkinnyConfig(32, 128, 1)), (5, 80, 384, Skinny
         assert y.shape == (m, n) and y.dtype == dtype
         worst = max(worst, float(((y.float() - ref).abs() / (ref.abs() + 1)).max()))
 assert worst < 2 ** -7, worst  # one rounding of the output
+from nvfp4_kernels.model_ops import silu_mul
+for m, i, k, cfg in [(1, 48, 384, DECODE_SKINNY), (7, 80, 1000, SkinnyConfig(16, 256)), (44, 64, 256, DECODE_SKINNY)]:
+    for dtype in (torch.bfloat16, torch.float16):
+        x, w = torch.randn(m, k).to(dtype), (torch.randn(2 * i, k) * 0.05).to(dtype)
+        y = skinny_linear(x, w, cfg, gated=True)
+        ref = silu_mul((x.float() @ w.float().t()).to(dtype))  # the projection rounded, then silu_mul's roundings
+        assert y.shape == (m, i) and y.dtype == dtype
+        err = float(((y.float() - ref.float()).abs() / (ref.float().abs() + 1e-2)).max())
+        assert err < 2 ** -6, (m, i, k, dtype, err)  # a rounding step of the product moved through silu, at most
+        worst = max(worst, err)
 x, w = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16)
 for bad_x, bad_w, kw in ((torch.zeros(65, 64), w, {}), (x, torch.zeros(8, 32), {}), (x, w.float(), {}),
-                         (x, w.t().contiguous().t(), {}), (x, w, {"cfg": SkinnyConfig(block_k=32), "prefetch": 1})):
+                         (x, w.t().contiguous().t(), {}), (x, w, {"cfg": SkinnyConfig(block_k=32), "prefetch": 1}),
+                         (x, torch.zeros(7, 64, dtype=torch.bfloat16), {"gated": True}), (x, w, {"cfg": SkinnyConfig(split_k=2), "gated": True})):
     try:
         skinny_linear(bad_x.to(torch.bfloat16), bad_w, **kw)
         raise SystemExit(f"accepted {kw or 'a bad operand'}")
@@ -67,8 +78,9 @@ def test_the_probes_configs_compile_for_sm90a_without_spills():
     pytest.importorskip("triton")
     from benchmarks.kernels.probe_gemv import compile_report, parse_config
 
-    rep = compile_report(parse_config("32:128:1:4"), rows=64)
-    assert not rep["spills"] and rep["registers"] <= 128, rep
+    for gated in (False, True):
+        rep = compile_report(parse_config("32:128:1:4"), rows=64, gated=gated)
+        assert not rep["spills"] and rep["registers"] <= 128, (gated, rep)
 
 
 @pytest.mark.gpu
@@ -78,7 +90,7 @@ def test_linear_on_gpu_under_a_cuda_graph_matches_cublas(rows):
     SM90+) captured in one CUDA graph, against cuBLAS's product of the same operands."""
     import torch.nn.functional as F
 
-    from nvfp4_kernels.fused_ops import linear, skinny_applies
+    from nvfp4_kernels.fused_ops import gate_up_silu_mul, linear, silu_mul, skinny_applies
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -100,3 +112,7 @@ def test_linear_on_gpu_under_a_cuda_graph_matches_cublas(rows):
         ref = F.linear(x, w).float()
         err = float((y.float() - ref).abs().max() / ref.abs().max())
         assert err < 2 ** -7, err
+    x, w = xs[2], ws[2]  # the MLP's input side: one gated launch against cuBLAS then silu_mul
+    ref = silu_mul(F.linear(x, w)).float()
+    err = float((gate_up_silu_mul(x, w, None).float() - ref).abs().max() / ref.abs().max())
+    assert err < 2 ** -6, err

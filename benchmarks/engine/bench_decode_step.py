@@ -120,7 +120,7 @@ def _time_ms(fn, samples: int, calls: int = 1) -> float:
 KERNEL_CATEGORIES = (
     ("kv_write", ("kv_write", "nvfp4_quantize")),
     ("attention", ("decode", "merge", "batchprefill", "attention")),
-    ("gemm", ("nvjet", "gemm", "splitkreduce", "cublas", "cutlass", "xmma")),
+    ("gemm", ("nvjet", "gemm", "splitkreduce", "cublas", "cutlass", "xmma", "skinny_linear")),
     ("norm_rope_act", ("rmsnorm", "norm", "rope", "rotary", "silu", "gelu")),
 )
 

@@ -31,8 +31,9 @@ def parse_config(text: str) -> dict:
     return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_stages": stages}
 
 
-def compile_report(cfg: dict, rows: int = 16) -> dict:
-    """The kernel compiled for sm_90a with Triton's bundled ptxas (no GPU): registers and spills."""
+def compile_report(cfg: dict, rows: int = 16, gated: bool = False) -> dict:
+    """The kernel (``gated``: its merged gate-up form) compiled for sm_90a with Triton's bundled ptxas (no GPU):
+    registers and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -43,7 +44,7 @@ def compile_report(cfg: dict, rows: int = 16) -> dict:
     sig = {"X": "*bf16", "W": "*bf16", "Y": "*bf16" if cfg["split_k"] == 1 else "*fp32", "M": "i32", "N": "i32",
            "K": "i32", "k_span": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
     cx = {"BLOCK_M": max(16, triton.next_power_of_2(rows)), "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"],
-          "SPLIT_K": cfg["split_k"], "PDL": True, "PREFETCH": 2, "BF16_DOT": True}
+          "SPLIT_K": cfg["split_k"], "PDL": True, "PREFETCH": 2, "BF16_DOT": True, "GATED": gated}
     # what the launcher specializes at run time (pointers and ints divisible by 16): 16-byte cp.async loads
     aligned = ("X", "W", "Y", "K", "k_span", "stride_xm", "stride_wn", "stride_ym")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in aligned}
