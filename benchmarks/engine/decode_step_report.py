@@ -19,7 +19,8 @@ _COLUMNS_DOC = (
     "measured in this JSON (earlier runs timed the attention as the eager loop only).")
 _PROFILE_DOC = (
     "Kernel times of the step (`--profile`: torch profiler, 3 steps averaged) summed by kernel name, in ms per "
-    "step: GEMM = the cuBLAS matmuls incl. their split-K reduces (projections, MLP, logits); attention = the "
+    "step: GEMM = the matmuls: cuBLAS's incl. their split-K reduces and the skinny linear's (projections, MLP, "
+    "logits; the gated skinny launch includes SiLU-and-multiply); attention = the "
     "decode kernels and their split-KV merge; K/V write = the pool write of the step's token; norms + rope + "
     "activation = the fused Triton kernels (with --no-fused their PyTorch kernels count as other); other = the "
     "rest (embedding, the copies of the step's inputs, elementwise ops). `launch gaps` = step ms - kernel sum: "
