@@ -220,7 +220,7 @@ class EngineConfig:
     disable_fused_ops: bool = field(default=False, metadata=flag(
         "run RMSNorm, SiLU-and-multiply, q/k norm + RoPE and every projection as PyTorch ops (cuBLAS) on CUDA too "
         "(default: fused Triton kernels on CUDA, and a Triton linear for the projections of decode batches up to "
-        "64 rows on SM90+ GPUs; CPU always uses the PyTorch ops)"))
+        "64 rows on Hopper GPUs; CPU always uses the PyTorch ops)"))
     # Programmatic dependent launch of the step's small kernels on SM90+ (nvfp4_kernels/programmatic_launch.py):
     # a kernel's launch overlaps the tail of the one before it. Process-wide; the switch is for comparisons.
     disable_pdl: bool = field(default=False, metadata=flag(

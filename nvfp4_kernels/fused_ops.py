@@ -231,7 +231,8 @@ def skinny_shape(m: int, n: int, k: int) -> bool:
 
 def skinny_applies(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     """Where ``linear`` launches the skinny kernel rather than cuBLAS: enabled, no bias, 2-D bf16/fp16 operands of
-    one dtype on an NVIDIA GPU of compute capability 9+ (where it was measured), of a ``skinny_shape``."""
+    one dtype on a Hopper GPU (compute capability 9.x, where it was measured: cuBLAS keeps the projections on
+    other GPUs until the probe says otherwise there), of a ``skinny_shape``."""
     if not _skinny["enabled"] or b is not None or x.dim() != 2 or not x.is_cuda:
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or not w.is_contiguous():
@@ -240,7 +241,7 @@ def skinny_applies(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
         return False
     index = x.get_device()
     if index not in _sm90:
-        _sm90[index] = torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+        _sm90[index] = torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
     return _sm90[index]
 
 

@@ -22,8 +22,10 @@ FlashInfer (into FLASHINFER_WORKSPACE_BASE's cache, when flashinfer imports): th
 on FP8 (nvfp4, fp8_e4m3 pools) or BF16 (bf16 pools) workspace K/V and of the fp8/bf16 decode, built by nvcc
 for FLASHINFER_CUDA_ARCH_LIST taken from --arch (``nvfp4_kernels.backends.flashinfer_backend.jit_specs``).
 
-Not covered (compiled on first use as before): eager decode batches larger than --cuda-graph-max-bs, and the
-decode shapes of a server run with --disable-cuda-graph (no start-up warm-up there either).
+Not covered (compiled on first use as before): eager decode batches larger than --cuda-graph-max-bs, the
+decode shapes of a server run with --disable-cuda-graph (no start-up warm-up there either), and the skinny
+linear of the decode projections on Hopper (nvfp4_kernels/triton/skinny_linear.py: a few variants, compiled
+while the decode graphs are captured at start-up).
 """
 
 from __future__ import annotations
