@@ -8,9 +8,12 @@ of a step, four TMA copies (2-D boxes through tensor maps made on the host):
   - K and V codes: the pool viewed as [P*PAGE, HK*D/4] int16, box [PAGE, D/4] at (page*PAGE, h*D/4): a head's
     rows of one page (D/2 bytes each at the HK*D/2-byte token stride), landing 64-byte swizzled
     (``NVMMASharedLayout``), which is the layout ldmatrix reads without bank conflicts;
-  - K and V block scales: the pool viewed as [P*PAGE, HK*D/16] uint8, box [PAGE, SW] at (page*PAGE, h*D/16),
-    SW = max(16, D/16) bytes (a TMA box row is 16 bytes at least: the first D/16 are this head's, the rest the
-    next head's or zeros past the last head).
+  - K and V block scales: the pool viewed as [P*PAGE, HK*D/16] uint8, box [PAGE, SW] at (page*PAGE, c),
+    SW = max(16, D/16) bytes (a TMA box row is 16 bytes at least). A box's innermost coordinate must be 16-byte
+    aligned (else the copy faults as an illegal instruction), so c = h*D/16 rounded down to a multiple of SW and
+    this head's D/16 bytes lie at SOFF = h*D/16 - c inside each row (the neighbouring heads' bytes beside them).
+    SOFF is a compile-time slice offset: the loop is compiled once per offset (SW / (D/16) of them: 2 at D 128,
+    1 from D 256) and each program runs the one of its head.
 
 Each ring slot has an mbarrier that counts the slot's bytes in. Pages past the split's end are read at a row
 past the pool (TMA fills them with zeros), so every copy of a step completes the same byte count. Token slots
@@ -38,7 +41,8 @@ from nvfp4_kernels.triton.nvfp4_decode_gluon import (
 
 @gluon.jit
 def _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, t0, end, stage, h, oob_row,
-           DW: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr, NPG: gl.constexpr, SW: gl.constexpr):
+           DW: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr, NPG: gl.constexpr, SW: gl.constexpr,
+           SOFF: gl.constexpr):
     """TMA copies of tokens [t0, t0 + NPG*PAGE) of head h into ring slot ``stage`` (nothing when t0 >= end)."""
     k_smem, v_smem, ks_smem, vs_smem = ring
     live = t0 < end
@@ -50,10 +54,48 @@ def _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, t0, end, stage,
         row = gl.where(tok < end, page * PAGE, oob_row)
         tma.async_copy_global_to_shared(k_desc, [row, h * DW], bar, k_smem.index(stage).slice(j * PAGE, PAGE), pred=live)
         tma.async_copy_global_to_shared(v_desc, [row, h * DW], bar, v_smem.index(stage).slice(j * PAGE, PAGE), pred=live)
-        tma.async_copy_global_to_shared(ks_desc, [row, h * NS], bar, ks_smem.index(stage).slice(j * PAGE, PAGE),
-                                        pred=live)
-        tma.async_copy_global_to_shared(vs_desc, [row, h * NS], bar, vs_smem.index(stage).slice(j * PAGE, PAGE),
-                                        pred=live)
+        tma.async_copy_global_to_shared(ks_desc, [row, h * NS - SOFF], bar,
+                                        ks_smem.index(stage).slice(j * PAGE, PAGE), pred=live)
+        tma.async_copy_global_to_shared(vs_desc, [row, h * NS - SOFF], bar,
+                                        vs_smem.index(stage).slice(j * PAGE, PAGE), pred=live)
+
+
+@gluon.jit
+def _run(ring, bars, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2, q3,
+         qk_scale, stride_ptb, GN: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, NPG: gl.constexpr,
+         STAGES: gl.constexpr, SW: gl.constexpr, SOFF: gl.constexpr):
+    """The split's tokens [start, end) of head h through the TMA ring (``ring``, ``bars``: fresh), this head's
+    scales at byte SOFF of each scale row. Returns the softmax state and accumulators."""
+    DW: gl.constexpr = D // 4
+    NS: gl.constexpr = D // 16
+    BT: gl.constexpr = NPG * PAGE
+    zl: gl.constexpr = gl.BlockedLayout([1, SW], [32, 1], [1, 1], [1, 0])  # a scale row per lane
+    pt_row = PAGE_TABLE + b * stride_ptb
+    for i in gl.static_range(STAGES - 1):
+        _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, start + i * BT, end, i, h, oob_row,
+               DW, NS, PAGE, NPG, SW, SOFF)
+
+    tz = gl.arange(0, BT, layout=gl.SliceLayout(1, zl))
+    m_i, l_i, acc0, acc1, acc2, acc3 = _fresh_state(GN, DW)
+    for i in range(gl.cdiv(end - start, BT)):
+        t0 = start + i * BT
+        stage = i % STAGES
+        gl.thread_barrier()  # every lane has read slot (i - 1) % STAGES (its values consumed) before TMA refills it
+        _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, t0 + (STAGES - 1) * BT, end,
+               (i + STAGES - 1) % STAGES, h, oob_row, DW, NS, PAGE, NPG, SW, SOFF)
+        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+        k_smem, v_smem, ks_smem, vs_smem = ring
+        if t0 + BT > end:  # the tail step: V's scale rows past the prompt zeroed (the pool's bytes there are any)
+            x = vs_smem.index(stage).load(zl)
+            vs_smem.index(stage).store(gl.where(((t0 + tz) < end)[:, None], x, gl.zeros_like(x)))
+            fence_async_shared()  # these generic writes are ordered before a later TMA refill of the slot
+            gl.thread_barrier()
+        m_i, l_i, acc0, acc1, acc2, acc3 = _attend(
+            k_smem.index(stage), ks_smem.index(stage).slice(SOFF, NS, dim=1), v_smem.index(stage),
+            vs_smem.index(stage).slice(SOFF, NS, dim=1), q0, q1, q2, q3, t0, end, qk_scale, m_i, l_i, acc0, acc1, acc2,
+            acc3, BT, GN, NS)
+
+    return m_i, l_i, acc0, acc1, acc2, acc3
 
 
 @gluon.jit
@@ -67,12 +109,11 @@ def nvfp4_decode_tma_kernel(
     HK: gl.constexpr, G: gl.constexpr, GN: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
     NPG: gl.constexpr, STAGES: gl.constexpr, SW: gl.constexpr,
 ):
-    """Descriptors: k/v [P*PAGE, HK*D/4] int16, box [PAGE, D/4]; ks/vs [P*PAGE, HK*D/16] uint8, box [PAGE, SW].
-    ``oob_row`` = P*PAGE (a row past the pool). num_warps=1."""
+    """Descriptors: k/v [P*PAGE, HK*D/4] int16, box [PAGE, D/4]; ks/vs [P*PAGE, HK*D/16] uint8, box [PAGE, SW]
+    (HK*D/16 a multiple of SW). ``oob_row`` = P*PAGE (a row past the pool). num_warps=1."""
     DW: gl.constexpr = D // 4
     NS: gl.constexpr = D // 16
     BT: gl.constexpr = NPG * PAGE
-    zl: gl.constexpr = gl.BlockedLayout([1, SW], [32, 1], [1, 1], [1, 0])  # a scale row per lane
 
     h, split, b, start, end = _split_range(SEQ_LENS, chunk_tokens)
     if start >= end:
@@ -88,30 +129,12 @@ def nvfp4_decode_tma_kernel(
     for si in gl.static_range(STAGES):
         mbarrier.init(bars.index(si), count=1)
     fence_async_shared()
-    pt_row = PAGE_TABLE + b * stride_ptb
-    for i in gl.static_range(STAGES - 1):
-        _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, start + i * BT, end, i, h, oob_row,
-               DW, NS, PAGE, NPG, SW)
-
-    tz = gl.arange(0, BT, layout=gl.SliceLayout(1, zl))
     m_i, l_i, acc0, acc1, acc2, acc3 = _fresh_state(GN, DW)
-    for i in range(gl.cdiv(end - start, BT)):
-        t0 = start + i * BT
-        stage = i % STAGES
-        gl.thread_barrier()  # every lane has read slot (i - 1) % STAGES (its values consumed) before TMA refills it
-        _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, t0 + (STAGES - 1) * BT, end,
-               (i + STAGES - 1) % STAGES, h, oob_row, DW, NS, PAGE, NPG, SW)
-        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-        k_smem, v_smem, ks_smem, vs_smem = ring
-        if t0 + BT > end:  # the tail step: V's scale rows past the prompt zeroed (the pool's bytes there are any)
-            x = vs_smem.index(stage).load(zl)
-            vs_smem.index(stage).store(gl.where(((t0 + tz) < end)[:, None], x, gl.zeros_like(x)))
-            fence_async_shared()  # these generic writes are ordered before a later TMA refill of the slot
-            gl.thread_barrier()
-        m_i, l_i, acc0, acc1, acc2, acc3 = _attend(
-            k_smem.index(stage), ks_smem.index(stage).slice(0, NS, dim=1), v_smem.index(stage),
-            vs_smem.index(stage).slice(0, NS, dim=1), q0, q1, q2, q3, t0, end, qk_scale, m_i, l_i, acc0, acc1, acc2,
-            acc3, BT, GN, NS)
+    for v in gl.static_range(SW // NS):  # the loop compiled for each offset of a head's scales in a box row
+        if (h * NS) % SW == v * NS:
+            m_i, l_i, acc0, acc1, acc2, acc3 = _run(
+                ring, bars, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2,
+                q3, qk_scale, stride_ptb, GN, D, PAGE, NPG, STAGES, SW, v * NS)
 
     inv = (out_scale / l_i)[None, :]
     _store_out(O_PART, LSE_PART, b, split, h, acc0 * inv, acc1 * inv, acc2 * inv, acc3 * inv, m_i + gl.log2(l_i),
