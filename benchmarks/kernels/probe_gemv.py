@@ -7,7 +7,8 @@ graph and timed, as the step replays them; TB/s = weight bytes / time per call.
     python -m benchmarks.kernels.probe_gemv --compile-only    # no GPU: registers and spills per config, sm_90a
 
 A config is BLOCK_N:BLOCK_K:SPLIT_K:NUM_STAGES (4 warps); each runs without programmatic dependent launch, with
-it, and with it and its first two weight blocks sent towards L2 before it waits on the call ahead.
+it, and with it and its first two weight blocks sent towards L2 before it waits on the call ahead. The gate-up
+projection also runs as the MLP's whole input side: cuBLAS then silu_mul against the gated skinny launch.
 """
 
 from __future__ import annotations
@@ -114,6 +115,38 @@ def measure(rows: list[int], configs: list[str], dev: torch.device) -> list[dict
                         row["error"] = f"{type(e).__name__}: {e}"
                     out.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
+            if name == "gate_up":
+                out += _gated_rows(base, x, ws, configs, wbytes)
+    return out
+
+
+def _gated_rows(base: dict, x: torch.Tensor, ws: list[torch.Tensor], configs: list[str], wbytes: int) -> list[dict]:
+    """The MLP's input side as the engine can run it: cuBLAS then ``silu_mul`` (two launches) against the skinny
+    linear's gated form (one launch, PDL), each split_k-1 config; checked against silu_mul of the fp32 product."""
+    import torch.nn.functional as F
+
+    from nvfp4_kernels.fused_ops import SkinnyConfig, silu_mul, skinny_linear
+
+    ref = silu_mul((x.float() @ ws[0].float().t()).to(x.dtype)).float()
+    ms = _graph_ms(lambda i: silu_mul(F.linear(x, ws[i])))
+    out = [{**base, "kernel": "cublas + silu_mul", "ms": ms, "tb_s": wbytes / ms / 1e9}]
+    for text in configs:
+        cfg = parse_config(text)
+        if cfg["split_k"] != 1:
+            continue
+        row = {**base, "kernel": f"gated {text} pdl", **cfg, "pdl": True, "prefetch": 0}
+        try:
+            y = skinny_linear(x, ws[0], SkinnyConfig(**cfg), pdl=True, gated=True).float()
+            err = float((y - ref).abs().max() / ref.abs().max())
+            if not err < 1e-2:
+                raise AssertionError(f"relative error {err:.2e}")
+            row["ms"] = _graph_ms(lambda i, cfg=cfg: skinny_linear(x, ws[i], SkinnyConfig(**cfg), pdl=True,
+                                                                    gated=True))
+            row["tb_s"] = wbytes / row["ms"] / 1e9
+        except Exception as e:  # noqa: BLE001 - recorded, the other configs go on
+            row["error"] = f"{type(e).__name__}: {e}"
+        out.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
     return out
 
 
