@@ -221,15 +221,17 @@ def test_prefill_frees_its_transient_pages_when_the_decode_side_cancels(procs, t
             call = decode_pb2_grpc.DecodeStub(ch).Generate(gen_request("x", prompt(40), p.address))
             await asyncio.sleep(1.5)  # mid-transfer: the prefill holds the prompt's pages
             call.cancel()
+        # both sides free their pages once the cancel reaches them (between engine steps; the decode's pull first
+        # settles the writes it started): poll both, bounded, as a loaded machine may take a while
         async with grpc.aio.insecure_channel(p.address) as ch:
-            for _ in range(50):
+            for _ in range(100):
                 load = await prefill_pb2_grpc.PrefillStub(ch).GetLoad(common_pb2.GetLoadRequest())
-                if load.pool_pages_in_use == 0 and load.num_running == 0:
-                    return load
+                rep = await integrity(d.address)
+                if load.pool_pages_in_use == 0 and load.num_running == 0 and rep.num_in_use == 0:
+                    break
                 await asyncio.sleep(0.1)
-            return load
+            return load, rep
 
-    load = run(scenario())
+    load, rep = run(scenario())
     assert load.pool_pages_in_use == 0 and load.num_running == 0
-    rep = run(integrity(d.address))
     assert rep.ok and rep.num_in_use == 0
