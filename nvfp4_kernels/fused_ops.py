@@ -1,5 +1,5 @@
-"""Typed launches of the fused decoder-layer kernels (nvfp4_kernels/triton/rmsnorm.py, silu_mul.py, qk_norm_rope.py,
-skinny_linear.py).
+"""Typed launches of the fused decoder-layer kernels (nvfp4_kernels/triton/rmsnorm.py, silu_mul.py, qk_norm_rope.py),
+and the projections: the skinny linear (nvfp4_kernels/skinny_linear.py) where it applies, else cuBLAS.
 
 Each function checks dtypes, shapes and strides, allocates its outputs and launches one kernel; the math is
 that of the same-named reference in nvfp4_kernels/model_ops.py (fp32 inside, rounded where the reference rounds).
@@ -8,18 +8,16 @@ that of the same-named reference in nvfp4_kernels/model_ops.py (fp32 inside, rou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 import triton
 
 from nvfp4_kernels.model_ops import HeadRotation, ModelOps, rotate_heads
 from nvfp4_kernels.programmatic_launch import pdl_args
+from nvfp4_kernels.skinny_linear import skinny_applies, skinny_linear
 from nvfp4_kernels.triton.qk_norm_rope import qk_norm_rope_kernel
 from nvfp4_kernels.triton.rmsnorm import rmsnorm_kernel
 from nvfp4_kernels.triton.silu_mul import silu_mul_kernel
-from nvfp4_kernels.triton.skinny_linear import skinny_linear_kernel
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SILU_BLOCK = 1024
@@ -155,94 +153,6 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
             num_warps=_qk_warps(hq_p * triton.next_power_of_2(d // 2), rotate), HAS_NORM=q_w is not None, ROTATE=rotate,
             **pdl_args(qkv))
     return q, k, v
-
-
-@dataclass(frozen=True)
-class SkinnyConfig:
-    """A launch of the skinny linear: BLOCK_N x BLOCK_K weight tiles, SPLIT_K programs along K, warps, stages."""
-
-    block_n: int = 32
-    block_k: int = 128
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
-
-    def __post_init__(self) -> None:
-        if any(b < 16 or b & (b - 1) for b in (self.block_n, self.block_k)) or self.split_k < 1:
-            raise ValueError(f"block_n and block_k are powers of two >= 16, split_k >= 1 (got {self.block_n}, "
-                             f"{self.block_k}, {self.split_k})")
-
-
-# The decode step's launch: of the probe's configs (benchmarks/kernels/probe_gemv.py, 36 projections of their
-# own weights per CUDA graph, H100), the one fastest or within 4% of it on the Qwen3-8B q/k/v, o and gate/up
-# projections at 1, 16 and 44 rows.
-DECODE_SKINNY = SkinnyConfig()
-SKINNY_MAX_ROWS = 64
-_SKINNY_MAX_K = 8192  # a longer K (Qwen3-8B's down projection, 12,288) streams faster through cuBLAS's split-K
-_skinny = {"enabled": True}
-_sm90: dict[int, bool] = {}
-
-
-def set_skinny_linear(enabled: bool) -> None:
-    """Whether ``linear`` launches the skinny kernel where it applies (process-wide; benchmarks' before/after)."""
-    _skinny["enabled"] = bool(enabled)
-
-
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = DECODE_SKINNY, pdl: bool | None = None,
-                  prefetch: int = 0, gated: bool = False) -> torch.Tensor:
-    """y = x @ w^T: x [M, K] (1 <= M <= 64, unit column stride), w [N, K] contiguous, one dtype of bf16/fp16 ->
-    y [M, N] in that dtype (fp32 accumulation, one rounding). ``pdl``: launched with programmatic dependent launch
-    (None: as ``programmatic_launch`` decides for x); ``prefetch``: the first that many weight blocks of each
-    program sent towards L2 before its wait (GPU only, block_k >= 64). ``gated``: w is a merged gate-up weight
-    [2I, K] and y [M, I] = silu_mul(x @ w^T), as ``silu_mul`` rounds it (split_k 1)."""
-    if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1] or x.stride(1) != 1 or not w.is_contiguous():
-        raise ValueError(f"skinny_linear takes x [M, K] with a unit column stride and a contiguous w [N, K], got "
-                         f"{tuple(x.shape)} strides {x.stride()} and {tuple(w.shape)}")
-    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
-        raise ValueError(f"skinny_linear takes bf16 or fp16 x and w of one dtype, got {x.dtype} and {w.dtype}")
-    m, k = x.shape
-    n = w.shape[0]
-    if not 1 <= m <= SKINNY_MAX_ROWS:
-        raise ValueError(f"skinny_linear takes 1..{SKINNY_MAX_ROWS} rows, got {m}")
-    if prefetch < 0 or (prefetch and cfg.block_k < 64):
-        raise ValueError(f"prefetch sends 128-byte lines: prefetch >= 0 and, with it, block_k >= 64 (got "
-                         f"{prefetch}, {cfg.block_k})")
-    if gated and (n % 2 or cfg.split_k != 1):
-        raise ValueError(f"a gated skinny_linear takes a [gate | up] weight of even rows and split_k 1, got {n} "
-                         f"rows, split_k {cfg.split_k}")
-    n = n // 2 if gated else n
-    launch = pdl_args(x) if pdl is None else {"PDL": pdl, "launch_pdl": pdl}
-    split = cfg.split_k > 1
-    y = (torch.zeros if split else torch.empty)((m, n), dtype=torch.float32 if split else x.dtype, device=x.device)
-    k_span = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    skinny_linear_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        x, w, y, m, n, k, k_span, x.stride(0), w.stride(0), y.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        PREFETCH=prefetch if x.is_cuda else 0, BF16_DOT=x.is_cuda, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, GATED=gated, **launch)
-    return y.to(x.dtype) if split else y
-
-
-def skinny_shape(m: int, n: int, k: int) -> bool:
-    """The shapes ``linear`` gives the skinny kernel: 1..64 rows, K <= 8192, and a weight wider than deep once
-    there are more than 16 rows (at 44 rows cuBLAS streams Qwen3-8B's square o projection 3% faster)."""
-    return 1 <= m <= SKINNY_MAX_ROWS and k <= _SKINNY_MAX_K and (m <= 16 or n > k)
-
-
-def skinny_applies(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """Where ``linear`` launches the skinny kernel rather than cuBLAS: enabled, no bias, 2-D bf16/fp16 operands of
-    one dtype on a Hopper GPU (compute capability 9.x, where it was measured: cuBLAS keeps the projections on
-    other GPUs until the probe says otherwise there), of a ``skinny_shape``."""
-    if not _skinny["enabled"] or b is not None or x.dim() != 2 or not x.is_cuda:
-        return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or not w.is_contiguous():
-        return False
-    if x.stride(1) != 1 or not skinny_shape(x.shape[0], w.shape[0], x.shape[1]):
-        return False
-    index = x.get_device()
-    if index not in _sm90:
-        _sm90[index] = torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
-    return _sm90[index]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The skinny linear (nvfp4_kernels/triton/skinny_linear.py, launched by nvfp4_kernels/fused_ops.py) against the
+"""The skinny linear (nvfp4_kernels/triton/skinny_linear.py, launched by nvfp4_kernels/skinny_linear.py) against the
 fp32 product under Triton's CPU interpreter (odd row counts, a K not a multiple of the block, split-K, the decode
 step's config), its refusals, the shapes ``linear`` gives it, and its sm_90a compile without spills."""
 
@@ -11,7 +11,7 @@ from tests.triton_interpreter import PRELUDE, run_interpreted
 
 CASES = """
 import torch
-from nvfp4_kernels.fused_ops import DECODE_SKINNY, SkinnyConfig, skinny_linear
+from nvfp4_kernels.skinny_linear import DECODE_SKINNY, SkinnyConfig, skinny_linear
 torch.manual_seed(0)
 worst = 0.0
 for m, n, k, cfg in [(1, 96, 512, SkinnyConfig(32, 128, 1)), (5, 80, 384, SkinnyConfig(32, 128, 2)),
@@ -61,7 +61,8 @@ def test_the_kernel_in_the_triton_interpreter_matches_the_fp32_product():
 
 def test_linear_gives_the_skinny_kernel_the_decode_projections_it_streams_faster():
     pytest.importorskip("triton")
-    from nvfp4_kernels.fused_ops import linear, skinny_applies, skinny_shape
+    from nvfp4_kernels.fused_ops import linear
+    from nvfp4_kernels.skinny_linear import skinny_applies, skinny_shape
 
     qkv, o, gate_up, down = (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)  # Qwen3-8B (N, K)
     for rows in (1, 16):
@@ -90,7 +91,8 @@ def test_linear_on_gpu_under_a_cuda_graph_matches_cublas(rows):
     SM90+) captured in one CUDA graph, against cuBLAS's product of the same operands."""
     import torch.nn.functional as F
 
-    from nvfp4_kernels.fused_ops import gate_up_silu_mul, linear, silu_mul, skinny_applies
+    from nvfp4_kernels.fused_ops import gate_up_silu_mul, linear, silu_mul
+    from nvfp4_kernels.skinny_linear import skinny_applies
 
     torch.manual_seed(0)
     dev = torch.device("cuda")

@@ -333,11 +333,11 @@ def _measure(a: argparse.Namespace, model, cfg, dev: torch.device, bw: float) ->
             from engine.kv_rotation import head_rotation
 
             model.rotate_kv(head_rotation(rotation, cfg.head_dim, dev, model.dtype))
-        from nvfp4_kernels import fused_ops
+        from nvfp4_kernels import skinny_linear
 
         for (b, l), dt, pdl, lin in itertools.product(a.shapes, a.kv_dtypes, a.pdl_modes, a.linear_modes):
             programmatic_launch.set_enabled(pdl == "on")  # the graphs of run_shape are captured under it
-            fused_ops.set_skinny_linear(lin == "skinny")  # and under this
+            skinny_linear.set_skinny_linear(lin == "skinny")  # and under this
             try:
                 row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile, a.block_select,
                                 a.only_without_attention)
@@ -418,10 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = _measure(a, model, cfg, dev, bw)
     finally:
-        from nvfp4_kernels import fused_ops
+        from nvfp4_kernels import skinny_linear
 
         programmatic_launch.set_enabled(pdl_before)
-        fused_ops.set_skinny_linear(True)
+        skinny_linear.set_skinny_linear(True)
     print_table(rows, a.layers)
     doc = {"gpu": torch.cuda.get_device_name(dev), "copy_tb_s": bw, "layers": a.layers, "fused_ops": not a.no_fused,
            "block_select": a.block_select, "kv_rotations": a.kv_rotations,

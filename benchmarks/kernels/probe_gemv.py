@@ -1,4 +1,4 @@
-"""Our skinny linear (``nvfp4_kernels/fused_ops.py``, ``skinny_linear``) against cuBLAS (``F.linear``) on the decode step's
+"""Our skinny linear (``nvfp4_kernels/skinny_linear.py``) against cuBLAS (``F.linear``) on the decode step's
 projections (development probe): each checked against the fp32 product, then 36 calls in a row (one per layer,
 each on its own copy of the weight, so no call finds its weight in L2 from the call before) captured as one CUDA
 graph and timed, as the step replays them; TB/s = weight bytes / time per call.
@@ -84,7 +84,7 @@ def _graph_ms(fn, calls: int = LAYERS, samples: int = 20) -> float:
 def measure(rows: list[int], configs: list[str], dev: torch.device) -> list[dict]:
     import torch.nn.functional as F
 
-    from nvfp4_kernels.fused_ops import SkinnyConfig, skinny_linear
+    from nvfp4_kernels.skinny_linear import SkinnyConfig, skinny_linear
 
     out = []
     for name, n, k in PROJECTIONS:
@@ -125,7 +125,8 @@ def _gated_rows(base: dict, x: torch.Tensor, ws: list[torch.Tensor], configs: li
     linear's gated form (one launch, PDL), each split_k-1 config; checked against silu_mul of the fp32 product."""
     import torch.nn.functional as F
 
-    from nvfp4_kernels.fused_ops import SkinnyConfig, silu_mul, skinny_linear
+    from nvfp4_kernels.fused_ops import silu_mul
+    from nvfp4_kernels.skinny_linear import SkinnyConfig, skinny_linear
 
     ref = silu_mul((x.float() @ ws[0].float().t()).to(x.dtype)).float()
     ms = _graph_ms(lambda i: silu_mul(F.linear(x, ws[i])))

@@ -1,6 +1,5 @@
 """A linear layer for a decode step's few rows: y[M, N] = x[M, K] @ w[N, K]^T for M <= 64, bf16/fp16 in, fp32
-accumulation, rounded once to the input dtype (typed launch and the rule where it runs: nvfp4_kernels/fused_ops.py,
-``linear``).
+accumulation, rounded once to the input dtype (typed launch and the rule where it runs: nvfp4_kernels/skinny_linear.py).
 
 At decode batch sizes a projection is a stream of its weights. Launched with programmatic dependent launch, this
 kernel's blocks start during the previous kernel's tail; with ``PREFETCH`` they also send their first weight
