@@ -102,19 +102,9 @@ def measure(rows: list[int], configs: list[str], dev: torch.device) -> list[dict
                 for pdl, prefetch in VARIANTS:
                     label = f"skinny {text}" + (" pdl" if pdl else "") + (f" pf{prefetch}" if prefetch else "")
                     row = {**base, "kernel": label, **cfg, "pdl": pdl, "prefetch": prefetch}
-                    try:
-                        y = skinny_linear(x, w, SkinnyConfig(**cfg), pdl=pdl, prefetch=prefetch)
-                        err = float((y.float() - ref).abs().max() / ref.abs().max())
-                        if not err < 1e-2:
-                            raise AssertionError(f"relative error {err:.2e}")
-                        row["ms"] = _graph_ms(lambda i, x=x, ws=ws, pdl=pdl, prefetch=prefetch, cfg=cfg:
-                                              skinny_linear(x, ws[i], SkinnyConfig(**cfg), pdl=pdl,
-                                                            prefetch=prefetch))
-                        row["tb_s"] = wbytes / row["ms"] / 1e9
-                    except Exception as e:  # noqa: BLE001 - recorded, the other configs go on
-                        row["error"] = f"{type(e).__name__}: {e}"
-                    out.append(row)
-                    print(json.dumps(row), file=sys.stderr, flush=True)
+                    out.append(_checked_and_timed(
+                        row, ref, wbytes, lambda i, x=x, ws=ws, pdl=pdl, prefetch=prefetch, cfg=cfg:
+                        skinny_linear(x, ws[i], SkinnyConfig(**cfg), pdl=pdl, prefetch=prefetch)))
             if name == "gate_up":
                 out += _gated_rows(base, x, ws, configs, wbytes)
     return out
@@ -136,19 +126,25 @@ def _gated_rows(base: dict, x: torch.Tensor, ws: list[torch.Tensor], configs: li
         if cfg["split_k"] != 1:
             continue
         row = {**base, "kernel": f"gated {text} pdl", **cfg, "pdl": True, "prefetch": 0}
-        try:
-            y = skinny_linear(x, ws[0], SkinnyConfig(**cfg), pdl=True, gated=True).float()
-            err = float((y - ref).abs().max() / ref.abs().max())
-            if not err < 1e-2:
-                raise AssertionError(f"relative error {err:.2e}")
-            row["ms"] = _graph_ms(lambda i, cfg=cfg: skinny_linear(x, ws[i], SkinnyConfig(**cfg), pdl=True,
-                                                                    gated=True))
-            row["tb_s"] = wbytes / row["ms"] / 1e9
-        except Exception as e:  # noqa: BLE001 - recorded, the other configs go on
-            row["error"] = f"{type(e).__name__}: {e}"
-        out.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
+        out.append(_checked_and_timed(row, ref, wbytes, lambda i, cfg=cfg: skinny_linear(
+            x, ws[i], SkinnyConfig(**cfg), pdl=True, gated=True)))
     return out
+
+
+def _checked_and_timed(row: dict, ref: torch.Tensor, wbytes: int, call) -> dict:
+    """``row`` with ``call(0)`` checked against ``ref`` (relative error < 1e-2), then ``call(i)`` timed as 36 calls
+    of one graph: ms and TB/s, or the error that stopped it (recorded: the other configs go on). Printed."""
+    try:
+        y = call(0).float()
+        err = float((y - ref).abs().max() / ref.abs().max())
+        if not err < 1e-2:
+            raise AssertionError(f"relative error {err:.2e}")
+        row["ms"] = _graph_ms(call)
+        row["tb_s"] = wbytes / row["ms"] / 1e9
+    except Exception as e:  # noqa: BLE001 - recorded, the other configs go on
+        row["error"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
 
 
 def print_table(rows: list[dict], copy_tbs: float) -> None:
