@@ -30,8 +30,9 @@ from contextlib import contextmanager
 
 import torch
 
+from nvfp4_kernels.gpu_capability import nvidia_capability
+
 _state: dict = {"enabled": True, "target": None}
-_capable: dict[int, bool] = {}
 
 
 def set_enabled(enabled: bool) -> None:
@@ -46,18 +47,13 @@ def enabled() -> bool:
 def uses_pdl(t: torch.Tensor) -> bool:
     """Whether a kernel over ``t`` is launched with PDL: enabled, ``t`` on an NVIDIA GPU of compute capability 9+
     (a ROCm build's "cuda" devices have no such launch). Called per launch: cheap checks first, the GPU's answer
-    cached per device index."""
+    cached per device index (``gpu_capability``)."""
     if not _state["enabled"]:
         return False
     if _state["target"] is not None:
         return _state["target"] >= (9, 0)
-    if not t.is_cuda:
-        return False
-    index = t.get_device()
-    capable = _capable.get(index)
-    if capable is None:
-        capable = _capable[index] = torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
-    return capable
+    capability = nvidia_capability(t)
+    return capability is not None and capability[0] >= 9
 
 
 @contextmanager

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from nvfp4_kernels.gpu_capability import nvidia_capability
 from nvfp4_kernels.programmatic_launch import pdl_args
 from nvfp4_kernels.triton.skinny_linear import skinny_linear_kernel
 
@@ -36,7 +37,6 @@ DECODE_SKINNY = SkinnyConfig()
 SKINNY_MAX_ROWS = 64
 _SKINNY_MAX_K = 8192  # a longer K (Qwen3-8B's down projection, 12,288) streams faster through cuBLAS's split-K
 _skinny = {"enabled": True}
-_sm90: dict[int, bool] = {}
 
 
 def set_skinny_linear(enabled: bool) -> None:
@@ -95,7 +95,5 @@ def skinny_applies(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
         return False
     if x.stride(1) != 1 or not skinny_shape(x.shape[0], w.shape[0], x.shape[1]):
         return False
-    index = x.get_device()
-    if index not in _sm90:
-        _sm90[index] = torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
-    return _sm90[index]
+    capability = nvidia_capability(x)
+    return capability is not None and capability[0] == 9
