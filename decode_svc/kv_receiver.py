@@ -136,6 +136,17 @@ class _Writes:
             await _uncancellable(asyncio.to_thread(concurrent.futures.wait, running))
 
 
+async def _stream_end(ahead: ReadAhead) -> None:
+    """Let a completed transfer's stream end on its own (PrefillDone is its last message; a by-reference
+    prefill ends it once released) before the caller's cancel: a cancel racing the prefill's last write would
+    end its stream as a failure, and the transfer would go uncounted there. Its status is of no consequence
+    here (every page is in and checked), and a prefill that holds the stream open past the bound is cancelled."""
+    try:
+        await asyncio.wait_for(ahead.next(), _RELEASE_TIMEOUT_S)
+    except (StopAsyncIteration, TimeoutError, grpc.aio.AioRpcError):
+        pass
+
+
 async def _uncancellable(coro) -> None:
     """Run ``coro`` to its end even if the awaiting task is cancelled meanwhile (re-raised afterwards)."""
     task = asyncio.ensure_future(coro)
@@ -281,8 +292,9 @@ class KVReceiver:
                 raise PrefillUnavailable(f"prefill {address} sent first token {done.first_token_id}, outside the "
                                          f"vocabulary [0, {self.vocab_size})")
             seconds = time.perf_counter() - t_header
-            if by_reference(path):
-                await self._release(peer_stubs.stub, ahead, h, time.perf_counter() - t_last, address)
+            if not by_reference(path) or await self._release(peer_stubs.stub, h, time.perf_counter() - t_last,
+                                                             address):
+                await _stream_end(ahead)
             self._report(start, address, path, progress, received, seconds, writes.busy_s + lanes.busy_s(),
                          (f" over {len(lanes.lanes) + 1} lanes" if lanes.lanes else "") + importer.times.summary()
                          if reads is None else reads.summary())
@@ -498,9 +510,9 @@ class KVReceiver:
                 return None
             raise PrefillUnavailable(f"prefill {address} ended the stream before it was done") from None
 
-    async def _release(self, stub, ahead: ReadAhead, h: prefill_pb2.TransferHeader, since_last: float,
-                       address: str) -> None:
-        """Release the prefill's source pages (every copy is complete) and let its stream end.
+    async def _release(self, stub, h: prefill_pb2.TransferHeader, since_last: float, address: str) -> bool:
+        """Release the prefill's source pages (every copy is complete); its stream ends then. False: the
+        release did not reach the prefill, and only cancelling the stream frees its pages.
 
         The copies must have completed before the prefill's hold ended (it frees the pages then, and may
         reuse them): too late, and the pages just copied cannot be trusted."""
@@ -512,10 +524,7 @@ class KVReceiver:
                                                    timeout=_RELEASE_TIMEOUT_S)).released
         except grpc.aio.AioRpcError as e:  # the copies are complete: cancelling the stream frees the pages too
             log.debug("ReleaseTransfer to %s failed (%s); the stream's end frees the pages", address, e.code().name)
-            return
+            return False
         if not released:
             raise PrefillUnavailable(f"prefill {address} had freed the source pages before they were released")
-        try:  # the prefill ends the stream once released; its status is of no consequence here
-            await asyncio.wait_for(ahead.next(), _RELEASE_TIMEOUT_S)
-        except (StopAsyncIteration, TimeoutError, grpc.aio.AioRpcError):
-            pass
+        return True

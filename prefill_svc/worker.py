@@ -67,6 +67,7 @@ class PrefillWorker:
         self.loop = loop
         self.debug_delay = faults.transfer_delay_s  # tests only (svc_common/fault_injection.py); 0 in a deployment
         self.debug_header_delay = faults.header_delay_s
+        self.debug_done_delay = faults.done_delay_s
         # Engine request ids are made unique here: callers are independent decode services whose ids may collide.
         self._seq = itertools.count()
         self.engine = loop.engine
@@ -155,6 +156,8 @@ class PrefillWorker:
             await stream.end_lanes()
             yield prefill_pb2.PrefillMessage(request_id=rid, done=prefill_pb2.PrefillDone(
                 first_token_id=out.new_token_ids[0], num_computed_tokens=len(ids) - out.num_cached_tokens))
+            if self.debug_done_delay:
+                await asyncio.sleep(self.debug_done_delay)
             await stream.finish()
             self.metrics.requests.labels("ok").inc()
         except BaseException:

@@ -31,6 +31,9 @@ class FaultInjection:
         "prefill", "testing only: sleep before the transfer header (to trip the decode's first-message deadline)")
     transfer_delay_s: float = _knob(
         "prefill", "testing only: sleep before each KV page message (to kill a prefill mid-transfer)")
+    done_delay_s: float = _knob(
+        "prefill", "testing only: sleep after PrefillDone before the transfer stream ends (a decode that cancels "
+        "the stream of a completed transfer then ends it as a failure)")
     token_delay_s: float = _knob(
         "decode", "testing only: stall the engine loop after each token it produces (to trip token deadlines)")
 
