@@ -44,13 +44,29 @@ def set_skinny_linear(enabled: bool) -> None:
     _skinny["enabled"] = bool(enabled)
 
 
+def skinny_row_classes() -> tuple[int, ...]:
+    """One row count of each variant the kernel compiles into over 1..SKINNY_MAX_ROWS rows: the tile height
+    (BLOCK_M) and Triton's specialization of M (1, a multiple of 16, other). ``nvfp4-serve warm-cache`` compiles
+    these; any other row count reuses one of their variants."""
+    classes: dict[tuple[int, bool, bool], int] = {}
+    for m in range(1, SKINNY_MAX_ROWS + 1):
+        classes.setdefault((_block_m(m), m == 1, m % 16 == 0), m)
+    return tuple(classes.values())
+
+
+def _block_m(m: int) -> int:
+    return max(16, triton.next_power_of_2(m))
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = DECODE_SKINNY, pdl: bool | None = None,
-                  prefetch: int = 0, gated: bool = False) -> torch.Tensor:
+                  prefetch: int = 0, gated: bool = False, gpu_code: bool | None = None) -> torch.Tensor:
     """y = x @ w^T: x [M, K] (1 <= M <= 64, unit column stride), w [N, K] contiguous, one dtype of bf16/fp16 ->
     y [M, N] in that dtype (fp32 accumulation, one rounding). ``pdl``: launched with programmatic dependent launch
     (None: as ``programmatic_launch`` decides for x); ``prefetch``: the first that many weight blocks of each
     program sent towards L2 before its wait (GPU only, block_k >= 64). ``gated``: w is a merged gate-up weight
-    [2I, K] and y [M, I] = silu_mul(x @ w^T), as ``silu_mul`` rounds it (split_k 1)."""
+    [2I, K] and y [M, I] = silu_mul(x @ w^T), as ``silu_mul`` rounds it (split_k 1). ``gpu_code``: the variant a
+    GPU runs (bf16/fp16 tensor-core dots, the prefetch) rather than the interpreter's (None: x.is_cuda; True on CPU
+    tensors only where nothing runs them: warm-cache's target driver)."""
     if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1] or x.stride(1) != 1 or not w.is_contiguous():
         raise ValueError(f"skinny_linear takes x [M, K] with a unit column stride and a contiguous w [N, K], got "
                          f"{tuple(x.shape)} strides {x.stride()} and {tuple(w.shape)}")
@@ -67,14 +83,15 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = DECODE_S
         raise ValueError(f"a gated skinny_linear takes a [gate | up] weight of even rows and split_k 1, got {n} "
                          f"rows, split_k {cfg.split_k}")
     n = n // 2 if gated else n
+    gpu_code = x.is_cuda if gpu_code is None else gpu_code
     launch = pdl_args(x) if pdl is None else {"PDL": pdl, "launch_pdl": pdl}
     split = cfg.split_k > 1
     y = (torch.zeros if split else torch.empty)((m, n), dtype=torch.float32 if split else x.dtype, device=x.device)
     k_span = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     skinny_linear_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, w, y, m, n, k, k_span, x.stride(0), w.stride(0), y.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        PREFETCH=prefetch if x.is_cuda else 0, BF16_DOT=x.is_cuda, num_warps=cfg.num_warps,
+        BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        PREFETCH=prefetch if gpu_code else 0, BF16_DOT=gpu_code, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, GATED=gated, **launch)
     return y.to(x.dtype) if split else y
 
@@ -85,15 +102,19 @@ def skinny_shape(m: int, n: int, k: int) -> bool:
     return 1 <= m <= SKINNY_MAX_ROWS and k <= _SKINNY_MAX_K and (m <= 16 or n > k)
 
 
+def skinny_capability(capability: tuple[int, int] | None) -> bool:
+    """The GPUs whose projections take the skinny kernel: Hopper (compute capability 9.x), where it was measured;
+    cuBLAS keeps them on other GPUs until the probe says otherwise there."""
+    return capability is not None and capability[0] == 9
+
+
 def skinny_applies(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     """Where ``linear`` launches the skinny kernel rather than cuBLAS: enabled, no bias, 2-D bf16/fp16 operands of
-    one dtype on a Hopper GPU (compute capability 9.x, where it was measured: cuBLAS keeps the projections on
-    other GPUs until the probe says otherwise there), of a ``skinny_shape``."""
+    one dtype on a GPU of ``skinny_capability``, of a ``skinny_shape``."""
     if not _skinny["enabled"] or b is not None or x.dim() != 2 or not x.is_cuda:
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or not w.is_contiguous():
         return False
     if x.stride(1) != 1 or not skinny_shape(x.shape[0], w.shape[0], x.shape[1]):
         return False
-    capability = nvidia_capability(x)
-    return capability is not None and capability[0] == 9
+    return skinny_capability(nvidia_capability(x))

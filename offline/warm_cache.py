@@ -13,6 +13,8 @@ and the NVFP4 decode planned for the target's SM count and compute capability (`
                                         into (1, a multiple of 16, other), hence every batch and chunk size
     nvfp4_to_fp8_kernel                 gather_workspace of 1..16 cached tokens, the same classes
     kv_write_kernel                     the fp8_e4m3 / bf16 pool write of 1..16 tokens, the same classes
+    skinny_linear_kernel                Hopper: the decode's bias-free projections (q/k/v, o, gate/up gated,
+                                        down) at each row class of 1..64 rows that takes them
 
 and, where gcc, Python's headers and a libcuda.so.1 to link against are found (the CUDA toolkit's stub library
 serves: TRITON_LIBCUDA_PATH), every variant's host launcher stub and Triton's driver helpers, which a GPU
@@ -23,9 +25,7 @@ on FP8 (nvfp4, fp8_e4m3 pools) or BF16 (bf16 pools) workspace K/V and of the fp8
 for FLASHINFER_CUDA_ARCH_LIST taken from --arch (``nvfp4_kernels.backends.flashinfer_backend.jit_specs``).
 
 Not covered (compiled on first use as before): eager decode batches larger than --cuda-graph-max-bs, the
-decode shapes of a server run with --disable-cuda-graph (no start-up warm-up there either), and the skinny
-linear of the decode projections on Hopper (nvfp4_kernels/triton/skinny_linear.py: a few variants, compiled
-while the decode graphs are captured at start-up).
+decode shapes of a server run with --disable-cuda-graph (no start-up warm-up there either).
 """
 
 from __future__ import annotations
@@ -82,6 +82,8 @@ class WarmPlan:
     host_launchers: bool = False  # Triton's host launcher stubs too (offline/triton_host_launchers.py)
     nvfp4_decode_kernel: str = "auto"  # the engine's --nvfp4-decode-kernel
     pdl: bool = True  # not --disable-pdl: the small kernels' variants with programmatic dependent launch (SM90+)
+    # (out features, in features, gated) of each bias-free projection of a decoder layer (``_projections``)
+    projections: tuple[tuple[int, int, bool], ...] = ()
 
 
 def build_parser(prog: str = "nvfp4-serve warm-cache") -> argparse.ArgumentParser:
@@ -169,7 +171,17 @@ def plan_from_args(a: argparse.Namespace) -> WarmPlan:
                     min(a.cuda_graph_max_bs, a.max_running_requests), max_width_pages(context, a.page_size),
                     a.attention_backend == "triton-block-select", capability, a.num_sms, mc.hidden_size,
                     mc.intermediate_size, mc.qk_norm, not a.no_host_launchers, a.nvfp4_decode_kernel,
-                    not a.disable_pdl)
+                    not a.disable_pdl, _projections(mc))
+
+
+def _projections(mc: ModelConfig) -> tuple[tuple[int, int, bool], ...]:
+    """The decoder layer's projections as ``engine/model.py`` calls ``ModelOps.linear`` and ``gate_up_silu_mul``
+    ((out, in, gated): q/k/v merged, o, gate/up merged and gated, down), those with a bias left out (cuBLAS
+    runs them)."""
+    h, i = mc.hidden_size, mc.intermediate_size
+    layer = ((mc.q_size + 2 * mc.kv_size, h, False, mc.attention_bias), (h, mc.q_size, False, mc.o_proj_bias),
+             (2 * i, h, True, mc.mlp_bias), (h, i, False, mc.mlp_bias))
+    return tuple((n, k, gated) for n, k, gated, bias in layer if not bias)
 
 
 def _cache_files(root: Path) -> set[Path]:
@@ -180,13 +192,17 @@ def warm_triton(plan: WarmPlan) -> tuple[dict[str, tuple[int, int]], list[str] |
     """Compile the Triton kernels of ``plan`` into TRITON_CACHE_DIR; ({kernel: (launches, variants compiled)},
     the kernel of each host launcher stub built, or None where ``plan`` builds none)."""
     from nvfp4_kernels import programmatic_launch
+    from nvfp4_kernels.skinny_linear import skinny_capability
     from nvfp4_kernels.triton.kv_write import kv_write_kernel
     from nvfp4_kernels.triton.nvfp4_decode import merge_kernel
     from nvfp4_kernels.triton.nvfp4_quantize import nvfp4_quantize_kernel, nvfp4_to_fp8_kernel
+    from nvfp4_kernels.triton.skinny_linear import skinny_linear_kernel
     from offline.triton_target_driver import TritonTarget, compile_for
 
     dense = [kv for kv in plan.kv_dtypes if kv in ("fp8_e4m3", "bf16")]
-    kernels = [*_model_op_kernels(), *([kv_write_kernel] if dense else [])]
+    skinny = skinny_capability(plan.capability) and bool(plan.projections)
+    kernels = [*_model_op_kernels(), *([kv_write_kernel] if dense else []),
+               *([skinny_linear_kernel] if skinny else [])]
     with (compile_for(TritonTarget(plan.capability), plan.host_launchers) as drv,
           programmatic_launch.for_target(plan.capability, plan.pdl)):  # the launch keywords the GPU will use
         if "nvfp4" in plan.kv_dtypes:
@@ -195,6 +211,8 @@ def warm_triton(plan: WarmPlan) -> tuple[dict[str, tuple[int, int]], list[str] |
         for kv in dense:  # their decode and prefill are FlashInfer's (warm_flashinfer); the pool write is ours
             _warm_dense_write(plan, kv)
         _warm_model_ops(plan)
+        if skinny:
+            _warm_skinny(plan)
     return _report(drv.launches, kernels), drv.stubs
 
 
@@ -281,6 +299,19 @@ def _warm_model_ops(plan: WarmPlan) -> None:
     norm_w = torch.ones(d, dtype=dt) if plan.qk_norm else None
     ops.qk_norm_rope(qkv, torch.zeros(2, dtype=torch.int64), cos, cos.clone(), norm_w, norm_w, 1e-6,
                      plan.num_qo_heads, plan.num_kv_heads)
+
+
+def _warm_skinny(plan: WarmPlan) -> None:
+    """The skinny linear of the decode's projections (``nvfp4_kernels.fused_ops.linear``, ``gate_up_silu_mul``) for
+    each projection and each row class it takes (``skinny_row_classes``, where ``skinny_shape`` gives it the
+    projection). Weights are left uninitialized: nothing runs."""
+    from nvfp4_kernels.skinny_linear import skinny_linear, skinny_row_classes, skinny_shape
+
+    for n, k, gated in plan.projections:
+        w = torch.empty(n, k, dtype=plan.q_dtype)
+        for m in skinny_row_classes():
+            if skinny_shape(m, n, k):
+                skinny_linear(torch.empty(m, k, dtype=plan.q_dtype), w, gated=gated, gpu_code=True)
 
 
 def warm_flashinfer(plan: WarmPlan) -> list[str]:

@@ -75,6 +75,27 @@ def test_linear_gives_the_skinny_kernel_the_decode_projections_it_streams_faster
     assert torch.equal(linear(x, w, b), torch.nn.functional.linear(x, w, b))
 
 
+def test_warm_cache_compiles_one_row_count_of_each_variant_of_the_hopper_projections_without_a_bias():
+    pytest.importorskip("triton")
+    from engine.model_config import ModelConfig
+    from nvfp4_kernels.skinny_linear import SKINNY_MAX_ROWS, skinny_capability, skinny_row_classes
+    from offline.warm_cache import _projections
+
+    def variant(m):  # the tile height and Triton's specialization of M
+        return max(16, 1 << (m - 1).bit_length()), m == 1, m % 16 == 0
+
+    rows = skinny_row_classes()
+    assert sorted({variant(m) for m in rows}) == sorted({variant(m) for m in range(1, SKINNY_MAX_ROWS + 1)})
+    assert len({variant(m) for m in rows}) == len(rows)
+    assert skinny_capability((9, 0)) and not any(skinny_capability(c) for c in ((8, 9), (10, 0), (12, 0), None))
+    base = {"vocab_size": 64, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "architectures": ["Qwen3ForCausalLM"]}
+    assert _projections(ModelConfig.from_dict(base)) == ((256 + 2 * 128, 256, False), (256, 256, False),
+                                                         (1024, 256, True), (256, 512, False))
+    biased = ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"]})  # q/k/v with a bias
+    assert _projections(biased) == ((256, 256, False), (1024, 256, True), (256, 512, False))
+
+
 def test_the_probes_configs_compile_for_sm90a_without_spills():
     pytest.importorskip("triton")
     from benchmarks.kernels.probe_gemv import compile_report, parse_config

@@ -122,14 +122,24 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
     assert launches["nvfp4_decode_gluon_kernel"][1] == 1 == launches["merge_kernel"][1], res.stdout
     cubins = _cubins(cache)
     for name in ("nvfp4_decode_gluon_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel",
-                 "rmsnorm_kernel", "silu_mul_kernel", "qk_norm_rope_kernel", "kv_write_kernel"):
+                 "rmsnorm_kernel", "silu_mul_kernel", "qk_norm_rope_kernel", "kv_write_kernel", "skinny_linear_kernel"):
         assert len(cubins[name]) == launches[name][1] >= 1, (name, launches, res.stdout)
         assert all(m["target"]["arch"] == 90 and m["target"]["backend"] == "cuda" for m in cubins[name])
     assert len(cubins["nvfp4_quantize_kernel"]) >= 2  # row counts divisible by 16 and not
     # the variants an SM90 GPU launches: the small kernels with programmatic dependent launch, the decode without
     for name in ("rmsnorm_kernel", "silu_mul_kernel", "qk_norm_rope_kernel", "kv_write_kernel",
-                 "nvfp4_quantize_kernel"):
+                 "nvfp4_quantize_kernel", "skinny_linear_kernel"):
         assert all(m["launch_pdl"] is True for m in cubins[name]), name
+    # the decode's projections on Hopper (q/k/v, o, gate/up gated, down; none has a bias here), each at every row
+    # class the skinny kernel takes it, compiled as the GPU runs them: bf16 operands on the tensor cores
+    from nvfp4_kernels.skinny_linear import skinny_row_classes, skinny_shape
+
+    h, q, kv, i = _TINY["hidden_size"], _TINY["num_heads"] * 128, _TINY["num_kv_heads"] * 128, eng.model_config.intermediate_size
+    shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+    assert launches["skinny_linear_kernel"][0] == sum(skinny_shape(m, n, k) for n, k in shapes
+                                                      for m in skinny_row_classes())
+    for ptx in cache.rglob("skinny_linear_kernel.ptx"):
+        assert "f32.bf16.bf16" in ptx.read_text() and ".tf32" not in ptx.read_text(), ptx
     for name in ("nvfp4_decode_gluon_kernel", "merge_kernel", "nvfp4_to_fp8_kernel"):
         assert all(not m.get("launch_pdl") for m in cubins[name]), name
     # Triton's host launcher stubs: one per distinct launcher source (variants of one signature share it)
