@@ -43,6 +43,7 @@ from decode_svc.kv_nixl_reads import NixlReads
 from decode_svc.page_refs import MAX_BATCH, PageRead, batches_of, copy_batch, layers_of
 from decode_svc.peer_channels import PeerChannels, PeerStubs
 from decode_svc.read_ahead import ReadAhead
+from decode_svc.transfer_phases import TransferClock, TransferPhases
 from engine.kv_pool import KVPool
 from engine.request import PullStart
 from engine.sampling import SamplingParams
@@ -80,6 +81,7 @@ class _Progress:
     first_page: int
     end_page: int
     next_page: list[int]  # per layer
+    clock: TransferClock  # started at the header; every claimed run stamps it
 
     def claim(self, layer: int, first_page: int, num_pages: int, address: str) -> None:
         """Raise PrefillUnavailable unless the run is the next one of ``layer``, inside the announced pages
@@ -92,6 +94,7 @@ class _Progress:
                 f"prefill {address} sent layer {layer} pages [{first_page}, +{num_pages}); expected the next run "
                 f"to start at page {want} and end by page {self.end_page}")
         self.next_page[layer] = want + num_pages
+        self.clock.page()
 
     def num_missing(self) -> int:
         return sum(self.end_page - p for p in self.next_page)
@@ -259,16 +262,8 @@ class KVReceiver:
         lanes = _Lanes()
         try:
             stream = call.__aiter__()
-            first = await self._next(stream.__anext__, self.timeouts.prefill_first_message_s, "transfer header",
-                                     address)
-            header = self._parse(first, address)
-            if header.request_id != start.rid or header.WhichOneof("payload") != "header":
-                raise PrefillUnavailable(f"prefill {address} sent {header.WhichOneof('payload')} for request "
-                                         f"{header.request_id[:80]!r} before the header of {start.rid!r}")
-            h = header.header
-            progress = self._check_header(h, start, address)
-            t_header = time.perf_counter()
-            self.transfer_metrics.wait_seconds.inc(t_header - t0)
+            h, progress = await self._header(stream, start, address)
+            self.transfer_metrics.wait_seconds.inc(progress.clock.header - t0)
             path = self._path_of(address, h, offer, peer)
             if path == PATH_NIXL:
                 reads = NixlReads(self.shares.nixl, peer.view, importer, self.timeouts.between_pages_s)
@@ -280,22 +275,16 @@ class KVReceiver:
                 receive = self._with_lanes(receive, lanes, peer_stubs, h.transfer_id, num_lanes, start, progress,
                                            importer, address)
             received, done, t_last = await receive
-            if missing := progress.num_missing():
-                raise PrefillUnavailable(f"prefill {address} finished with {missing} layer pages missing")
-            await writes.drain("pages", address)
-            await lanes.drain(address)
-            try:
-                await asyncio.to_thread(importer.finish)  # every write complete; scales checked
-            except ValueError as e:
-                raise PrefillUnavailable(f"bad KV pages from prefill {address}: {e}") from None
+            progress.clock.got_done()
+            await self._complete(progress, writes, lanes, importer, address)
             if not 0 <= done.first_token_id < self.vocab_size:
                 raise PrefillUnavailable(f"prefill {address} sent first token {done.first_token_id}, outside the "
                                          f"vocabulary [0, {self.vocab_size})")
-            seconds = time.perf_counter() - t_header
+            phases = progress.clock.phases()
             if not by_reference(path) or await self._release(peer_stubs.stub, h, time.perf_counter() - t_last,
                                                              address):
                 await _stream_end(ahead)
-            self._report(start, address, path, progress, received, seconds, writes.busy_s + lanes.busy_s(),
+            self._report(start, address, path, progress, received, phases, writes.busy_s + lanes.busy_s(),
                          (f" over {len(lanes.lanes) + 1} lanes" if lanes.lanes else "") + importer.times.summary()
                          if reads is None else reads.summary())
             return done.first_token_id
@@ -323,15 +312,40 @@ class KVReceiver:
             await lanes.settle()
             await _uncancellable(asyncio.to_thread(importer.settle))
 
-    def _report(self, start: PullStart, address: str, path: str, progress: _Progress, received: int, seconds: float,
-                busy_s: float, how: str) -> None:
+    async def _header(self, stream, start: PullStart, address: str) -> tuple[prefill_pb2.TransferHeader, _Progress]:
+        """The stream's first message: the transfer header of this pull, checked."""
+        first = await self._next(stream.__anext__, self.timeouts.prefill_first_message_s, "transfer header", address)
+        header = self._parse(first, address)
+        if header.request_id != start.rid or header.WhichOneof("payload") != "header":
+            raise PrefillUnavailable(f"prefill {address} sent {header.WhichOneof('payload')} for request "
+                                     f"{header.request_id[:80]!r} before the header of {start.rid!r}")
+        return header.header, self._check_header(header.header, start, address)
+
+    @staticmethod
+    async def _complete(progress: _Progress, writes: _Writes, lanes: _Lanes, importer: PageImporter,
+                        address: str) -> None:
+        """After PrefillDone: every page arrived, every write is complete and the values are checked."""
+        if missing := progress.num_missing():
+            raise PrefillUnavailable(f"prefill {address} finished with {missing} layer pages missing")
+        await writes.drain("pages", address)
+        await lanes.drain(address)
+        progress.clock.writes_drained()
+        try:
+            await asyncio.to_thread(importer.finish)  # every write complete; scales checked
+        except ValueError as e:
+            raise PrefillUnavailable(f"bad KV pages from prefill {address}: {e}") from None
+
+    def _report(self, start: PullStart, address: str, path: str, progress: _Progress, received: int,
+                phases: TransferPhases, busy_s: float, how: str) -> None:
         """A completed transfer's metrics and log line (``busy_s``: the time its pool writes ran)."""
-        self.metrics.observe_transfer(received, seconds, start.num_tokens - start.prefix_len)
+        self.metrics.observe_transfer(received, phases.total, start.num_tokens - start.prefix_len)
         self.transfer_metrics.copy_seconds.inc(busy_s)
+        for name, seconds in phases.items():
+            self.transfer_metrics.phase_seconds.labels(name).inc(seconds)
         log.info("request %s: %d pages x %d layers from prefill %s via %s%s, %.1f MB in %.1f ms after the header "
-                 "(%.1f ms of it copying: %.2f GB/s)", start.rid, progress.end_page - progress.first_page,
-                 self.layout.num_layers, address, path, how, received / 1e6, seconds * 1e3, busy_s * 1e3,
-                 received / max(busy_s, 1e-9) / 1e9)
+                 "(%.1f ms of it copying: %.2f GB/s; %s)", start.rid, progress.end_page - progress.first_page,
+                 self.layout.num_layers, address, path, how, received / 1e6, phases.total * 1e3, busy_s * 1e3,
+                 received / max(busy_s, 1e-9) / 1e9, phases.summary())
 
     def _check_header(self, h: prefill_pb2.TransferHeader, start: PullStart, address: str) -> _Progress:
         check_layout(self.layout, h.layout, "decode", "prefill")
@@ -342,7 +356,8 @@ class KVReceiver:
             raise PrefillUnavailable(
                 f"transfer header from {address} announces {h.num_tokens} tokens / pages "
                 f"[{h.first_page}, +{h.num_pages}), expected {start.num_tokens} / [{first_page}, +{num_pages})")
-        return _Progress(first_page, first_page + num_pages, [first_page] * self.layout.num_layers)
+        return _Progress(first_page, first_page + num_pages, [first_page] * self.layout.num_layers,
+                         TransferClock(time.perf_counter()))
 
     async def _receive(self, ahead: ReadAhead, start: PullStart, path: str, view: PoolView | NixlView | None,
                        reads: NixlReads | None, progress: _Progress, importer: PageImporter, writes: _Writes,

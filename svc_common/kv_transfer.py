@@ -156,6 +156,9 @@ class TransferMetrics:
     ``nvfp4_<role>_kv_transfer_copy_seconds_total`` decode: time the pool writes of transfers ran (pages
                                                           stream while the prefill computes, so the
                                                           transfer's own duration says little of its rate)
+    ``nvfp4_<role>_kv_transfer_phase_seconds_total{phase}`` decode: a transfer's span cut into phases
+                                                          (decode_svc/transfer_phases.py: first_page, stream,
+                                                          done, drain, finish)
     ``nvfp4_<role>_kv_nixl_reads_total``                 decode: NIXL READs issued (one per run of pages, every
                                                           layer's together), and ``..._nixl_descriptors_total``
                                                           their descriptors (one per part and run of consecutive
@@ -174,6 +177,8 @@ class TransferMetrics:
         self.copy_seconds = Counter(f"{p}_kv_transfer_copy_seconds",
                                     "time spent writing received pages into the pool (copy rate = bytes / this)",
                                     registry=r)
+        self.phase_seconds = Counter(f"{p}_kv_transfer_phase_seconds", "transfer header to pages in, by phase "
+                                     "(first_page, stream, done, drain, finish)", ["phase"], registry=r)
         self.nixl_reads = Counter(f"{p}_kv_nixl_reads", "NIXL READs issued (one per run of pages, every layer's)",
                                   registry=r)
         self.nixl_descriptors = Counter(f"{p}_kv_nixl_descriptors", "descriptors of the NIXL READs issued (one per "

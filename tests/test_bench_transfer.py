@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.transfer.bench_transfer import main
 from benchmarks.transfer.report import summarize
+from decode_svc.transfer_phases import PHASES
 
 
 def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_path):
@@ -34,6 +37,9 @@ def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_
         assert len(each) == 3 and all(x > 0 for x in each)
         assert r["colocated_ttft_s"] > 0 and each[0] == r["colocated_ttft_s"] / r["prefill_compute_s"]
         assert r["prefill_of_colocated"] == sorted(each)[1]
+        # the ready transfer phase by phase, on the decode's clock: they add up to its span
+        assert sorted(r["ready_phases_s"]) == sorted(PHASES) and min(r["ready_phases_s"].values()) >= 0
+        assert sum(r["ready_phases_s"].values()) == pytest.approx(r["ready_transfer_s"], rel=1e-6, abs=1e-9)
     assert [(s["path"], s["prompt_len"]) for s in doc["summary"]] == \
         [("grpc", 40), ("grpc-lanes", 40)]
     assert doc["setup"]["grpc_lanes"] == 2
@@ -44,6 +50,7 @@ def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_
     assert (tmp_path / "logs" / "decode-nvfp4-grpc.log").exists()
     assert [(r["channels"], r["keep_freed_blocks"], r["http2_max_frame_bytes"]) for r in doc["anchors"]["raw_grpc"]] \
         == [(1, False, 0), (4, False, 0), (1, True, 0), (1, True, (1 << 24) - 1), (4, True, (1 << 24) - 1)]
+    assert "| kv dtype | prompt | path | ready transfer ms | first page ms |" in md and "stream GB/s" in md
     assert "| raw grpcio, 2 processes |" in md and "heap setting" in md and "HTTP/2 frames up to" in md
     raw = doc["anchors"]["raw_grpc"]  # grpc judged against raw's best single stream, grpc-lanes against its best
     assert {r["anchor_gbps"] for r in doc["rows"] if r["path"] == "grpc"} == \

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from decode_svc.transfer_phases import PHASES
 from tests.service_procs import start_many, stop_all
 from tests.test_sender_process import _prefill_metric
 from tests.test_services import CPU, gen_request, generate, integrity, metric, prompt, run
@@ -31,5 +32,29 @@ def test_the_prefill_counts_a_completed_transfer_as_ok_when_its_stream_ends_afte
         assert sent >= run(metric(d.address, "nvfp4_decode_kv_transfer_bytes_total")) > 0
         rep = run(integrity(d.address))
         assert rep.ok and rep.num_in_use == 0
+        # the decode's span of the transfer, cut into its phases (decode_svc/transfer_phases.py)
+        phases = {name: run(metric(d.address, f'nvfp4_decode_kv_transfer_phase_seconds_total{{phase="{name}"}}'))
+                  for name in PHASES}
+        assert all(v >= 0 for v in phases.values()) and phases["first_page"] > 0, phases
+        assert sum(phases.values()) == pytest.approx(run(metric(d.address, "nvfp4_decode_kv_transfer_seconds_total")),
+                                                     rel=1e-6, abs=1e-9)
     finally:
         stop_all([p, d])
+
+
+def test_a_transfers_phases_add_up_to_its_span_and_one_without_page_messages_waits_in_first_page():
+    from decode_svc.transfer_phases import TransferClock
+
+    clock = TransferClock(header=10.0, first_page=10.5, last_page=12.0, done=12.25, drained=13.0)
+    p = clock.phases(end=13.5)
+    assert (p.first_page, p.stream, p.done, p.drain, p.finish) == (0.5, 1.5, 0.25, 0.75, 0.5)
+    assert p.total == 3.5 and "first page 500.0 ms" in p.summary()
+    empty = TransferClock(header=1.0, done=2.0).phases(end=2.5)
+    assert (empty.first_page, empty.stream, empty.done, empty.drain, empty.finish) == (1.0, 0.0, 0.0, 0.0, 0.5)
+    live = TransferClock(header=0.0)
+    live.page()
+    live.page()
+    live.got_done()
+    live.writes_drained()
+    q = live.phases()
+    assert live.first_page <= live.last_page <= live.done <= live.drained and min(v for _, v in q.items()) >= 0

@@ -54,6 +54,7 @@ from benchmarks.transfer.services import (
     stop_all,
     wait_ready,
 )
+from decode_svc.transfer_phases import PHASES
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
 from prefill_svc.config import KV_SENDERS
 
@@ -217,13 +218,15 @@ def run_one(prefill: Service, decode: Service, rid: str, ids: list[int], max_tok
     copy_s = delta(da, db, "nvfp4_decode_kv_transfer_copy_seconds_total")
     nbytes = delta(da, db, "nvfp4_decode_kv_transfer_bytes_total")
     used = [p for p in TRANSPORTS if delta(da, db, f'nvfp4_decode_kv_transfer_path_total{{path="{p}"}}') > 0]
+    phases = {name: delta(da, db, f'nvfp4_decode_kv_transfer_phase_seconds_total{{phase="{name}"}}')
+              for name in PHASES}
     return {
         "ttft_s": ttft, "prefill_compute_s": delta(pa, pb, "nvfp4_prefill_ttft_seconds_sum"),
         "prefill_wait_s": delta(da, db, "nvfp4_decode_kv_transfer_wait_seconds_total"),
         "transfer_s": transfer_s, "transfer_share": transfer_s / ttft if ttft > 0 else None,
         "transfer_bytes": int(nbytes), "transfer_mb": nbytes / 1e6,
         "transfer_gbps": nbytes / transfer_s / 1e9 if transfer_s > 0 else None,
-        "copy_s": copy_s, "copy_gbps": nbytes / copy_s / 1e9 if copy_s > 0 else None,
+        "copy_s": copy_s, "copy_gbps": nbytes / copy_s / 1e9 if copy_s > 0 else None, "phases_s": phases,
         "path_used": used[0] if len(used) == 1 else "/".join(used) or "none",
         "generated_tokens": sum(n for _, n in stamps),
         "decode_tok_s": n_after / span if span > 0 and n_after else None,
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                                for k in range(a.ready_repeats)]
                     ready = max(readies, key=lambda x: x["transfer_gbps"] or 0.0)
                     r.update({f"ready_{k}": ready[k] for k in ("transfer_s", "transfer_gbps", "copy_gbps",
-                                                                "transfer_bytes", "path_used")})
+                                                                "transfer_bytes", "path_used", "phases_s")})
                     r["ready_gbps_each"] = [x["transfer_gbps"] for x in readies]
                     # the colocated engine's prompt path on the same prompt (the decode's own prefill), and so for
                     # --compute-repeats - 1 more unique prompts: one prompt's ratio moves by a few points

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from decode_svc.transfer_phases import PHASES
+
 GOAL_RATIO = 0.6  # nvfp4's transfer share of TTFT at most 0.6x fp8's, on either path
 
 _COLUMNS = [("kv_dtype", "kv dtype", "{}"), ("prompt_len", "prompt", "{:,}"), ("path", "path", "{}"),
@@ -54,6 +56,23 @@ def ratio_table(summary: list[dict[str, Any]]) -> str:
         lines.append(f"| {s['path']} | {s['prompt_len']:,} | {s['nvfp4_share']:.1%} | {s['fp8_share']:.1%} | "
                      f"{_cell('{:.3f}', s['share_ratio'])} | {_cell('{:.4f}', s['bytes_ratio'])} | "
                      f"{'yes' if s['goal_met'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def phase_table(rows: list[dict[str, Any]]) -> str:
+    """The ready transfers on the decode's clock, phase by phase (decode_svc/transfer_phases.py); stream GB/s is
+    the bytes over the stream phase alone: the rate of the page messages once the first one came."""
+    names = list(PHASES)
+    lines = ["| kv dtype | prompt | path | ready transfer ms | " + " | ".join(f"{n.replace('_', ' ')} ms" for n in names)
+             + " | stream GB/s |", "|" + "---|" * (5 + len(names))]
+    for r in rows:
+        ph = r.get("ready_phases_s")
+        if not ph:
+            continue
+        stream = ph.get("stream", 0.0)
+        gbps = r["ready_transfer_bytes"] / stream / 1e9 if stream > 0 and r.get("ready_transfer_bytes") else None
+        lines.append(f"| {r['kv_dtype']} | {r['prompt_len']:,} | {r['path']} | {r['ready_transfer_s'] * 1e3:.1f} | "
+                     + " | ".join(f"{ph.get(n, 0.0) * 1e3:.1f}" for n in names) + f" | {_cell('{:.2f}', gbps)} |")
     return "\n".join(lines)
 
 
@@ -107,6 +126,11 @@ def markdown(doc: dict[str, Any]) -> str:
         + (f"; the median over {s['compute_repeats']} unique prompts, each cold on both."
            if s.get("compute_repeats", 1) > 1 else ".")), "",
         table(doc["rows"]), "", "## Anchors (same run)", "", anchor_table(doc.get("anchors", {})), "",
+        "## The ready transfers, phase by phase (the decode's clock)", "",
+        ("From the transfer header: first page = until the first page message (the prefill's first export), "
+         "stream = the page messages, done = the last page message to PrefillDone, drain = the pool writes still "
+         "running after it, finish = the one check of every written page. They add up to the ready transfer."), "",
+        phase_table(doc["rows"]), "",
         f"## nvfp4 / fp8 transfer share (goal: <= {GOAL_RATIO}x on either path)", "",
         ratio_table(doc["summary"]), "", f"Goal: {verdict}.", ""])
 
