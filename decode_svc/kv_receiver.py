@@ -70,6 +70,9 @@ _HOLD_MARGIN = 0.9  # by-reference copies must complete within this share of the
 _WRITES_IN_FLIGHT = 2  # writes running behind the message being handled
 _READ_AHEAD = 4  # messages received ahead of the one being handled (with the writes: ~7 messages of memory)
 _RELEASE_TIMEOUT_S = 5.0
+# How long a completed transfer's stream may take to end on the prefill's side (PrefillDone is its last message;
+# the end follows at once from a working prefill): past it, the stream is cancelled and the pull goes on
+_STREAM_END_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +148,7 @@ async def _stream_end(ahead: ReadAhead) -> None:
     end its stream as a failure, and the transfer would go uncounted there. Its status is of no consequence
     here (every page is in and checked), and a prefill that holds the stream open past the bound is cancelled."""
     try:
-        await asyncio.wait_for(ahead.next(), _RELEASE_TIMEOUT_S)
+        await asyncio.wait_for(ahead.next(), _STREAM_END_S)
     except (StopAsyncIteration, TimeoutError, grpc.aio.AioRpcError):
         pass
 

@@ -6,6 +6,8 @@ cancels right after PrefillDone is caught every time. Real services on free port
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from decode_svc.transfer_phases import PHASES
@@ -38,6 +40,24 @@ def test_the_prefill_counts_a_completed_transfer_as_ok_when_its_stream_ends_afte
         assert all(v >= 0 for v in phases.values()) and phases["first_page"] > 0, phases
         assert sum(phases.values()) == pytest.approx(run(metric(d.address, "nvfp4_decode_kv_transfer_seconds_total")),
                                                      rel=1e-6, abs=1e-9)
+    finally:
+        stop_all([p, d])
+
+
+def test_a_prefill_that_holds_its_stream_open_after_prefill_done_is_cancelled_and_the_request_goes_on(
+        tiny_model_dir):
+    args = ("--model", tiny_model_dir, "--page-size", "4")
+    p, d = start_many([("prefill_svc", *CPU, *args, "--debug-done-delay-s", "60"),
+                       ("decode_svc", *CPU, *args, "--kv-transfer", "grpc")])
+    try:
+        t0 = time.monotonic()
+        tokens, _ = run(generate(d.address, gen_request("held", prompt(24), p.address, max_tokens=3)))
+        assert len(tokens) == 3 and time.monotonic() - t0 < 30  # the decode's bound on the end (2 s), not the 60 s
+        load = run(prefill_is_idle(p.address))  # the cancel ended the prefill's stream: its pages are free
+        assert load.pool_pages_in_use == 0 and load.num_running == 0
+        assert run(_prefill_metric(p.address, 'nvfp4_prefill_requests_total{outcome="failed"}')) == 1
+        rep = run(integrity(d.address))
+        assert rep.ok and rep.num_in_use == 0
     finally:
         stop_all([p, d])
 
