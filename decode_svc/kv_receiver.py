@@ -42,6 +42,7 @@ from decode_svc.kv_ipc import PeerShare, PrefillShares
 from decode_svc.kv_nixl_reads import NixlReads
 from decode_svc.page_refs import MAX_BATCH, PageRead, batches_of, copy_batch, layers_of
 from decode_svc.peer_channels import PeerChannels, PeerStubs
+from decode_svc.pull_writes import PullLanes, PullWrites, uncancellable
 from decode_svc.read_ahead import ReadAhead
 from decode_svc.transfer_phases import TransferClock, TransferPhases
 from engine.kv_pool import KVPool
@@ -103,45 +104,6 @@ class _Progress:
         return sum(self.end_page - p for p in self.next_page)
 
 
-class _Writes:
-    """One pull's pool writes on the receiver's threads, at most ``limit`` running behind the reader.
-    ``settle`` waits for every write already started, even when the pull is being cancelled."""
-
-    def __init__(self, executor: concurrent.futures.ThreadPoolExecutor, limit: int):
-        self.executor, self.limit = executor, limit
-        self._running: list[concurrent.futures.Future] = []
-        self.busy_s = 0.0  # seconds the writes ran (copy rate = bytes / busy_s)
-
-    async def post(self, fn: Callable[[], object], what: str, address: str) -> None:
-        def timed() -> None:
-            t0 = time.perf_counter()
-            try:
-                fn()
-            finally:
-                self.busy_s += time.perf_counter() - t0
-
-        self._running.append(self.executor.submit(timed))
-        while len(self._running) > self.limit:
-            await self._result(self._running.pop(0), what, address)
-
-    async def drain(self, what: str, address: str) -> None:
-        while self._running:
-            await self._result(self._running.pop(0), what, address)
-
-    @staticmethod
-    async def _result(fut: concurrent.futures.Future, what: str, address: str) -> None:
-        try:
-            await asyncio.wrap_future(fut)
-        except ValueError as e:
-            raise PrefillUnavailable(f"bad KV {what} from prefill {address}: {e}") from None
-
-    async def settle(self) -> None:
-        running = [f for f in self._running if not f.cancel()]  # not started: dropped
-        self._running.clear()
-        if running:
-            await _uncancellable(asyncio.to_thread(concurrent.futures.wait, running))
-
-
 async def _stream_end(ahead: ReadAhead) -> None:
     """Let a completed transfer's stream end on its own (PrefillDone is its last message; a by-reference
     prefill ends it once released) before the caller's cancel: a cancel racing the prefill's last write would
@@ -151,75 +113,6 @@ async def _stream_end(ahead: ReadAhead) -> None:
         await asyncio.wait_for(ahead.next(), _STREAM_END_S)
     except (StopAsyncIteration, TimeoutError, grpc.aio.AioRpcError):
         pass
-
-
-async def _uncancellable(coro) -> None:
-    """Run ``coro`` to its end even if the awaiting task is cancelled meanwhile (re-raised afterwards)."""
-    task = asyncio.ensure_future(coro)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-        except Exception:  # noqa: BLE001 - reported by whoever reads the task
-            break
-    if cancelled:
-        raise asyncio.CancelledError
-
-
-@dataclass
-class _Lane:
-    call: grpc.aio.UnaryStreamCall
-    ahead: ReadAhead
-    writes: _Writes
-
-
-class _Lanes:
-    """The PrefillLane streams of one grpc transfer with lanes (none without): read ahead each, their pool
-    writes apart, received concurrently with the Prefill stream; the first failure of any stream ends all."""
-
-    def __init__(self) -> None:
-        self.lanes: list[_Lane] = []
-
-    def open(self, call: grpc.aio.UnaryStreamCall, writes: _Writes) -> None:
-        self.lanes.append(_Lane(call, ReadAhead(call.__aiter__(), _READ_AHEAD), writes))
-
-    async def run(self, main: Awaitable, lanes: list[Awaitable]) -> tuple[int, prefill_pb2.PrefillDone, float]:
-        """``main``'s result (its bytes plus every lane's) once it and every lane completed; the first error of
-        any, the others cancelled."""
-        tasks = [asyncio.ensure_future(main), *(asyncio.ensure_future(c) for c in lanes)]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in tasks:  # the first failure in stream order (a cancelled lane's own error comes after)
-                if t in done and not t.cancelled() and t.exception() is not None:
-                    raise t.exception()
-            received, done_msg, t_last = tasks[0].result()
-            for t in tasks[1:]:
-                lane_bytes, lane_last = t.result()
-                received, t_last = received + lane_bytes, max(t_last, lane_last)
-            return received, done_msg, t_last
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def drain(self, address: str) -> None:
-        for lane in self.lanes:
-            await lane.writes.drain("pages", address)
-
-    def cancel(self) -> None:
-        for lane in self.lanes:
-            lane.call.cancel()
-            lane.ahead.close()
-
-    async def settle(self) -> None:
-        for lane in self.lanes:
-            await lane.writes.settle()
-
-    def busy_s(self) -> float:
-        """Seconds the lanes' pool writes ran (their own, beside lane 0's)."""
-        return sum(lane.writes.busy_s for lane in self.lanes)
 
 
 class KVReceiver:
@@ -259,10 +152,10 @@ class KVReceiver:
             sampling=sampling_to_proto(sampling), expected_layout=self.layout, transfer=offer))
         t0 = time.perf_counter()
         importer = PageImporter(self.pool, self._tables)
-        writes = _Writes(self._executor, _WRITES_IN_FLIGHT)
+        writes = PullWrites(self._executor, _WRITES_IN_FLIGHT)
         reads: NixlReads | None = None
         ahead: ReadAhead | None = None
-        lanes = _Lanes()
+        lanes = PullLanes(_READ_AHEAD)
         try:
             stream = call.__aiter__()
             h, progress = await self._header(stream, start, address)
@@ -313,7 +206,7 @@ class KVReceiver:
                 self.transfer_metrics.nixl_reads.inc(reads.num_reads)
                 self.transfer_metrics.nixl_descriptors.inc(reads.num_descriptors)
             await lanes.settle()
-            await _uncancellable(asyncio.to_thread(importer.settle))
+            await uncancellable(asyncio.to_thread(importer.settle))
 
     async def _header(self, stream, start: PullStart, address: str) -> tuple[prefill_pb2.TransferHeader, _Progress]:
         """The stream's first message: the transfer header of this pull, checked."""
@@ -325,7 +218,7 @@ class KVReceiver:
         return header.header, self._check_header(header.header, start, address)
 
     @staticmethod
-    async def _complete(progress: _Progress, writes: _Writes, lanes: _Lanes, importer: PageImporter,
+    async def _complete(progress: _Progress, writes: PullWrites, lanes: PullLanes, importer: PageImporter,
                         address: str) -> None:
         """After PrefillDone: every page arrived, every write is complete and the values are checked."""
         if missing := progress.num_missing():
@@ -363,7 +256,7 @@ class KVReceiver:
                          TransferClock(time.perf_counter()))
 
     async def _receive(self, ahead: ReadAhead, start: PullStart, path: str, view: PoolView | NixlView | None,
-                       reads: NixlReads | None, progress: _Progress, importer: PageImporter, writes: _Writes,
+                       reads: NixlReads | None, progress: _Progress, importer: PageImporter, writes: PullWrites,
                        address: str, num_lanes: int = 1) -> tuple[int, prefill_pb2.PrefillDone, float]:
         """Read page messages up to PrefillDone, posting each one's pool write; returns (bytes, done, when the
         last page message arrived). With lanes, this stream is lane 0."""
@@ -420,18 +313,18 @@ class KVReceiver:
             else:
                 raise PrefillUnavailable(f"unexpected {kind} message on the {path} transfer from prefill {address}")
 
-    def _with_lanes(self, receive: Awaitable, lanes: _Lanes, peer_stubs: PeerStubs, transfer_id: str,
+    def _with_lanes(self, receive: Awaitable, lanes: PullLanes, peer_stubs: PeerStubs, transfer_id: str,
                     num_lanes: int, start: PullStart, progress: _Progress, importer: PageImporter, address: str
                     ) -> Awaitable[tuple[int, prefill_pb2.PrefillDone, float]]:
         """``receive`` (lane 0) run with lanes 1 .. num_lanes - 1, each opened now on its own connection."""
         for k, call in enumerate(self.channels.lane_calls(address, peer_stubs, num_lanes), start=1):
             lanes.open(call(prefill_pb2.PrefillLaneRequest(transfer_id=transfer_id, lane=k)),
-                       _Writes(self._executor, _WRITES_IN_FLIGHT))
+                       PullWrites(self._executor, _WRITES_IN_FLIGHT))
         return lanes.run(receive, [self._receive_lane(lane.ahead, start, progress, importer, lane.writes, address,
                                                       k, num_lanes) for k, lane in enumerate(lanes.lanes, start=1)])
 
     async def _receive_lane(self, ahead: ReadAhead, start: PullStart, progress: _Progress, importer: PageImporter,
-                            writes: _Writes, address: str, lane: int, num_lanes: int) -> tuple[int, float]:
+                            writes: PullWrites, address: str, lane: int, num_lanes: int) -> tuple[int, float]:
         """Lane ``lane``'s page runs (only layers l % num_lanes == lane) up to its stream's end; returns
         (bytes, when its last page message arrived)."""
         received, t_last = 0, time.perf_counter()
@@ -454,7 +347,7 @@ class KVReceiver:
             raise PrefillUnavailable(f"prefill {address} sent an undecodable message: {e}") from None
 
     async def _post_run(self, run: PageRunView, start: PullStart, progress: _Progress, importer: PageImporter,
-                        writes: _Writes, address: str, lane: int, num_lanes: int) -> int:
+                        writes: PullWrites, address: str, lane: int, num_lanes: int) -> int:
         """Check one page run of lane ``lane`` and post its pool write; returns its bytes."""
         if run.request_id != start.rid:
             raise PrefillUnavailable(f"KV page bytes for {run.request_id[:80]!r} on the transfer of {start.rid!r} "
