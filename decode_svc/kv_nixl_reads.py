@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from decode_svc.page_refs import MAX_BATCH, PageRead, runs_of
-from svc_common.kv_copy import PageImporter
 from svc_common.kv_transfer_nixl import NixlAgent, NixlTransferError, NixlView, read_descs
+from svc_common.page_import import PageImporter
 
 
 class NixlReads:

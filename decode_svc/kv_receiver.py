@@ -3,7 +3,7 @@ allocated here, checking the handshake and every message, under a deadline per s
 
 Pages stream while the prefill computes the prompt (after each chunk, the pages it completed). The header
 names the path (``svc_common/kv_transfer.py``); writes run on worker threads and a side CUDA stream
-(``svc_common/kv_copy.py``), never on the engine thread, so a transfer neither waits for decode steps
+(``svc_common/page_import.py``), never on the engine thread, so a transfer neither waits for decode steps
 nor delays them; the stream is read ahead of the handling (``decode_svc/read_ahead.py``), so the next
 message is received while this one is checked:
 
@@ -51,7 +51,6 @@ from engine.sampling import SamplingParams
 from nvfp4_serve_proto import common_pb2, prefill_pb2
 from svc_common.convert import sampling_to_proto
 from svc_common.errors import InvalidRequest, LayoutMismatch, PrefillUnavailable, TransferTimeout
-from svc_common.kv_copy import PageImporter, PageTableCache
 from svc_common.kv_transfer import (
     PATH_GRPC,
     PATH_NIXL,
@@ -65,6 +64,7 @@ from svc_common.kv_transfer_nixl import NixlView
 from svc_common.kv_wire import PageRunView, WireError, decode_page_run
 from svc_common.layout import check_layout
 from svc_common.metrics import ServiceMetrics
+from svc_common.page_import import PageImporter, PageTableCache
 from svc_common.tls import TLSConfig
 
 _HOLD_MARGIN = 0.9  # by-reference copies must complete within this share of the hold (messages in flight)

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from svc_common.kv_copy import PARTS, PageImporter
 from svc_common.kv_transfer_ipc import PoolView
+from svc_common.page_import import PageImporter
+from svc_common.pool_parts import PARTS
 
 MAX_BATCH = 64  # page refs messages one task carries at most (nixl: a READ's descriptors, parts x runs x messages)
 

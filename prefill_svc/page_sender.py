@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from engine.fence import Fence
 from prefill_svc.lanes import LaneTransfer
-from svc_common.kv_copy import ExportTimes, PageExporter
+from svc_common.page_export import ExportTimes, PageExporter
 
 HEADER_MARGIN = 4096  # bytes kept free in each message for the protobuf framing
 _MESSAGES_PER_EXPORT = 8  # messages gathered and copied to host at once (one gather, one device->host copy)

@@ -120,7 +120,7 @@ async def _serve(spec: SenderSpec, view: PoolView) -> None:
     from prefill_svc.servicer import add_to_server
     from svc_common.grpc_server import build_server, server_options, start_and_wait
     from svc_common.host_malloc import keep_freed_blocks
-    from svc_common.kv_copy import PageExporter
+    from svc_common.page_export import PageExporter
     from svc_common.tls import open_channel
 
     keep_freed_blocks()  # page messages reuse freed heap pages (svc_common/host_malloc.py)

@@ -29,8 +29,8 @@ from prefill_svc.lanes import LaneTransfer, TransferLanes
 from prefill_svc.page_sender import PageSender
 from prefill_svc.sender_metrics import SenderMetrics
 from svc_common.errors import PrefillUnavailable, ServiceError, TransferTimeout
-from svc_common.kv_copy import PageExporter
 from svc_common.kv_transfer import PATH_GRPC, PATH_RELAY
+from svc_common.page_export import PageExporter
 
 _RELEASE_TIMEOUT_S = 30.0
 _EXPORTS_AHEAD = 3  # prefill_svc/page_sender.py: EXPORTS_AHEAD

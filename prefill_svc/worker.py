@@ -36,7 +36,6 @@ from prefill_svc.page_sender import HEADER_MARGIN, PageSender, pages_per_message
 from svc_common.convert import check_token_ids, sampling_from_proto
 from svc_common.errors import InvalidRequest, PrefillUnavailable, check_request_id, service_error
 from svc_common.fault_injection import FaultInjection
-from svc_common.kv_copy import PageExporter
 from svc_common.kv_transfer import (
     PATH_GRPC,
     PATH_NIXL,
@@ -48,6 +47,7 @@ from svc_common.kv_transfer import (
 from svc_common.kv_transfer_ipc import pool_view
 from svc_common.layout import check_layout, layout_of
 from svc_common.metrics import ServiceMetrics
+from svc_common.page_export import PageExporter
 
 _PAGE_ID_BYTES = 5  # most bytes of one packed int32 page id in a KVPageRefs message
 

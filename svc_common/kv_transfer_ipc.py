@@ -1,5 +1,5 @@
 """The cuda-ipc transfer path's tensor side: share a prefill's pool tensors once and open them in a decode
-process; the copies themselves are ``svc_common.kv_copy.PageImporter.copy_from_layers``.
+process; the copies themselves are ``svc_common.page_import.PageImporter.copy_from_layers``.
 
     prefill process                                   decode process
     export_share(pool)  --KVShare (gRPC, once)-->      open_share(share, pool) -> PoolView (cached per prefill)

@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from nvfp4_serve_proto import common_pb2, decode_pb2_grpc, prefill_pb2
-from svc_common.kv_copy import part_page_bytes
 from svc_common.kv_wire import encode_page_run
+from svc_common.pool_parts import part_page_bytes
 from tests.pd_harness import ChunkGate, services
 
 PAGE, CHUNK = 4, 8

@@ -1,5 +1,5 @@
-"""PageExporter / PageImporter (svc_common/kv_copy.py) against plain tensor indexing, on the CPU and, where
-there is one, on a GPU (its side streams, pinned copies and gather kernels)."""
+"""PageExporter / PageImporter (svc_common/page_export.py, svc_common/page_import.py) against plain tensor
+indexing, on the CPU and, where there is one, on a GPU (its side streams, pinned copies and gather kernels)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from engine.kv_pool import KVPool
-from svc_common.kv_copy import PARTS, PageExporter, PageImporter
 from svc_common.kv_transfer_ipc import pool_view
 from svc_common.kv_wire import decode_page_run
+from svc_common.page_export import PageExporter
+from svc_common.page_import import PageImporter
+from svc_common.pool_parts import PARTS
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -122,8 +124,8 @@ def test_pages_in_runs_go_to_host_in_the_gathers_layout(device, kv_dtype):
     """A GPU export of pages in a few runs copies each run of each part to host (no gather kernel): the host
     buffer it fills is byte for byte the part-after-part layout of a gather of the same pages, and the messages
     made from it carry the pages (on a GPU through ``messages``, on the CPU through the copy helper itself)."""
-    from svc_common.kv_copy import _copy_runs_to_host
     from svc_common.kv_transfer_ipc import page_runs
+    from svc_common.page_export import _copy_runs_to_host
 
     src = _pool(kv_dtype, device)
     ids = list(range(40, 47)) + list(range(3, 12)) + [60]  # three runs, out of pool order
@@ -240,8 +242,8 @@ def test_an_e4m3_nan_in_a_message_fails_the_write_only_inside_the_prompt(device,
 def test_aligned_and_unaligned_messages_write_the_same_pages_and_checks(device, kv_dtype, align):
     """A message from this service's prefill (parts aligned: on a GPU the whole-message launch) and one of
     protobuf's own bytes (another sender: parts staged one by one) write the same bytes and fail the same NaN."""
-    from svc_common.kv_copy import _lies_aligned
     from svc_common.kv_wire import encode_page_run
+    from svc_common.page_import import _lies_aligned
 
     src, dst = _pool(kv_dtype, device), _pool(kv_dtype, device, pages=96)
     pages, targets = [3, 4, 5, 40, 41], [90, 10, 11, 12, 0]
@@ -278,8 +280,8 @@ def test_aligned_and_unaligned_messages_write_the_same_pages_and_checks(device, 
 @pytest.mark.parametrize("sizes", [(64, 8, 64, 8), (96, 0, 96, 0)])
 def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
     from nvfp4_serve_proto import prefill_pb2
-    from svc_common.kv_copy import message_from
     from svc_common.kv_wire import encode_page_run, frame_page_run
+    from svc_common.page_export import message_from
 
     g = torch.Generator().manual_seed(3)
     parts = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).numpy() if n else None for n in sizes]
@@ -301,8 +303,8 @@ def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
 def test_several_messages_framed_in_one_call_each_equal_their_own_encoding():
     """``messages_from`` (what an export frames at once): views of one host buffer as sources, messages of
     different page counts (a layer's last message is shorter), nvfp4 parts and fp8's absent scales."""
-    from svc_common.kv_copy import messages_from
     from svc_common.kv_wire import encode_page_run, frame_page_run
+    from svc_common.page_export import messages_from
 
     g = torch.Generator().manual_seed(5)
     for page in ((128, 16, 128, 16), (256, 0, 256, 0)):
@@ -345,7 +347,7 @@ def test_aligned_framing_puts_every_part_at_a_multiple_of_64_whatever_the_header
 
 _BATCHED_UNDER_INTERPRETER = """
 import random, torch
-from svc_common.kv_copy import PageImporter, PageTableCache
+from svc_common.page_import import PageImporter, PageTableCache
 from tests.test_kv_copy import _pool, _rows
 for kv_dtype in ("nvfp4", "fp8_e4m3", "bf16"):
     src, dst = _pool(kv_dtype, "cpu"), _pool(kv_dtype, "cpu", pages=128)
@@ -383,7 +385,8 @@ print("batched ok")
 
 _STAGED_UNDER_INTERPRETER = """
 import random, torch
-from svc_common.kv_copy import PageExporter, PageImporter
+from svc_common.page_export import PageExporter
+from svc_common.page_import import PageImporter
 from svc_common.kv_transfer_ipc import pool_view
 from svc_common.kv_wire import decode_page_run, encode_page_run
 from tests.test_kv_copy import _pool, _rows
@@ -447,7 +450,7 @@ def test_the_batched_copy_and_check_path_under_the_triton_interpreter_equals_ind
 
 
 def test_the_page_table_cache_builds_each_key_once_and_drops_the_least_recently_used():
-    from svc_common.kv_copy import PageTableCache
+    from svc_common.page_import import PageTableCache
     cache, made = PageTableCache(capacity=2), []
 
     def build(name):

@@ -13,7 +13,6 @@ from engine.kv_pool import KVPool
 from nvfp4_serve_proto import common_pb2, prefill_pb2
 from prefill_svc.kv_share import TransferHolds
 from svc_common.errors import TransferTimeout
-from svc_common.kv_copy import PageImporter
 from svc_common.kv_transfer import (
     FALLBACK_REASONS,
     PATH_GRPC,
@@ -26,6 +25,7 @@ from svc_common.kv_transfer import (
 )
 from svc_common.kv_transfer_ipc import Fence, check_share, describe_tensors, pool_view
 from svc_common.metrics import ServiceMetrics
+from svc_common.page_import import PageImporter
 
 
 def ep(boot: str = "boot-a", device: str = "cuda:GPU-1", mode: str = "auto", host: str = "h1"):

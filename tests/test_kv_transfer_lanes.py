@@ -178,7 +178,7 @@ HOSTILE_LANES = {  # case -> (the fake prefill's Prefill stream, a fragment of t
 def test_a_decode_refuses_lanes_it_did_not_offer_or_pages_off_their_lane(four_layer_model, case):
     """The decode's side: each case fails its request with UNAVAILABLE and frees its pages."""
     from nvfp4_serve_proto import decode_pb2_grpc
-    from svc_common.kv_copy import part_page_bytes
+    from svc_common.pool_parts import part_page_bytes
     from tests.test_hostile_prefill import fake_prefill
 
     messages, fragment = HOSTILE_LANES[case]

@@ -12,10 +12,10 @@ import torch
 
 from engine.kv_pool import KVPool
 from nvfp4_serve_proto import common_pb2, prefill_pb2
-from svc_common.kv_copy import PageImporter
 from svc_common.kv_transfer import FALLBACK_REASONS, PATH_NIXL, select_path
 from svc_common.kv_transfer_ipc import describe_tensors
 from svc_common.kv_transfer_nixl import check_nixl_share
+from svc_common.page_import import PageImporter
 
 
 # -- path rule -----------------------------------------------------------------------------------------------

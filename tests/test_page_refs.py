@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from decode_svc.page_refs import PageRead, copy_batch
-from svc_common.kv_copy import PageImporter
 from svc_common.kv_transfer_ipc import pool_view
+from svc_common.page_import import PageImporter
 from tests.test_kv_copy import DEVICES, _pool, _rows
 
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from nvfp4_serve_proto import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from svc_common.kv_copy import PageImporter
+from svc_common.page_import import PageImporter
 from tests.pd_harness import ChunkGate, services
 
 PAGE, CHUNK = 4, 8  # a 40-token prompt runs as 5 chunks of 2 pages each

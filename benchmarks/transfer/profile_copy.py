@@ -1,5 +1,6 @@
 """Where a KV transfer's time goes, one component at a time, in one process (no gRPC): the pool-side pieces
-of both paths (``svc_common/kv_copy.py``), each against the device or host operation it is made of.
+of both paths (``svc_common/page_export.py``, ``svc_common/page_import.py``), each against the device or host
+operation it is made of.
 
     python -m benchmarks.transfer.profile_copy [--pages 2048] [--layers 8] [--out docs/benchmarks/transfer_profile.json]
 
@@ -28,9 +29,11 @@ from engine.engine_loop import ENGINE_SWITCH_INTERVAL_S
 from engine.kv_pool import KVPool
 from nvfp4_serve_proto import prefill_pb2
 from svc_common.host_malloc import keep_freed_blocks
-from svc_common.kv_copy import PARTS, PageExporter, PageImporter
 from svc_common.kv_transfer_ipc import export_share, open_share, pool_view
 from svc_common.kv_wire import decode_page_run
+from svc_common.page_export import PageExporter
+from svc_common.page_import import PageImporter
+from svc_common.pool_parts import PARTS
 
 
 def _pool(args, device) -> KVPool:

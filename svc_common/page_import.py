@@ -1,34 +1,27 @@
-"""Page bytes between a pool and the gRPC wire, off the engine thread: ``PageExporter`` (prefill side) and
-``PageImporter`` (decode side).
+"""Page bytes into the decode's pool, off the engine thread (the prefill's side is ``svc_common/page_export.py``):
+``PageImporter``, one per pull.
 
-    prefill: pool pages of several messages, after the fence of the chunk that wrote them, on a side stream: in
-             up to 4 runs of consecutive pages one D2H copy per part and run (copy engine only), else one gather
-             per part into one device buffer and one D2H copy --> pinned host memory --one copy call for every
-             message (messages_from)--> each message's bytes
-    decode:  a message into up to 4 runs of consecutive pages (a fresh request's mostly are) --one numpy copy-->
-             pinned staging --one H2D copy per part and run on a side stream (copy engine only, no kernel)-->
-             the request's pages; ``finish`` checks the scales (and fp8/bf16 values) of the whole transfer in one
-             launch per kind of part. Scattered pages: the destination ids and the message's bytes (parts
-             aligned by the sender) --two numpy copies--> pinned staging --one H2D copy, one page-copy launch
-             (every part, read where it lies in the message; checked in the same launch)--> the pages; a message
-             with unaligned parts is staged part by part. Nothing is scanned on the host.
+    grpc:     a message into up to 4 runs of consecutive pages (a fresh request's mostly are) --one numpy copy-->
+              pinned staging --one H2D copy per part and run on a side stream (copy engine only, no kernel)-->
+              the request's pages; ``finish`` checks the scales (and fp8/bf16 values) of the whole transfer in
+              one launch per kind of part. Scattered pages: the destination ids and the message's bytes (parts
+              aligned by the sender) --two numpy copies--> pinned staging --one H2D copy, one page-copy launch
+              (every part, read where it lies in the message; checked in the same launch)--> the pages; a
+              message with unaligned parts is staged part by part. Nothing is scanned on the host.
     cuda-ipc: the prefill's pages --one page-copy kernel per layer (every part, values checked in the same
               pass; nvfp4_kernels/page_copy_triton.py)--> the request's pages
     nixl:     NIXL's READ writes the request's pages (kv_transfer_nixl.py); ``finish`` checks them all
               (check_at_finish: the same kernel, check only, one launch per kind of part for the transfer)
 
-Both use their own CUDA stream, so a transfer never waits behind the engine's next chunk or decode step,
-and never holds the engine thread. The importer's invariant: ``finish`` returns only after every write it
-issued is complete, so the caller may free the pages (abort) or hand them to the engine right after.
-Pages written here are the request's own (allocated to it, not yet visible to any other request).
+Writes use the importer's own CUDA stream, so a transfer never waits behind the engine's next chunk or decode
+step, and never holds the engine thread. The invariant: ``finish`` returns only after every write it issued is
+complete, so the caller may free the pages (abort) or hand them to the engine right after. Pages written here
+are the request's own (allocated to it, not yet visible to any other request).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import ctypes
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,145 +29,23 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from engine.fence import Fence
 from engine.kv_pool import KVPool
 from nvfp4_kernels.page_copy import check_kind, copy_pages_reference, move_pages_reference
-from svc_common.kv_transfer_ipc import PoolView, page_runs
-from svc_common.kv_wire import Frame, PageRunView, encode_page_run, frame_page_run
+from svc_common.kv_transfer_ipc import page_runs
+from svc_common.kv_wire import PageRunView
+from svc_common.pool_parts import (
+    MAX_COPY_RUNS,
+    PARTS,
+    SummedTimes,
+    device_ids,
+    on_stream,
+    part_page_bytes,
+    pool_parts,
+    side_stream,
+)
 
-PARTS = ("k", "k_sf", "v", "v_sf")
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # (NULL, n): an uninitialized bytes object of n bytes
-_new_bytes.argtypes, _new_bytes.restype = [ctypes.c_void_p, ctypes.c_ssize_t], ctypes.py_object
-_bytes_data = ctypes.pythonapi.PyBytes_AsString  # the address of a bytes object's buffer
-_bytes_data.argtypes, _bytes_data.restype = [ctypes.py_object], ctypes.c_void_p
-_MAX_SLICE_RUNS = 16  # up to this many runs of consecutive pages are copied run by run (a host pool's export)
-# a GPU pool's export, and a message written into the decode's pool: up to this many runs of consecutive pages move
-# run by run (one copy per part and run, on the copy engine); more take a kernel (a gather, a page-copy launch). A
-# kernel runs in this process's CUDA context, which the GPU time-slices with the other services' on one GPU
-_MAX_COPY_RUNS = 4
 _ALIGN = 64  # staged parts start at multiples of this (the page copy's 16-byte accesses, dtype views)
 _ACCESS = 16  # nvfp4_kernels.page_copy_triton.ACCESS_BYTES (imported there only with triton)
-
-
-def _parts(pool: KVPool, layer: int) -> list[torch.Tensor | None]:
-    lkv = pool.layers[layer]
-    return [lkv.k, lkv.k_sf, lkv.v, lkv.v_sf]
-
-
-def _view_parts(view: PoolView, layer: int) -> list[torch.Tensor | None]:
-    return [view.layers[layer].get(name) for name in PARTS]
-
-
-def _page_bytes(parts: Sequence[torch.Tensor | None]) -> list[int]:
-    return [0 if t is None else math.prod(t.shape[1:]) * t.element_size() for t in parts]
-
-
-def part_page_bytes(pool: KVPool) -> list[int]:
-    """Bytes of one page of each part (k, k_sf, v, v_sf; 0 for absent scales)."""
-    return _page_bytes(_parts(pool, 0))
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    return torch.cuda.Stream(device) if device.type == "cuda" else None
-
-
-def _on(stream: torch.cuda.Stream | None):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-class PageExporter:
-    """Reads pages of a pool: this process's (``pool_view``), or the engine's that a prefill's sender process
-    opened at start-up. Thread-safe: several exports run at once (the prefill keeps a few of a stream's in
-    flight), each on its thread's own side stream, so one export's synchronize never waits for another's."""
-
-    def __init__(self, view: PoolView):
-        self.view = view
-        self.device = view.layers[0]["k"].device
-        self._streams = threading.local()
-        self.page_bytes = _page_bytes(_view_parts(view, 0))
-
-    @property
-    def page_bytes_per_layer(self) -> int:
-        return sum(self.page_bytes)
-
-    @property
-    def stream(self) -> torch.cuda.Stream | None:
-        """This thread's side stream (None for a host pool)."""
-        if not hasattr(self._streams, "stream"):
-            self._streams.stream = _side_stream(self.device)
-        return self._streams.stream
-
-    def messages(self, request_id: str, layer: int, first_page: int, page_ids: Sequence[int],
-                 pages_per_message: int, fence: Fence | None, times: ExportTimes | None = None) -> list[bytes]:
-        """The serialized PrefillMessages of ``page_ids`` of ``layer`` (sequence pages from ``first_page``), at
-        most ``pages_per_message`` pages each. Blocks (call on a worker thread); reads only, after ``fence``.
-
-        On a GPU: pages in a few runs of consecutive ids (a prompt's pages mostly are) go from the pool to pinned
-        host memory (torch's caching host allocator: no fresh pages) with one copy per part and run, copy-engine
-        work only; scattered pages are gathered first, one gather per part into one device buffer, then one copy
-        to host. Then every message is framed from views of that host buffer (one host copy, all messages in one
-        call: ``messages_from``). ``times`` (optional) gets the split of this call's time
-        (device part, framing) on a GPU; a host pool's messages are not split."""
-        ids = [int(p) for p in page_ids]
-        n = len(ids)
-        if n == 0:
-            return []
-        if not 0 <= layer < len(self.view.layers) or min(ids) < 0 or max(ids) >= self.view.num_pages:
-            raise ValueError(f"pages {min(ids)}..{max(ids)} of layer {layer}: the pool has {len(self.view.layers)} "
-                             f"layers of {self.view.num_pages} pages")
-        tensors = _view_parts(self.view, layer)
-        stream = self.stream
-        if stream is None:
-            return [self._host_message(request_id, layer, first_page + i, ids[i:i + pages_per_message], tensors)
-                    for i in range(0, n, pages_per_message)]
-        sizes = [n * b for b in self.page_bytes]
-        t0 = time.perf_counter()
-        runs = page_runs(ids, list(range(n)))
-        with _on(stream):
-            if fence is not None:
-                fence.order(stream)
-            host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
-            if len(runs) <= _MAX_COPY_RUNS:
-                _copy_runs_to_host(tensors, sizes, runs, host)
-            else:
-                idx = _device_ids(ids, self.device)
-                buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-                offset = 0
-                for t, size in zip(tensors, sizes, strict=True):
-                    if t is not None:
-                        torch.index_select(t.view(torch.uint8).view(t.shape[0], -1), 0, idx,
-                                           out=buf[offset:offset + size].view(n, -1))
-                    offset += size
-                host.copy_(buf, non_blocking=True)
-            stream.synchronize()  # the copies to host (and the gather): this thread's stream only
-        t1 = time.perf_counter()
-        frames, payloads = [], []
-        for i in range(0, n, pages_per_message):
-            m = min(pages_per_message, n - i)
-            parts, offset = [], 0
-            for size, page in zip(sizes, self.page_bytes, strict=True):
-                parts.append(host[offset + i * page:offset + (i + m) * page] if page else None)
-                offset += size
-            frames.append(frame_page_run(request_id, layer, first_page + i, m, [m * b for b in self.page_bytes]))
-            payloads.append(parts)
-        out = messages_from(frames, payloads)
-        if times is not None:
-            times.add(t1 - t0, time.perf_counter() - t1)
-        return out
-
-    def _host_message(self, request_id: str, layer: int, first_page: int, ids: list[int],
-                      tensors: list[torch.Tensor | None]) -> bytes:
-        """A host pool's pages: slices straight into the message where they are a few runs, else one gather."""
-        n = len(ids)
-        runs = page_runs(ids, list(range(n)))
-        if len(runs) > _MAX_SLICE_RUNS:
-            idx = torch.tensor(ids, dtype=torch.int64)
-            parts = [[] if t is None else [memoryview(t.view(torch.uint8).view(t.shape[0], -1).index_select(0, idx)
-                                                      .numpy()).cast("B")] for t in tensors]
-        else:
-            parts = [[] if t is None else [memoryview(t[s0:s0 + m].view(torch.uint8).numpy()).cast("B")
-                                           for s0, _, m in runs] for t in tensors]
-        return encode_page_run(request_id, layer, first_page, n, parts)
 
 
 class PageTableCache:
@@ -209,44 +80,7 @@ class PageTableCache:
         return table
 
 
-class _SummedTimes:
-    """Seconds of a transfer's steps summed over the threads that run them (one ``add`` per unit of work), for
-    the transfer's log line: ``STEPS`` name the fields, ``UNIT`` the work, ``LABELS`` the summary's words."""
-
-    STEPS: tuple[str, ...] = ()
-    UNIT = ""
-    LABELS: tuple[str, ...] = ()
-
-    def __init__(self) -> None:
-        self.count = 0
-        for name in self.STEPS:
-            setattr(self, name, 0.0)
-        self._lock = threading.Lock()
-
-    def add(self, *seconds: float) -> None:
-        with self._lock:
-            for name, x in zip(self.STEPS, seconds, strict=True):
-                setattr(self, name, getattr(self, name) + x)
-            self.count += 1
-
-    def summary(self) -> str:
-        if not self.count:
-            return ""
-        steps = ", ".join(f"{getattr(self, n) * 1e3:.1f} ms {label}" for n, label in zip(self.STEPS, self.LABELS,
-                                                                                        strict=True))
-        return f" ({self.count} {self.UNIT}: {steps})"
-
-
-class ExportTimes(_SummedTimes):
-    """A transfer's exports (sender side): the device part (the gather or the run copies to pinned memory, and
-    waiting for them) and framing the messages on the host."""
-
-    STEPS = ("device_s", "framing_s")
-    UNIT = "exports"
-    LABELS = ("gathering and copying to host", "framing")
-
-
-class WriteTimes(_SummedTimes):
+class WriteTimes(SummedTimes):
     """A transfer's message writes (decode side): staging the bytes into pinned memory (allocation, id and part
     copies), waiting for the importer's lock, and under it (the H2D copy and the page-copy launch)."""
 
@@ -268,7 +102,7 @@ class PageImporter:
 
     def __init__(self, pool: KVPool, tables: PageTableCache | None = None):
         self.pool = pool
-        self.stream = _side_stream(pool.device)
+        self.stream = side_stream(pool.device)
         self.page_bytes = part_page_bytes(pool)
         self._lock = threading.Lock()  # one write at a time (writes of one transfer come from several threads)
         self._last_ids: tuple | None = None  # (src ids, dst ids, their device tensors): see _indices
@@ -291,7 +125,7 @@ class PageImporter:
                 self._batched = True
                 self.use_staged_copy()
         # What each part's values are checked as (nvfp4_kernels.page_copy.check_kind: E4M3, bf16 or not at all)
-        self._kinds = [None if t is None else check_kind(t) for t in _parts(pool, 0)]
+        self._kinds = [None if t is None else check_kind(t) for t in pool_parts(pool, 0)]
 
     def check_sizes(self, run: PageRunView) -> None:
         """ValueError unless every part of ``run`` is exactly ``run.num_pages`` pages of this pool."""
@@ -305,7 +139,7 @@ class PageImporter:
         whole message in one copy to pinned memory, one to the device, one launch. On by default on a GPU (the
         Triton interpreter's tests turn it on for CPU pools)."""
         from nvfp4_kernels.page_copy_triton import copy_staged_pages, page_geometry
-        parts = _parts(self.pool, 0)
+        parts = pool_parts(self.pool, 0)
         self._geometry = page_geometry(parts, parts)
         self._copy_staged = copy_staged_pages
 
@@ -332,10 +166,10 @@ class PageImporter:
             return
         if n != run.num_pages:
             raise ValueError(f"{n} destination pages for a run of {run.num_pages}")
-        dst = _parts(self.pool, run.layer)
+        dst = pool_parts(self.pool, run.layer)
         if self._run_copies and len(run.spans) == len(self.page_bytes):
             runs = page_runs(list(range(n)), [int(p) for p in page_ids])  # (position, pool page, length)
-            if len(runs) <= _MAX_COPY_RUNS:
+            if len(runs) <= MAX_COPY_RUNS:
                 self._write_runs(run, runs, num_tokens, dst)
                 return
         if self._copy_staged is not None and _lies_aligned(run, self.page_bytes):
@@ -350,7 +184,7 @@ class PageImporter:
             if t is not None:
                 host[at:at + mv.nbytes] = np.frombuffer(mv, dtype=np.uint8)
         t1 = time.perf_counter()
-        with self._lock, _on(self.stream):
+        with self._lock, on_stream(self.stream):
             t2 = time.perf_counter()
             dev = staged.to(self.pool.device, non_blocking=True) if self.stream is not None else staged
             src = [None if t is None else dev[at:at + mv.nbytes].view(t.dtype).view(n, *t.shape[1:])
@@ -372,7 +206,7 @@ class PageImporter:
         host[:8 * n].view(np.int64)[:] = page_ids
         host[head:] = np.frombuffer(run.data, dtype=np.uint8)
         t1 = time.perf_counter()
-        with self._lock, _on(self.stream):
+        with self._lock, on_stream(self.stream):
             t2 = time.perf_counter()
             dev = staged.to(self.pool.device, non_blocking=True) if self.stream is not None else staged
             self._copy_staged(dev, [head + a for a, _ in run.spans], n, dst, self._geometry, num_tokens,
@@ -381,7 +215,7 @@ class PageImporter:
 
     def _write_runs(self, run: PageRunView, runs: Sequence[tuple[int, int, int]], num_tokens: int,
                     dst: list[torch.Tensor | None]) -> None:
-        """``write`` of a message into at most ``_MAX_COPY_RUNS`` runs (position, pool page, length) of consecutive
+        """``write`` of a message into at most ``MAX_COPY_RUNS`` runs (position, pool page, length) of consecutive
         pages: the message staged whole (one numpy copy; pinned on a GPU), then under the lock one copy per part and
         run straight into the pool. On a GPU that is copy-engine work only: no kernel in this process's CUDA
         context, which the GPU time-slices with a prefill's when both share it (a kernel per message took the GPU
@@ -391,7 +225,7 @@ class PageImporter:
         staged = torch.empty(len(run.data), dtype=torch.uint8, pin_memory=self.stream is not None)
         staged.numpy()[:] = np.frombuffer(run.data, dtype=np.uint8)
         t1 = time.perf_counter()
-        with self._lock, _on(self.stream):
+        with self._lock, on_stream(self.stream):
             t2 = time.perf_counter()
             for (at, _), page, t in zip(run.spans, self.page_bytes, dst, strict=True):
                 if t is None:
@@ -454,9 +288,9 @@ class PageImporter:
         if len(page_ids) == 0:
             return
         src_ids, dst_ids = list(src_ids), list(page_ids)  # copies (the cache keeps them); int() each: 0.1 ms
-        with self._lock, _on(self.stream):
+        with self._lock, on_stream(self.stream):
             s_idx, d_idx = self._indices(src_ids, dst_ids)
-            self._copy_pages(src_parts, _parts(self.pool, layer), s_idx, d_idx, num_tokens, self._flag())
+            self._copy_pages(src_parts, pool_parts(self.pool, layer), s_idx, d_idx, num_tokens, self._flag())
 
     def _indices(self, src_ids: list[int], dst_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Device source and destination ids: made once for the pages of a chunk, which every layer's
@@ -464,8 +298,8 @@ class PageImporter:
         if self._last_ids is not None and self._last_ids[0] == src_ids and self._last_ids[1] == dst_ids:
             return self._last_ids[2]
         dev = self.pool.device
-        s_idx = _device_ids(src_ids, dev)
-        made = (s_idx, s_idx if dst_ids == src_ids else _device_ids(dst_ids, dev))
+        s_idx = device_ids(src_ids, dev)
+        made = (s_idx, s_idx if dst_ids == src_ids else device_ids(dst_ids, dev))
         self._last_ids = (src_ids, dst_ids, made)
         return made
 
@@ -486,10 +320,10 @@ class PageImporter:
               src_ids: Sequence[int], page_ids: Sequence[int], num_tokens: int, copy: bool) -> None:
         if len(page_ids) == 0 or len(layers) == 0:
             return
-        dst_layers = [_parts(self.pool, i) for i in layers]
+        dst_layers = [pool_parts(self.pool, i) for i in layers]
         srcs = dst_layers if src_layers is None else [list(p) for p in src_layers]
         src, dst = list(src_ids), list(page_ids)
-        with self._lock, _on(self.stream):
+        with self._lock, on_stream(self.stream):
             s_idx, d_idx = self._indices(src, dst)
             if not self._batched:
                 move_pages_reference(srcs, dst_layers, s_idx, d_idx, num_tokens, self._flag(), copy)
@@ -517,63 +351,6 @@ class PageImporter:
         self.settle()
         if self._bad is not None and bool(self._bad.item()):
             raise ValueError("the pages carry NaN or inf scales or values")
-
-
-def messages_from(frames: Sequence[Frame], payloads: Sequence[Sequence[torch.Tensor | np.ndarray | None]]
-                  ) -> list[bytes]:
-    """The messages ``frames`` frame, each part's bytes copied in from a 1-D uint8 tensor or array (None: absent),
-    every byte of every message in ONE call (``torch._foreach_copy_``), which runs without the GIL.
-
-    Why one call: in a sender, gRPC's thread holds the GIL while it copies each sent message into its own buffer,
-    and every copy that releases the GIL must win it back behind such a copy (up to a switch interval). One
-    release per batch of messages, not one per part (four for NVFP4 pages, plus the framing bytes), keeps an
-    export from queueing behind the sends it feeds. Each bytes object is created uninitialized and filled in
-    place before any other code holds it: the C API's way to build bytes (``PyBytes_FromStringAndSize(NULL,
-    n)``)."""
-    msgs, dst, src = [], [], []
-    for frame, parts in zip(frames, payloads, strict=True):
-        msg = _new_bytes(None, frame.total)
-        # a writable view of the fresh object's buffer (no other code holds it yet)
-        out = torch.frombuffer((ctypes.c_ubyte * frame.total).from_address(_bytes_data(msg)), dtype=torch.uint8)
-        msgs.append(msg)
-        dst.append(out[:len(frame.head)])
-        src.append(torch.frombuffer(bytearray(frame.head), dtype=torch.uint8))
-        sizes = [0 if p is None else p.shape[0] for p in parts]
-        for prefix, p, at in zip(frame.prefixes, parts, frame.payload_offsets(sizes), strict=True):
-            if prefix:
-                dst.append(out[at - len(prefix):at])
-                src.append(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
-                dst.append(out[at:at + p.shape[0]])
-                src.append(torch.from_numpy(p) if isinstance(p, np.ndarray) else p)
-    torch._foreach_copy_(dst, src)
-    return msgs
-
-
-def message_from(frame: Frame, payloads: Sequence[torch.Tensor | np.ndarray | None]) -> bytes:
-    """One message ``frame`` frames (``messages_from``)."""
-    return messages_from([frame], [payloads])[0]
-
-
-def _copy_runs_to_host(tensors: Sequence[torch.Tensor | None], sizes: Sequence[int],
-                       runs: Sequence[tuple[int, int, int]], host: torch.Tensor) -> None:
-    """Queue on the current stream the copies of runs (pool page, position, length) of every present part of
-    ``tensors`` into ``host``, laid out part after part (``sizes`` bytes each), pages in position order: the
-    layout a gather of the same pages writes."""
-    offset = 0
-    for t, size in zip(tensors, sizes, strict=True):
-        if t is not None:
-            rows = t.view(torch.uint8).view(t.shape[0], -1)
-            page = rows.shape[1]
-            for s0, d0, m in runs:
-                host[offset + d0 * page:offset + (d0 + m) * page].view(m, page).copy_(rows[s0:s0 + m],
-                                                                                     non_blocking=True)
-        offset += size
-
-
-def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
-    """``ids`` as an int64 tensor on ``device``, copied without blocking the host (pinned source) on a GPU."""
-    t = torch.from_numpy(np.fromiter(ids, dtype=np.int64, count=len(ids)))  # 4x torch.tensor(list)'s speed
-    return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
 
 
 def _lies_aligned(run: PageRunView, page_bytes: Sequence[int]) -> bool:
