@@ -40,6 +40,8 @@ def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_
         # the ready transfer phase by phase, on the decode's clock: they add up to its span
         assert sorted(r["ready_phases_s"]) == sorted(PHASES) and min(r["ready_phases_s"].values()) >= 0
         assert sum(r["ready_phases_s"].values()) == pytest.approx(r["ready_transfer_s"], rel=1e-6, abs=1e-9)
+        # the engine's process sent the bytes (--kv-sender auto on the CPU): no sender process counters
+        assert r["ready_sender_export_s"] is None and r["ready_sender_export_wait_s"] is None
     assert [(s["path"], s["prompt_len"]) for s in doc["summary"]] == \
         [("grpc", 40), ("grpc-lanes", 40)]
     assert doc["setup"]["grpc_lanes"] == 2
@@ -51,6 +53,7 @@ def test_cpu_smoke_run_writes_rows_ratios_json_and_markdown(tiny_model_dir, tmp_
     assert [(r["channels"], r["keep_freed_blocks"], r["http2_max_frame_bytes"]) for r in doc["anchors"]["raw_grpc"]] \
         == [(1, False, 0), (4, False, 0), (1, True, 0), (1, True, (1 << 24) - 1), (4, True, (1 << 24) - 1)]
     assert "| kv dtype | prompt | path | ready transfer ms | first page ms |" in md and "stream GB/s" in md
+    assert "| sender: exports ms | sender: waiting for exports ms |" in md
     assert "| raw grpcio, 2 processes |" in md and "heap setting" in md and "HTTP/2 frames up to" in md
     raw = doc["anchors"]["raw_grpc"]  # grpc judged against raw's best single stream, grpc-lanes against its best
     assert {r["anchor_gbps"] for r in doc["rows"] if r["path"] == "grpc"} == \
@@ -75,3 +78,17 @@ def test_repeats_below_one_are_refused_with_a_usage_error(capsys):
         with pytest.raises(SystemExit) as e:
             main(["--device", "cpu", flag, "0"])
         assert e.value.code == 2 and f"{flag} must be >= 1" in capsys.readouterr().err
+
+
+def test_the_phase_table_gives_the_stream_rate_and_a_sender_processs_exports():
+    from benchmarks.transfer.report import phase_table
+
+    phases = {"first_page": 0.002, "stream": 0.1, "done": 0.001, "drain": 0.003, "finish": 0.004}
+    row = {"kv_dtype": "nvfp4", "prompt_len": 32768, "path": "grpc", "ready_transfer_s": 0.11,
+           "ready_transfer_bytes": 300_000_000, "ready_phases_s": phases, "ready_sender_export_s": 0.05,
+           "ready_sender_export_wait_s": 0.02}
+    threaded = {**row, "path": "grpc-lanes", "ready_sender_export_s": None, "ready_sender_export_wait_s": None}
+    lines = phase_table([row, threaded, {"kv_dtype": "fp8_e4m3", "prompt_len": 8, "path": "grpc"}]).splitlines()
+    assert len(lines) == 4  # header, rule, and one line per row with phases (the third has none)
+    assert lines[2] == "| nvfp4 | 32,768 | grpc | 110.0 | 2.0 | 100.0 | 1.0 | 3.0 | 4.0 | 3.00 | 50.0 | 20.0 |"
+    assert lines[3].endswith("| 3.00 | - | - |")

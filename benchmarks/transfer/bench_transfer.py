@@ -220,6 +220,11 @@ def run_one(prefill: Service, decode: Service, rid: str, ids: list[int], max_tok
     used = [p for p in TRANSPORTS if delta(da, db, f'nvfp4_decode_kv_transfer_path_total{{path="{p}"}}') > 0]
     phases = {name: delta(da, db, f'nvfp4_decode_kv_transfer_phase_seconds_total{{phase="{name}"}}')
               for name in PHASES}
+    # the prefill's sender process (--kv-sender process), where it sent the bytes: its exports' time and its
+    # stream's waits for them (None where the engine's process sent them: it keeps no such counters)
+    sent_by_process = any(k.startswith("nvfp4_prefill_sender_transfers_total") for k in pa)
+    sender = {k: delta(pa, pb, f"nvfp4_prefill_sender_{k}_seconds_total") if sent_by_process else None
+              for k in ("export", "export_wait")}
     return {
         "ttft_s": ttft, "prefill_compute_s": delta(pa, pb, "nvfp4_prefill_ttft_seconds_sum"),
         "prefill_wait_s": delta(da, db, "nvfp4_decode_kv_transfer_wait_seconds_total"),
@@ -227,6 +232,7 @@ def run_one(prefill: Service, decode: Service, rid: str, ids: list[int], max_tok
         "transfer_bytes": int(nbytes), "transfer_mb": nbytes / 1e6,
         "transfer_gbps": nbytes / transfer_s / 1e9 if transfer_s > 0 else None,
         "copy_s": copy_s, "copy_gbps": nbytes / copy_s / 1e9 if copy_s > 0 else None, "phases_s": phases,
+        "sender_export_s": sender["export"], "sender_export_wait_s": sender["export_wait"],
         "path_used": used[0] if len(used) == 1 else "/".join(used) or "none",
         "generated_tokens": sum(n for _, n in stamps),
         "decode_tok_s": n_after / span if span > 0 and n_after else None,
@@ -278,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                                for k in range(a.ready_repeats)]
                     ready = max(readies, key=lambda x: x["transfer_gbps"] or 0.0)
                     r.update({f"ready_{k}": ready[k] for k in ("transfer_s", "transfer_gbps", "copy_gbps",
-                                                                "transfer_bytes", "path_used", "phases_s")})
+                                                                "transfer_bytes", "path_used", "phases_s",
+                                                                "sender_export_s", "sender_export_wait_s")})
                     r["ready_gbps_each"] = [x["transfer_gbps"] for x in readies]
                     # the colocated engine's prompt path on the same prompt (the decode's own prefill), and so for
                     # --compute-repeats - 1 more unique prompts: one prompt's ratio moves by a few points

@@ -61,10 +61,12 @@ def ratio_table(summary: list[dict[str, Any]]) -> str:
 
 def phase_table(rows: list[dict[str, Any]]) -> str:
     """The ready transfers on the decode's clock, phase by phase (decode_svc/transfer_phases.py); stream GB/s is
-    the bytes over the stream phase alone: the rate of the page messages once the first one came."""
+    the bytes over the stream phase alone: the rate of the page messages once the first one came. Beside them,
+    from the prefill's sender process where it sent the bytes: its exports' time (summed over its threads) and
+    its stream's waits for them ("-" where the engine's process sent them)."""
     names = list(PHASES)
     lines = ["| kv dtype | prompt | path | ready transfer ms | " + " | ".join(f"{n.replace('_', ' ')} ms" for n in names)
-             + " | stream GB/s |", "|" + "---|" * (5 + len(names))]
+             + " | stream GB/s | sender: exports ms | sender: waiting for exports ms |", "|" + "---|" * (7 + len(names))]
     for r in rows:
         ph = r.get("ready_phases_s")
         if not ph:
@@ -72,7 +74,9 @@ def phase_table(rows: list[dict[str, Any]]) -> str:
         stream = ph.get("stream", 0.0)
         gbps = r["ready_transfer_bytes"] / stream / 1e9 if stream > 0 and r.get("ready_transfer_bytes") else None
         lines.append(f"| {r['kv_dtype']} | {r['prompt_len']:,} | {r['path']} | {r['ready_transfer_s'] * 1e3:.1f} | "
-                     + " | ".join(f"{ph.get(n, 0.0) * 1e3:.1f}" for n in names) + f" | {_cell('{:.2f}', gbps)} |")
+                     + " | ".join(f"{ph.get(n, 0.0) * 1e3:.1f}" for n in names) + f" | {_cell('{:.2f}', gbps)} | "
+                     + " | ".join(_cell("{:.1f}", None if r.get(k) is None else r[k] * 1e3)
+                                  for k in ("ready_sender_export_s", "ready_sender_export_wait_s")) + " |")
     return "\n".join(lines)
 
 
@@ -129,7 +133,10 @@ def markdown(doc: dict[str, Any]) -> str:
         "## The ready transfers, phase by phase (the decode's clock)", "",
         ("From the transfer header: first page = until the first page message (the prefill's first export), "
          "stream = the page messages, done = the last page message to PrefillDone, drain = the pool writes still "
-         "running after it, finish = the one check of every written page. They add up to the ready transfer."), "",
+         "running after it, finish = the one check of every written page. They add up to the ready transfer. "
+         "The sender columns are the prefill's sender process (its exports, summed over its threads, and its "
+         "stream's waits for them): waits near the stream phase say the prefill's exports, not the transport or "
+         "the decode, set its pace."), "",
         phase_table(doc["rows"]), "",
         f"## nvfp4 / fp8 transfer share (goal: <= {GOAL_RATIO}x on either path)", "",
         ratio_table(doc["summary"]), "", f"Goal: {verdict}.", ""])
