@@ -175,13 +175,15 @@ def plan_from_args(a: argparse.Namespace) -> WarmPlan:
 
 
 def _projections(mc: ModelConfig) -> tuple[tuple[int, int, bool], ...]:
-    """The decoder layer's projections as ``engine/model.py`` calls ``ModelOps.linear`` and ``gate_up_silu_mul``
-    ((out, in, gated): q/k/v merged, o, gate/up merged and gated, down), those with a bias left out (cuBLAS
-    runs them)."""
-    h, i = mc.hidden_size, mc.intermediate_size
-    layer = ((mc.q_size + 2 * mc.kv_size, h, False, mc.attention_bias), (h, mc.q_size, False, mc.o_proj_bias),
-             (2 * i, h, True, mc.mlp_bias), (h, i, False, mc.mlp_bias))
-    return tuple((n, k, gated) for n, k, gated, bias in layer if not bias)
+    """(out, in, gated) of each projection of the model's own decoder layer (built on the meta device: shapes, no
+    memory) that ``ModelOps.linear`` or, gated, ``gate_up_silu_mul`` runs: q/k/v merged, o, gate/up, down; those
+    with a bias left out (cuBLAS runs them)."""
+    from engine.model import DecoderLayer
+
+    layer = DecoderLayer(mc, torch.bfloat16, torch.device("meta"))
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = ((attn.qkv_proj, False), (attn.o_proj, False), (mlp.gate_up_proj, True), (mlp.down_proj, False))
+    return tuple((*lin.weight.shape, gated) for lin, gated in linears if lin.bias is None)
 
 
 def _cache_files(root: Path) -> set[Path]:
