@@ -193,8 +193,10 @@ class EngineConfig:
         "fp8/bf16 and prefill when installed); triton-block-select: triton with that per-block scale choice in its "
         "quantize-on-write kernel (CUDA)", choices=_attention_backends))
     nvfp4_decode_kernel: str = field(default="auto", metadata=flag(
-        "the triton backends' NVFP4 decode kernel: auto (gluon on Hopper for groups of up to 8 query heads per KV "
-        "head at head_dim 128, else triton), gluon (explicit-layout kernel, sm_89+), triton (any GPU)",
+        "the triton backends' NVFP4 decode kernel: auto (on Hopper for groups of up to 8 query heads per KV head at "
+        "head_dim 128: gluon-tma where the pool fits its TMA boxes, else gluon; triton elsewhere), gluon "
+        "(explicit-layout kernel with a cp.async ring, sm_89+), gluon-tma (the same fed by TMA, sm_90+; KV heads x "
+        "head_dim / 16 a multiple of 16, pages of 16 or 32 tokens), triton (any GPU)",
         choices=_nvfp4_decode_kernels))
     # Longest prompt + output served (--context-length); None -> the model's own (config.json, capped by a
     # sliding window). Larger than the model's is refused at start-up.

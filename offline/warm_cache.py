@@ -6,9 +6,11 @@ Triton (into TRITON_CACHE_DIR): the engine's own launches run on CPU tensors sha
 driver replaced by one that compiles for the target and launches nothing (``offline/triton_target_driver.py``)
 and the NVFP4 decode planned for the target's SM count and compute capability (``DeviceTarget``):
 
-    nvfp4_decode_gluon_kernel           ``DecodeGraphRunner.warm_kernels``'s call: every (batch bucket, width
-      (Hopper; else                     bucket) of --cuda-graph-max-bs (capped by --max-running-requests) and
-      nvfp4_decode_kernel), merge_kernel  the page tables of --context-length
+    nvfp4_decode_tma_kernel             ``DecodeGraphRunner.warm_kernels``'s call: every (batch bucket, width
+      (Hopper; nvfp4_decode_gluon_      bucket) of --cuda-graph-max-bs (capped by --max-running-requests) and
+      kernel where TMA does not fit;    the page tables of --context-length
+      else nvfp4_decode_kernel),
+      merge_kernel
     nvfp4_quantize_kernel               write_kv of 1..16 tokens: every class Triton specializes the row count
                                         into (1, a multiple of 16, other), hence every batch and chunk size
     nvfp4_to_fp8_kernel                 gather_workspace of 1..16 cached tokens, the same classes
@@ -146,7 +148,7 @@ def plan_from_args(a: argparse.Namespace) -> WarmPlan:
     from engine.decode_graphs import max_width_pages
     from engine.engine import served_context_len
     from engine.startup_error import StartupError
-    from nvfp4_kernels.backends.decode_kernels import GLUON_HEAD_DIMS
+    from nvfp4_kernels.backends.decode_kernels import DecodeKernel, kernel_unfit
 
     capability = parse_arch(a.arch)
     if a.num_sms < 1:
@@ -155,13 +157,12 @@ def plan_from_args(a: argparse.Namespace) -> WarmPlan:
                         ("--max-running-requests", a.max_running_requests), ("--context-length", a.context_length)):
         if value is not None and value < 1:
             raise WarmCacheError(f"{name} must be >= 1, got {value}")
-    if a.nvfp4_decode_kernel == "gluon" and capability < (8, 9):
-        raise WarmCacheError(f"--nvfp4-decode-kernel gluon needs compute capability 8.9 or newer, --arch {a.arch} is "
-                             f"{capability[0]}.{capability[1]}: use auto or triton")
     mc = model_config(a.model, a.preset)
-    if a.nvfp4_decode_kernel == "gluon" and mc.head_dim not in GLUON_HEAD_DIMS:
-        raise WarmCacheError(f"--nvfp4-decode-kernel gluon has tilings for head_dim {GLUON_HEAD_DIMS}, the model has "
-                             f"{mc.head_dim}: use auto or triton")
+    if a.nvfp4_decode_kernel != "auto":
+        why = kernel_unfit(DecodeKernel(a.nvfp4_decode_kernel), mc.head_dim, capability, mc.num_key_value_heads,
+                           a.page_size)
+        if why is not None:
+            raise WarmCacheError(f"--nvfp4-decode-kernel {why} (--arch {a.arch}): use auto or triton")
     try:
         context = served_context_len(a.context_length, mc.max_context_len, a.model or a.preset or "the model")
     except StartupError as e:
@@ -223,7 +224,13 @@ def _decode_kernel(plan: WarmPlan):
     from nvfp4_kernels.backends.triton_backend import DecodeKernel, default_decode_config
 
     group = plan.num_qo_heads // plan.num_kv_heads
-    if default_decode_config(plan.head_dim, plan.capability, group, _kernel_choice(plan)).kernel is DecodeKernel.GLUON:
+    kernel = default_decode_config(plan.head_dim, plan.capability, group, _kernel_choice(plan),
+                                   num_kv_heads=plan.num_kv_heads, page_size=plan.page_size).kernel
+    if kernel is DecodeKernel.GLUON_TMA:
+        from nvfp4_kernels.triton.nvfp4_decode_tma import nvfp4_decode_tma_kernel
+
+        return nvfp4_decode_tma_kernel
+    if kernel is DecodeKernel.GLUON:
         from nvfp4_kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
 
         return nvfp4_decode_gluon_kernel

@@ -40,7 +40,9 @@ class LoadReporter:
         self._model_path, self._attention_backend = eng.config.model_dir, eng.backend.name
         layer0 = eng.pool.layers[0]
         self._decode_kernel = eng.backend.decode_kernel(eng.pool.kv_dtype, layer0.head_dim,
-                                                        eng.paths.num_qo_heads // layer0.num_kv_heads, eng.device)
+                                                        eng.paths.num_qo_heads // layer0.num_kv_heads, eng.device,
+                                                        num_kv_heads=layer0.num_kv_heads,
+                                                        page_size=layer0.page_size)
 
     def _snapshot(self) -> Future:
         """A future WorkerLoad: the stats record is taken between steps and published (``_publish``) by the loop

@@ -54,26 +54,27 @@ def check_device(device: str) -> str:
 
 def check_decode_kernel(kernel: str, attention_backend: str, device: str, head_dim: int) -> None:
     """ValueError unless ``--nvfp4-decode-kernel`` can be served: a kernel other than auto needs a triton backend
-    (auto is one on CUDA), and gluon a head_dim it has a tiling for and a GPU of compute capability 8.9 or newer
-    (its scales use cvt.e4m3x2)."""
+    (auto is one on CUDA), and a Gluon kernel a head_dim it has a tiling for and a GPU new enough
+    (``decode_kernels.kernel_unfit``; the pool's geometry is checked again when the engine plans a decode)."""
     if kernel == "auto":
         return
     on_cuda = device.startswith("cuda")
     if not (attention_backend.startswith("triton") or (attention_backend == "auto" and on_cuda)):
         raise ValueError(f"--nvfp4-decode-kernel {kernel} picks a kernel of the triton backends, and the backend here "
                          f"is {attention_backend} on {device}: use --nvfp4-decode-kernel auto")
-    if kernel == "gluon":
+    from nvfp4_kernels.backends.decode_kernels import GLUON_HEAD_DIMS, DecodeKernel, kernel_unfit
+
+    choice = DecodeKernel(kernel)
+    if choice is DecodeKernel.TRITON:
+        return
+    if head_dim not in GLUON_HEAD_DIMS:  # refused before the GPU is asked
+        why = kernel_unfit(choice, head_dim, None)
+    else:
         import torch
 
-        from nvfp4_kernels.backends.decode_kernels import GLUON_HEAD_DIMS
-
-        if head_dim not in GLUON_HEAD_DIMS:
-            raise ValueError(f"--nvfp4-decode-kernel gluon has tilings for head_dim {GLUON_HEAD_DIMS}, the model has "
-                             f"{head_dim}: use --nvfp4-decode-kernel auto or triton")
-        cap = torch.cuda.get_device_capability(torch.device(device))
-        if cap < (8, 9):
-            raise ValueError(f"--nvfp4-decode-kernel gluon needs a GPU of compute capability 8.9 or newer, {device} is "
-                             f"{cap[0]}.{cap[1]}: use --nvfp4-decode-kernel auto or triton")
+        why = kernel_unfit(choice, head_dim, torch.cuda.get_device_capability(torch.device(device)))
+    if why is not None:
+        raise ValueError(f"--nvfp4-decode-kernel {why} on {device}: use --nvfp4-decode-kernel auto or triton")
 
 
 def check_model(model_dir: str, kv_dtype: str, device: str, attention_backend: str,

@@ -12,7 +12,7 @@ PROFILED = {
     "gemm": ["nvjet_sm90_tst_192x8_64x8_2x1_v_bz_TNT", "nvjet_sm90_tst_64x24_64x16_1x2_h_bz_TNT",
              "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, false>",
              "skinny_linear_kernel"],
-    "attention": ["nvfp4_decode_kernel", "nvfp4_decode_gluon_kernel", "merge_kernel",
+    "attention": ["nvfp4_decode_kernel", "nvfp4_decode_gluon_kernel", "nvfp4_decode_tma_kernel", "merge_kernel",
                   ("void flashinfer::BatchPrefillWithPagedKVCacheKernel<true, flashinfer::KernelTraits<(flashinfer::"
                    "MaskMode)0, 16u, 1u, 4u, 8u, 8u, 1u, 1u, (flashinfer::PosEncodingMode)0, __nv_fp8_e4m3>>"),
                   "void flashinfer::PersistentVariableLengthMergeStatesKernel<8u, 16u, 8u, 4u, __nv_bfloat16, int>"],

@@ -247,10 +247,12 @@ def test_no_decode_step_compiles_a_kernel_after_start_up(tmp_path):
     sequences then never waits for a Triton compile (each used to stall the whole batch about a second)."""
     from nvfp4_kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
     from nvfp4_kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
+    from nvfp4_kernels.triton.nvfp4_decode_tma import nvfp4_decode_tma_kernel
     from offline.tiny_model import make_tiny_model
 
-    def compiled() -> int:  # the decode kernel the engine picked (Gluon on Hopper, else Triton) and the merge
-        return sum(len(c[0]) for k in (nvfp4_decode_kernel, nvfp4_decode_gluon_kernel, merge_kernel)
+    def compiled() -> int:  # the decode kernel the engine picked (a Gluon one on Hopper, else Triton) and the merge
+        kernels = (nvfp4_decode_kernel, nvfp4_decode_gluon_kernel, nvfp4_decode_tma_kernel, merge_kernel)
+        return sum(len(c[0]) for k in kernels
                    for c in k.device_caches.values())
 
     model_dir = str(make_tiny_model(tmp_path / "m", num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=2,

@@ -1,12 +1,16 @@
-"""The Gluon NVFP4 decode (nvfp4_kernels/triton/nvfp4_decode_gluon.py): CPU cross-compile checks and GPU correctness.
+"""The Gluon NVFP4 decodes (nvfp4_kernels/triton/nvfp4_decode_gluon.py, cp.async; nvfp4_decode_tma.py, TMA): CPU
+cross-compile checks, the kernel each GPU and pool gets, and GPU correctness.
 
 * Without a GPU: the kernel compiles for sm_90a at every supported head_dim and step size, with tensor-core
   HMMA fed by ldmatrix (LDSM, and its transposed form for V), cp.async copies, no local-memory spills, and a
   register count that lets several one-warp programs share an SM; the scale broadcast is a layout identity
   (the kernel asserts it at compile time, so compiling is the test). Its config is validated, and a launch
   on CPU tensors fails with an error that names the Triton kernel instead.
-* On a GPU (marked ``gpu``): outputs match the reference backend for short, page-straddling and split
-  sequences, G in {1, 4, 8} and D in {64, 128, 256}, and match the Triton kernel.
+* The TMA-fed kernel compiles for sm_90a with TMA loads and ldmatrix, no spills; Hopper picks it where the pool's
+  geometry fits TMA's boxes and the cp.async kernel where not; a forced kernel that cannot run is refused.
+* On a GPU (marked ``gpu``): outputs of both match the reference backend for short, page-straddling and split
+  sequences, G in {1, 4, 8} and D in {64, 128, 256}, and match the Triton kernel; NaN scales in the slots past a
+  prompt (whatever a reused page holds) never reach the output.
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ def test_gluon_decode_on_cpu_tensors_is_refused_with_a_clear_error():
     tb = TritonBackend(DecodeConfig(1, 32, 3, 16, DecodeKernel.GLUON))
     pt = torch.arange(3, dtype=torch.int32)[None]
     plan = tb.plan_decode(pt, torch.tensor([40], dtype=torch.int32), 8, 2, 128, 16)
-    with pytest.raises(ValueError, match="compute capability >= 8.9.*DecodeKernel.TRITON"):
+    with pytest.raises(ValueError, match="compute capability 8.9 or newer, got no GPU.*DecodeKernel.TRITON"):
         tb.decode(plan, torch.zeros(1, 8, 128, dtype=torch.bfloat16), layer, 0.1)
 
 
@@ -112,7 +116,8 @@ def test_gluon_decode_on_cpu_tensors_is_refused_with_a_clear_error():
 @pytest.mark.parametrize("group,d,lens", [(4, 128, (5000, 17, 1, 33)), (1, 128, (3001, 640)), (8, 64, (2049, 100)),
                                           (4, 256, (1500, 16))])
 @pytest.mark.parametrize("bt,stages,cap", [(32, 3, None), (64, 2, None), (16, 4, None), (32, 2, 112)])
-def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, cap):
+@pytest.mark.parametrize("kernel", [DecodeKernel.GLUON, DecodeKernel.GLUON_TMA])
+def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, cap, kernel):
     dev = torch.device("cuda")
     hk = 4
     maxp = max(-(-n // 16) for n in lens) + 1
@@ -123,7 +128,7 @@ def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, c
     q = torch.randn(len(lens), hk * group, d, device=dev).to(torch.bfloat16)
     sm = 1 / math.sqrt(d)
     # programs_per_sm 64: long rows get many splits, so split edges and empty splits are exercised too
-    tb = TritonBackend(DecodeConfig(1, bt, stages, 64, DecodeKernel.GLUON, cap))
+    tb = TritonBackend(DecodeConfig(1, bt, stages, 64, kernel, cap))
     plan = tb.plan_decode(pt, seq, hk * group, hk, d, 16)
     ours = tb.decode(plan, q, layer, sm).float()
     ref = ReferenceBackend().decode(ReferenceBackend().plan_decode(pt, seq, hk * group, hk, d, 16), q, layer, sm).float()
@@ -134,11 +139,73 @@ def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, c
 
 
 @pytest.mark.parametrize("npg,stages", [(2, 2), (1, 3)])
-def test_the_tma_fed_decode_variant_compiles_for_sm90a_with_tma_and_ldmatrix_and_no_spills(npg, stages):
-    # benchmarks/kernels/tma_decode_variant.py: the development probe's kernel keeps compiling (no GPU needed)
+def test_the_tma_fed_decode_compiles_for_sm90a_with_tma_and_ldmatrix_and_no_spills(npg, stages):
     from benchmarks.kernels.probe_tma import compile_sm90, sass_report
 
     r = sass_report(compile_sm90(npg=npg, stages=stages))
     assert not r["spills"] and r["registers"] <= 168, r
     assert r["tma_loads"] >= 4 * npg and r["ldmatrix"] > 0, r  # four TMA copies per page of a step
     assert r["loop_ops"].get("HMMA", 0) == 16 * npg, r  # 8 QK + 8 PV products per page of 16 tokens
+
+
+def test_hopper_gets_the_tma_kernel_where_the_pool_fits_its_boxes_and_the_cp_async_one_elsewhere():
+    from nvfp4_kernels.backends.decode_kernels import kernel_unfit, tma_fits
+    from nvfp4_kernels.backends.triton_decode import default_decode_config
+
+    def kernel(d, cap, group, hk, page, forced=None):
+        return default_decode_config(d, cap, group, forced, num_kv_heads=hk, page_size=page).kernel
+
+    hopper = (9, 0)
+    assert kernel(128, hopper, 4, 8, 16) is DecodeKernel.GLUON_TMA  # Qwen3-8B, Llama-3-8B
+    assert kernel(128, hopper, 4, 2, 16) is DecodeKernel.GLUON_TMA  # 2 x 8 scale bytes: one 16-byte row
+    assert kernel(128, hopper, 4, 1, 16) is DecodeKernel.GLUON  # an 8-byte scale row: not a TMA box row
+    assert kernel(128, hopper, 4, 8, 64) is DecodeKernel.GLUON  # a 32-token step is not a whole 64-token page
+    assert kernel(128, (8, 9), 4, 8, 16) is DecodeKernel.TRITON  # Ada: the Gluon kernels are opt-in there
+    assert kernel(128, (10, 0), 4, 8, 16) is DecodeKernel.TRITON  # Blackwell: the hardware-cvt Triton kernel
+    assert kernel(128, None, 4, 8, 16) is DecodeKernel.TRITON  # the CPU interpreter
+    assert kernel(128, hopper, 16, 8, 16) is DecodeKernel.TRITON  # accumulators past the measured registers
+    assert kernel(128, (8, 9), 4, 8, 16, DecodeKernel.GLUON_TMA) is DecodeKernel.GLUON_TMA  # forced: checked later
+    assert tma_fits(8, 128, 16, 32) and tma_fits(4, 64, 32, 32) and not tma_fits(8, 96, 16, 32)
+    assert kernel_unfit(DecodeKernel.GLUON_TMA, 128, (9, 0), 8, 16) is None
+    assert "compute capability 9.0 or newer, got compute capability 8.9" in kernel_unfit(DecodeKernel.GLUON_TMA, 128,
+                                                                                          (8, 9))
+    assert "got 1 KV heads, head_dim 128, page 16" in kernel_unfit(DecodeKernel.GLUON_TMA, 128, (9, 0), 1, 16)
+    assert kernel_unfit(DecodeKernel.GLUON, 128, (9, 0), 1, 16) is None  # cp.async takes any pool
+    assert kernel_unfit(DecodeKernel.TRITON, 96, None) is None
+    with pytest.raises(ValueError, match="one warp"):
+        DecodeConfig(4, 32, 2, 24, DecodeKernel.GLUON_TMA)
+
+
+def test_a_forced_tma_decode_on_a_pool_it_cannot_take_is_refused_with_a_clear_error():
+    from nvfp4_kernels.backends.triton_backend import DeviceTarget
+
+    layer = _layer(torch.device("cpu"), 3, 1, 128, 0)  # one KV head: an 8-byte scale row
+    tb = TritonBackend(DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON_TMA), target=DeviceTarget(132, (9, 0)))
+    plan = tb.plan_decode(torch.arange(3, dtype=torch.int32)[None], torch.tensor([40], dtype=torch.int32), 4, 1, 128,
+                          16)
+    with pytest.raises(ValueError, match="multiple of 16 bytes.*got 1 KV heads.*DecodeKernel.TRITON"):
+        tb.decode(plan, torch.zeros(1, 4, 128, dtype=torch.bfloat16), layer, 0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", [DecodeKernel.GLUON, DecodeKernel.GLUON_TMA])
+def test_nan_scales_past_a_prompt_never_reach_the_output_on_gpu(kernel):
+    """A reused page holds any bytes past a prompt's end (here NaN block scales, 0x7F): both kernels mask them."""
+    dev = torch.device("cuda")
+    hk, d, lens = 4, 128, (1001, 40, 17, 1)
+    maxp = max(-(-n // 16) for n in lens) + 1
+    pages = len(lens) * maxp + 5
+    layer = _layer(dev, pages, hk, d, seed=3)
+    pt = torch.randperm(pages, device=dev)[: len(lens) * maxp].reshape(len(lens), maxp).to(torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32, device=dev)
+    q = torch.randn(len(lens), hk * 4, d, device=dev).to(torch.bfloat16)
+    ref = ReferenceBackend().decode(ReferenceBackend().plan_decode(pt, seq, hk * 4, hk, d, 16), q, layer, 0.1).float()
+    for i, n in enumerate(lens):
+        last = int(pt[i, (n - 1) // 16])
+        layer.k_sf.view(torch.uint8)[last, (n - 1) % 16 + 1:] = 0x7F
+        layer.v_sf.view(torch.uint8)[last, (n - 1) % 16 + 1:] = 0x7F
+    tb = TritonBackend(DecodeConfig(1, 32, 2, 24, kernel))
+    ours = tb.decode(tb.plan_decode(pt, seq, hk * 4, hk, d, 16), q, layer, 0.1).float()
+    assert torch.isfinite(ours).all()
+    assert float((ours - ref).norm() / ref.norm()) < 5e-3

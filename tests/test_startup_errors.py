@@ -189,8 +189,9 @@ def test_a_decode_kernel_other_than_auto_needs_a_triton_backend_and_is_refused_i
     for backend, device in (("auto", "cpu"), ("reference", "cuda"), ("reference-block-select", "cpu")):
         with pytest.raises(ValueError, match=rf"triton backends, and the backend here is {backend} on {device}"):
             check_decode_kernel("gluon", backend, device, 128)
-    with pytest.raises(ValueError, match=r"gluon has tilings for head_dim \(64, 128, 256\), the model has 96"):
-        check_decode_kernel("gluon", "triton", "cuda", 96)  # refused before the GPU is asked
+    for kernel in ("gluon", "gluon-tma"):
+        with pytest.raises(ValueError, match=rf"{kernel} has tilings for head_dim \(64, 128, 256\), the model has 96"):
+            check_decode_kernel(kernel, "triton", "cuda", 96)  # refused before the GPU is asked
     r = _run("-m", "nvfp4_serve.cli", "up", "--model", tiny_model_dir, "--nvfp4-decode-kernel", "triton")
     assert "use --nvfp4-decode-kernel auto" in _one_line_error(r, "nvfp4-serve up")
 

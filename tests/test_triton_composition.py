@@ -110,23 +110,29 @@ def test_warm_decode_runs_nothing_for_a_cpu_nvfp4_pool_and_plans_check_their_inp
     assert (st.num_splits, tuple(st.o_part.shape)) == (3, (2, 4, 3, 64))
 
 
+_POOL = {"num_kv_heads": 8, "page_size": 16}  # Qwen3-8B's pool: 8 KV heads in 16-token pages
+
+
 def test_the_backend_names_its_decode_kernel_per_kv_dtype_and_gpu():
     """/server_info's decode_kernel: the NVFP4 decode's config follows the GPU (Gluon on Hopper), the
     fp8/bf16 decode is FlashInfer's (the reference where it cannot run)."""
     from nvfp4_kernels.backends.triton_backend import DeviceTarget, TritonBackend
 
     cpu = torch.device("cpu")
-    assert TritonBackend().decode_kernel("nvfp4", 128, 4, cpu) == "triton-nvfp4-decode:triton_nw4_bw32_st2_p8"
+    assert TritonBackend().decode_kernel("nvfp4", 128, 4, cpu, **_POOL) == "triton-nvfp4-decode:triton_nw4_bw32_st2_p8"
     hopper = TritonBackend(target=DeviceTarget(132, (9, 0)))
-    assert hopper.decode_kernel("nvfp4", 128, 4, cpu) == "triton-nvfp4-decode:gluon_nw1_bw32_st2_p24"
-    assert hopper.decode_kernel("nvfp4", 96, 4, cpu).startswith("triton-nvfp4-decode:triton_")  # no Gluon tiling
+    # Hopper: the TMA-fed Gluon kernel where the pool's geometry takes it, else the cp.async one
+    assert hopper.decode_kernel("nvfp4", 128, 4, cpu, **_POOL) == "triton-nvfp4-decode:gluon-tma_nw1_bw32_st2_p24"
+    assert hopper.decode_kernel("nvfp4", 128, 4, cpu, num_kv_heads=1, page_size=16).endswith(":gluon_nw1_bw32_st2_p24")
+    assert hopper.decode_kernel("nvfp4", 128, 4, cpu, num_kv_heads=8, page_size=64).endswith(":gluon_nw1_bw32_st2_p24")
+    assert hopper.decode_kernel("nvfp4", 96, 4, cpu, **_POOL).startswith("triton-nvfp4-decode:triton_")  # no Gluon tiling
     blackwell = TritonBackend(target=DeviceTarget(148, (10, 0)))
-    assert blackwell.decode_kernel("nvfp4", 128, 4, cpu).startswith("triton-nvfp4-decode:triton_")
-    assert TritonBackend().decode_kernel("fp8_e4m3", 128, 4, cpu).startswith("flashinfer-decode")
+    assert blackwell.decode_kernel("nvfp4", 128, 4, cpu, **_POOL).startswith("triton-nvfp4-decode:triton_")
+    assert TritonBackend().decode_kernel("fp8_e4m3", 128, 4, cpu, **_POOL).startswith("flashinfer-decode")
     # groups whose accumulators take many more registers than the measured case stay on the Triton kernel
-    assert hopper.decode_kernel("nvfp4", 128, 16, cpu).startswith("triton-nvfp4-decode:triton_")
-    assert hopper.decode_kernel("nvfp4", 256, 4, cpu).startswith("triton-nvfp4-decode:triton_")
-    assert hopper.decode_kernel("nvfp4", 64, 16, cpu).startswith("triton-nvfp4-decode:gluon_")
+    assert hopper.decode_kernel("nvfp4", 128, 16, cpu, **_POOL).startswith("triton-nvfp4-decode:triton_")
+    assert hopper.decode_kernel("nvfp4", 256, 4, cpu, **_POOL).startswith("triton-nvfp4-decode:triton_")
+    assert hopper.decode_kernel("nvfp4", 64, 16, cpu, **_POOL).startswith("triton-nvfp4-decode:gluon-tma_")
 
 
 def test_nvfp4_decode_kernel_flag_picks_the_kernel_and_other_backends_refuse_it():
@@ -134,9 +140,11 @@ def test_nvfp4_decode_kernel_flag_picks_the_kernel_and_other_backends_refuse_it(
     from nvfp4_kernels.backends.registry import get_backend
 
     cpu = torch.device("cpu")
-    assert get_backend("triton", cpu, "gluon").decode_kernel("nvfp4", 128, 4, cpu).endswith(":gluon_nw1_bw32_st2_p24")
-    assert get_backend("triton", cpu, "triton").decode_kernel("nvfp4", 128, 4, cpu).endswith(":triton_nw4_bw32_st2_p8")
-    assert get_backend("triton-block-select", cpu, "gluon").decode_kernel("nvfp4", 128, 4, cpu).endswith(":gluon_nw1_bw32_st2_p24")
+    assert get_backend("triton", cpu, "gluon").decode_kernel("nvfp4", 128, 4, cpu, **_POOL).endswith(":gluon_nw1_bw32_st2_p24")
+    assert get_backend("triton", cpu, "triton").decode_kernel("nvfp4", 128, 4, cpu, **_POOL).endswith(":triton_nw4_bw32_st2_p8")
+    assert get_backend("triton", cpu, "gluon-tma").decode_kernel("nvfp4", 128, 4, cpu, **_POOL).endswith(
+        ":gluon-tma_nw1_bw32_st2_p24")
+    assert get_backend("triton-block-select", cpu, "gluon").decode_kernel("nvfp4", 128, 4, cpu, **_POOL).endswith(":gluon_nw1_bw32_st2_p24")
     with pytest.raises(ValueError, match="picks a kernel of the triton backends"):
         get_backend("auto", cpu, "gluon")  # auto on the CPU is the reference backend
     with pytest.raises(ValueError, match="--nvfp4-decode-kernel must be one of"):

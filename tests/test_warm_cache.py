@@ -116,12 +116,13 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
                               cache=CacheConfig(max_total_tokens=256)))
     runner = DecodeGraphRunner(eng.model, eng.paths, torch.device("cpu"), 16, max_width_pages(1024, 16), capture=False)
     shapes = runner.shapes()
-    # on sm_90a the engine decodes with the Gluon kernel (nvfp4_kernels.backends.triton_decode.default_decode_config)
-    assert launches["nvfp4_decode_gluon_kernel"][0] == len(shapes) == launches["merge_kernel"][0]
+    # on sm_90a the engine decodes with the TMA-fed Gluon kernel (2 KV heads x 128 / 16 = a 16-byte scale row:
+    # nvfp4_kernels.backends.triton_decode.default_decode_config)
+    assert launches["nvfp4_decode_tma_kernel"][0] == len(shapes) == launches["merge_kernel"][0]
     # one compile serves every (batch, width): nothing the plan derives from the shape is specialized
-    assert launches["nvfp4_decode_gluon_kernel"][1] == 1 == launches["merge_kernel"][1], res.stdout
+    assert launches["nvfp4_decode_tma_kernel"][1] == 1 == launches["merge_kernel"][1], res.stdout
     cubins = _cubins(cache)
-    for name in ("nvfp4_decode_gluon_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel",
+    for name in ("nvfp4_decode_tma_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel",
                  "rmsnorm_kernel", "silu_mul_kernel", "qk_norm_rope_kernel", "kv_write_kernel", "skinny_linear_kernel"):
         assert len(cubins[name]) == launches[name][1] >= 1, (name, launches, res.stdout)
         assert all(m["target"]["arch"] == 90 and m["target"]["backend"] == "cuda" for m in cubins[name])
@@ -140,7 +141,7 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
                                                       for m in skinny_row_classes())
     for ptx in cache.rglob("skinny_linear_kernel.ptx"):
         assert "f32.bf16.bf16" in ptx.read_text() and ".tf32" not in ptx.read_text(), ptx
-    for name in ("nvfp4_decode_gluon_kernel", "merge_kernel", "nvfp4_to_fp8_kernel"):
+    for name in ("nvfp4_decode_tma_kernel", "merge_kernel", "nvfp4_to_fp8_kernel"):
         assert all(not m.get("launch_pdl") for m in cubins[name]), name
     # Triton's host launcher stubs: one per distinct launcher source (variants of one signature share it)
     stubs = sorted(cache.rglob("__triton_launcher*.so"))
@@ -166,7 +167,12 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
     (["--preset", "qwen3-8b", "--model", "/tmp"], "give --model or --preset, not both"),
     (["--model", "/nonexistent/model"], "--model /nonexistent/model: no config.json there"),
     (["--preset", "qwen3-8b", "--context-length", "99999999"], "--context-length 99999999 is longer than"),
-    (["--arch", "sm_80", "--nvfp4-decode-kernel", "gluon"], "--nvfp4-decode-kernel gluon needs compute capability 8.9"),
+    (["--arch", "sm_80", "--nvfp4-decode-kernel", "gluon"],
+     "--nvfp4-decode-kernel gluon needs a GPU of compute capability 8.9 or newer, got compute capability 8.0"),
+    (["--arch", "sm_89", "--nvfp4-decode-kernel", "gluon-tma"],
+     "--nvfp4-decode-kernel gluon-tma needs a GPU of compute capability 9.0 or newer"),
+    (["--preset", "qwen3-8b", "--page-size", "64", "--nvfp4-decode-kernel", "gluon-tma"],
+     "gluon-tma needs KV heads x head_dim / 16 a multiple of 16 bytes and 32-token steps of whole pages"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path):
     res = _run(["-m", "nvfp4_serve.cli", "warm-cache", *args], {"TRITON_CACHE_DIR": str(tmp_path)})

@@ -1,10 +1,13 @@
 """Kernel benchmark: check every GPU kernel against the reference, then time NVFP4 decode vs FlashInfer.
 
     python -m benchmarks.kernels.bench_decode [--out docs/benchmarks/kernels.json] [--sweep] [--quick]
+        [--md docs/benchmarks/kernels.md]
 
 Needs CUDA (and flashinfer for the baselines; without it only our kernels are timed). GQA 32/8, head_dim
 128, page 16, one layer. Prints a table of microseconds, achieved TB/s (each format's own K+V bytes:
-codes and block scales for NVFP4) and speedups, plus the quantize kernel's bandwidth, and writes JSON.
+codes and block scales for NVFP4) and speedups, plus the quantize kernel's bandwidth, and writes JSON; with
+``--md``, the table of the GPU's default kernel (the one the engine runs) replaces the generated part of that
+markdown file (between its ``<!-- bench_decode -->`` markers).
 Timings are CUDA-event medians (triton.testing.do_bench) twice over: calls launched one after another from
 Python (``us``), and the same calls replayed from one CUDA graph (``graph_us``: how the engine's decode step runs
 them; at short contexts the eager figure times the host's launches, not the kernels). Shapes whose pool is smaller
@@ -127,10 +130,12 @@ def run_checks(dev: torch.device) -> dict:
         err = float((ours - ref).norm() / ref.norm())
         key = f"decode_G{g}_D{d}_lens{'-'.join(map(str, lens))}"
         out[key] = {"rel_err": err, "splits": tb.plan_decode(pt, seq, hq, HK, d, PAGE).backend_state.num_splits}
-        gb = TritonBackend(DecodeConfig(1, 32, 3, 64, DecodeKernel.GLUON))
-        gl_out = gb.decode(gb.plan_decode(pt, seq, hq, HK, d, PAGE), q, layer, 1 / math.sqrt(d)).float()
-        out[key]["gluon_rel_err"] = float((gl_out - ref).norm() / ref.norm())
-        _log(f"check {key}: rel err {err:.2e}, gluon {out[key]['gluon_rel_err']:.2e}")
+        for kernel in (DecodeKernel.GLUON, DecodeKernel.GLUON_TMA):  # many splits: split edges, empty splits
+            gb = TritonBackend(DecodeConfig(1, 32, 3, 64, kernel))
+            gl_out = gb.decode(gb.plan_decode(pt, seq, hq, HK, d, PAGE), q, layer, 1 / math.sqrt(d)).float()
+            out[key][f"{kernel.value}_rel_err"] = float((gl_out - ref).norm() / ref.norm())
+        _log(f"check {key}: rel err {err:.2e}, gluon {out[key]['gluon_rel_err']:.2e}, "
+             f"gluon-tma {out[key]['gluon-tma_rel_err']:.2e}")
 
     try:
         from nvfp4_kernels.backends.flashinfer_backend import flashinfer_available, nvfp4_dequantize_rows
@@ -305,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time other decode tilings")
     ap.add_argument("--cuda-cores", action="store_true", help="also time FlashInfer's CUDA-core decode")
     ap.add_argument("--quick", action="store_true", help="first two shapes only")
+    ap.add_argument("--md", default=None, metavar="MD",
+                    help="write the default kernel's table into this markdown file, between its markers")
     ap.add_argument("--flashinfer-from", default=None, metavar="JSON",
                     help="reuse the FlashInfer timings of an earlier run's JSON instead of timing them again")
     args = ap.parse_args(argv)
@@ -328,10 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"quantize kernel: {report['quantize']['tokens']} tokens in {report['quantize']['us']:.0f} us = "
          f"{report['quantize']['tb_per_s']:.2f} TB/s")
     triton_cfg = DecodeConfig(4, 16 if D > 128 else 32, 2, 8)  # the Triton kernel's measured best tiling
-    gluon = DecodeKernel.GLUON
-    configs = list(dict.fromkeys([default_decode_config(D, torch.cuda.get_device_capability(dev), HQ // HK), triton_cfg, DecodeConfig(1, 32, 3, 24, gluon),
-                                  DecodeConfig(1, 32, 2, 24, gluon, 112), DecodeConfig(1, 32, 2, 32, gluon, 112)]))
+    gluon, tma = DecodeKernel.GLUON, DecodeKernel.GLUON_TMA
+    default = default_decode_config(D, torch.cuda.get_device_capability(dev), HQ // HK, num_kv_heads=HK,
+                                    page_size=PAGE)
+    report["default_config"] = default.label  # what the engine runs on this GPU (auto)
+    configs = list(dict.fromkeys([default, triton_cfg, DecodeConfig(1, 32, 2, 24, gluon), DecodeConfig(1, 32, 2, 24, tma)]))
     if args.sweep:
+        configs += [DecodeConfig(1, 32, 3, 24, tma), DecodeConfig(1, 16, 3, 24, tma), DecodeConfig(1, 32, 2, 16, tma),
+                    DecodeConfig(1, 32, 2, 32, tma)]
         configs += [DecodeConfig(4, 32, 2, 16), DecodeConfig(1, 32, 2, 32), DecodeConfig(1, 32, 4, 24, gluon),
                     DecodeConfig(1, 16, 4, 32, gluon), DecodeConfig(1, 32, 2, 32, gluon), DecodeConfig(1, 64, 2, 12, gluon),
                     DecodeConfig(1, 16, 3, 48, gluon), DecodeConfig(1, 32, 2, 24, gluon, 104),
@@ -356,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(report)
     _write(report, args.out)
     _log(f"wrote {args.out}")
+    if args.md:
+        write_markdown_table(report, args.md, " ".join(["python -m benchmarks.kernels.bench_decode", *(argv or sys.argv[1:])]))
+        _log(f"wrote the table of {args.md}")
     return 0
 
 
@@ -386,13 +400,14 @@ def _print_table(report: dict) -> None:
     copy = report["copy_tb_per_s"]
     _log(f"\nNVFP4 decode, GQA {HQ}/{HK}, D={D}, page {PAGE}; copy bandwidth {copy:.2f} TB/s; "
          f"TB/s = each format's own K+V bytes / time")
-    hdr = (f"{'shape':>12} | {'triton':>7} {'gluon':>7} | {'ours us':>8} {'TB/s':>5} {'%copy':>5} | {'FI bf16':>8} {'FI fp8':>8} {'FI nvfp4':>8} |"
+    hdr = (f"{'shape':>12} | {'triton':>7} {'gluon':>7} {'tma':>7} | {'ours us':>8} {'TB/s':>5} {'%copy':>5} | {'FI bf16':>8} {'FI fp8':>8} {'FI nvfp4':>8} |"
            f" {'x bf16':>6} {'x fp8':>6} {'x nvfp4':>7} | {'85% goal us':>10}")
     _log(hdr)
     _log("-" * len(hdr))
     for e in report["decode"]:
         name, ours, _ = _best(e["ours"])
-        per = {kn: _best({k: v for k, v in e["ours"].items() if v.get("kernel") == kn})[1] for kn in ("triton", "gluon")}
+        per = {kn: _best({k: v for k, v in e["ours"].items() if v.get("kernel") == kn})[1]
+               for kn in ("triton", "gluon", "gluon-tma")}
         tbs = e["nvfp4_bytes"] / ours / 1e6
         fi = {k: _best(e.get(f"flashinfer_{k}", {}))[1] for k in ("bf16", "fp8_e4m3", "nvfp4")}
         goal = e["nvfp4_bytes"] / (0.85 * copy * 1e6)
@@ -403,15 +418,15 @@ def _print_table(report: dict) -> None:
                             "graph": {"best_config": gname, "ours_us": gours, "ours_tb_per_s": e["nvfp4_bytes"] / gours / 1e6,
                                       "pct_of_copy": 100 * e["nvfp4_bytes"] / gours / 1e6 / copy, "flashinfer_us": gfi,
                                       "speedup": {k: gfi[k] / gours for k in gfi}}}
-        _log(f"{e['batch']:>4}x{e['seq_len']:<7} | {per['triton']:7.0f} {per['gluon']:7.0f} | {ours:8.0f} {tbs:5.2f} {100 * tbs / copy:5.0f} | {fi['bf16']:8.0f} "
+        _log(f"{e['batch']:>4}x{e['seq_len']:<7} | {per['triton']:7.0f} {per['gluon']:7.0f} {per['gluon-tma']:7.0f} | {ours:8.0f} {tbs:5.2f} {100 * tbs / copy:5.0f} | {fi['bf16']:8.0f} "
              f"{fi['fp8_e4m3']:8.0f} {fi['nvfp4']:8.0f} | {fi['bf16'] / ours:6.2f} {fi['fp8_e4m3'] / ours:6.2f} "
              f"{fi['nvfp4'] / ours:7.2f} | {goal:10.0f}")
     _log("\nthe same, each call replayed from a CUDA graph (as the engine's decode step runs it)")
-    _log(hdr.replace("triton", "      ").replace("  gluon", "       "))
+    _log(hdr.replace("triton", "      ").replace("  gluon", "       ").replace("    tma", "       "))
     for e in report["decode"]:
         g = e["summary"]["graph"]
         ours, fi = g["ours_us"], g["flashinfer_us"]
-        _log(f"{e['batch']:>4}x{e['seq_len']:<7} | {'':7} {'':7} | {ours:8.1f} {g['ours_tb_per_s']:5.2f} {g['pct_of_copy']:5.0f} | "
+        _log(f"{e['batch']:>4}x{e['seq_len']:<7} | {'':7} {'':7} {'':7} | {ours:8.1f} {g['ours_tb_per_s']:5.2f} {g['pct_of_copy']:5.0f} | "
              f"{fi['bf16']:8.1f} {fi['fp8_e4m3']:8.1f} {fi['nvfp4']:8.1f} | {fi['bf16'] / ours:6.2f} {fi['fp8_e4m3'] / ours:6.2f} "
              f"{fi['nvfp4'] / ours:7.2f} | {e['summary']['goal_85pct_us']:10.0f}")
     q = report["quantize"]
@@ -420,3 +435,54 @@ def _print_table(report: dict) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+_MD_BEGIN, _MD_END = "<!-- bench_decode: generated, begin -->", "<!-- bench_decode: generated, end -->"
+
+
+def markdown_table(report: dict, command: str) -> str:
+    """The default kernel (``report["default_config"]``, what the engine runs) against the other kernels and
+    FlashInfer, every shape: eager and graph microseconds, TB/s of its own bytes against the copy bandwidth."""
+    copy, default = report["copy_tb_per_s"], report.get("default_config")
+    lines = [(f"Produced by `{command}` on {report['device']} (copy bandwidth {copy:.2f} TB/s, read + write; "
+              f"triton {report.get('triton', '?')}). Default kernel on this GPU: `{default}`."), "",
+             ("| batch x context | default (eager) | default (graph) | TB/s (% of copy), graph | Gluon cp.async | "
+              "Triton | FlashInfer BF16 | FlashInfer FP8 | FlashInfer NVFP4 | vs BF16 | vs FP8 | vs NVFP4 | "
+              "80% of copy |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def fi(e: dict, kvd: str) -> tuple[float, float]:
+        return _best(e.get(f"flashinfer_{kvd}", {}))[1], _best(e.get(f"flashinfer_{kvd}", {}), "graph_us")[1]
+
+    for e in report["decode"]:
+        ours = e["ours"].get(default, {})
+        us, gus = ours.get("us", float("nan")), ours.get("graph_us", float("nan"))
+        tbs = e["nvfp4_bytes"] / gus / 1e6
+        other = {kn: _best({k: v for k, v in e["ours"].items() if v.get("kernel") == kn and k != default})[1]
+                 for kn in ("gluon", "triton")}
+        f = {k: fi(e, k) for k in ("bf16", "fp8_e4m3", "nvfp4")}
+        goal = e["nvfp4_bytes"] / (0.8 * copy * 1e6)
+        shape = f"{e['batch']} x {e['seq_len'] // 1024}K" if e["seq_len"] < 1 << 20 else f"{e['batch']} x 1M"
+        lines.append(f"| {shape} | {us:.1f} us | {gus:.1f} us | {tbs:.2f} ({100 * tbs / copy:.0f}%) | "
+                     f"{other['gluon']:.1f} us | {other['triton']:.1f} us | "
+                     + " | ".join(f"{a:.1f} / {b:.1f} us" for a, b in f.values())
+                     + " | " + " | ".join(f"{b / gus:.2f}x" for _, b in f.values()) + f" | {goal:.0f} us |")
+    lines += ["", ("FlashInfer columns: eager / graph; speedups are graph against graph. Gluon cp.async and Triton: "
+                   "the best of their tilings timed, eager.")]
+    return "\n".join(lines)
+
+
+def write_markdown_table(report: dict, path: str, command: str) -> None:
+    """Replace the generated part of ``path`` (between its markers; appended with them where absent)."""
+    text = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    block = f"{_MD_BEGIN}\n{markdown_table(report, command)}\n{_MD_END}"
+    if _MD_BEGIN in text and _MD_END in text:
+        head, rest = text.split(_MD_BEGIN, 1)
+        text = head + block + rest.split(_MD_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
+    with open(path, "w") as f:
+        f.write(text)

@@ -1,6 +1,6 @@
-"""The TMA-fed Gluon decode (``benchmarks/kernels/tma_decode_variant.py``) against the committed cp.async one
-(development probe): checked against the fp32 reference, then both timed at the kernel benchmark's shapes in one
-run, each shape twice in alternation.
+"""The TMA-fed Gluon decode (``nvfp4_kernels/triton/nvfp4_decode_tma.py``) against the cp.async one (development
+probe): checked against the fp32 reference with NaN scales past every prompt, then both timed at the kernel
+benchmark's shapes in one run, each shape twice in alternation, the TMA kernel at several tilings.
 
     python -m benchmarks.kernels.probe_tma [--shapes 44x32768 ...] [--configs 32:2:24 16:3:24 ...] [--out F]
     python -m benchmarks.kernels.probe_tma --compile-only     # no GPU: registers and loop instructions, sm_90a
@@ -18,14 +18,6 @@ import torch
 from benchmarks.kernels import bench_decode as bd
 from benchmarks.kernels.probe_gluon import write_json
 
-_ORIG = {}
-
-
-def tma_fits(layer, block_w: int) -> bool:
-    """Geometries the TMA kernel takes: 16-byte row strides for both views, steps of whole pages."""
-    ns = layer.head_dim // 16
-    return (layer.num_kv_heads * ns) % 16 == 0 and block_w % layer.page_size == 0
-
 
 def compile_sm90(d: int = 128, npg: int = 2, stages: int = 2, group: int = 4, page: int = 16):
     """The variant compiled for sm_90a with Triton's bundled ptxas (no GPU needed)."""
@@ -34,7 +26,7 @@ def compile_sm90(d: int = 128, npg: int = 2, stages: int = 2, group: int = 4, pa
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from benchmarks.kernels.tma_decode_variant import nvfp4_decode_tma_kernel
+    from nvfp4_kernels.triton.nvfp4_decode_tma import nvfp4_decode_tma_kernel
 
     dw, ns = d // 4, d // 16
     cd = f"tensordesc<i16[{page}, {dw}],{gl.NVMMASharedLayout.get_default_for([page, dw], gl.int16)!r}>"
@@ -89,46 +81,6 @@ def sass_report(kernel) -> dict:
             "ldmatrix": sass.count("LDSM")}
 
 
-def _launch_tma(self, plan, q, layer, sm_scale) -> None:
-    import triton
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from benchmarks.kernels.tma_decode_variant import nvfp4_decode_tma_kernel
-    from nvfp4_kernels.backends.triton_decode import e2m1_fold
-
-    st, (batch, hq, d), hk = plan.backend_state, q.shape, layer.num_kv_heads
-    cfg = st.config
-    if not tma_fits(layer, cfg.block_w) or st.chunk_tokens % cfg.block_w:
-        raise ValueError(f"TMA kernel: geometry not taken (HK {hk}, D {d}, page {layer.page_size}, BT {cfg.block_w})")
-    page = layer.page_size
-    rows = layer.k.shape[0] * page
-    dw, ns = d // 4, d // 16
-    sw = max(16, ns)
-    cl = gl.NVMMASharedLayout.get_default_for([page, dw], gl.int16)
-    sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-
-    def codes(t):
-        return TensorDescriptor(t.view(torch.int16).view(rows, hk * dw), [rows, hk * dw], [hk * dw, 1], [page, dw], cl)
-
-    def scales(t):
-        return TensorDescriptor(t.view(torch.uint8).view(rows, hk * ns), [rows, hk * ns], [hk * ns, 1], [page, sw], sl)
-
-    args = list(self._kernel_args(plan, q, layer, sm_scale, e2m1_fold(1)))
-    args[1], args[2], args[3], args[4] = codes(layer.k), scales(layer.k_sf), codes(layer.v), scales(layer.v_sf)
-    group = hq // hk
-    nvfp4_decode_tma_kernel[(hk, st.num_splits, batch)](
-        *args, rows, HK=hk, G=group, GN=max(8, triton.next_power_of_2(group)), D=d, PAGE=page,
-        NPG=cfg.block_w // page, STAGES=cfg.num_stages, SW=sw, num_warps=1, **cfg.launch_options)
-
-
-def use(tma: bool) -> None:
-    from nvfp4_kernels.backends.triton_decode import TritonNvfp4Decode as TritonDecode
-
-    _ORIG.setdefault("gluon", TritonDecode._launch_gluon)
-    TritonDecode._launch_gluon = _launch_tma if tma else _ORIG["gluon"]
-
-
 def check(dev) -> list[dict]:
     from nvfp4_kernels.backends.triton_backend import DecodeConfig, DecodeKernel, TritonBackend
     from nvfp4_kernels.kv_layout import LayerKV
@@ -160,7 +112,7 @@ def check(dev) -> list[dict]:
         seq = torch.tensor(lens, dtype=torch.int32, device=dev)
         q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
         ref = bd.fp32_decode_reference(layer, pt, seq, q, 1 / math.sqrt(d))
-        gb = TritonBackend(DecodeConfig(1, bt, st, 24, DecodeKernel.GLUON))
+        gb = TritonBackend(DecodeConfig(1, bt, st, 24, DecodeKernel.GLUON_TMA))
         print(f"check case g {g} d {d} lens {lens} bt {bt} page {pg} stages {st}", flush=True)
         o = gb.decode(gb.plan_decode(pt, seq, hq, bd.HK, d, pg), q, layer, 1 / math.sqrt(d)).float()
         torch.cuda.synchronize(dev)  # a fault shows at the case that made it
@@ -193,28 +145,24 @@ def main(argv=None) -> int:
     copy = bd.copy_bandwidth(dev)
     print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
     rows = []
-    use(True)
     for c in check(dev):
         print(f"check tma {c}", flush=True)
         rows.append({"kernel": "tma", "check": c})
     if a.check_only:
-        use(False)
         write_json(a.out, copy, rows)
         return 0
     base = [DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)]
-    tcfgs = [DecodeConfig(1, *[int(v) for v in x.split(":")], DecodeKernel.GLUON) for x in a.configs]
+    tcfgs = [DecodeConfig(1, *[int(v) for v in x.split(":")], DecodeKernel.GLUON_TMA) for x in a.configs]
     for rnd in range(a.rounds):
         for sh in a.shapes:
             bsz, n = map(int, sh.split("x"))
             for kernel, cfgs in (("cp.async", base), ("tma", tcfgs)):
-                use(kernel == "tma")
                 for label, r in bd.time_ours(dev, bsz, n, cfgs).items():
                     tbs = bd.nvfp4_bytes(bsz, n) / r["us"] / 1e6
                     print(f"time r{rnd} {kernel} {sh} {label}: {r['us']:.1f} us (graph {r['graph_us']:.1f}) "
                           f"{tbs:.2f} TB/s ({tbs / copy:.0%})", flush=True)
                     rows.append({"kernel": kernel, "round": rnd, "shape": sh, "config": label, "us": r["us"],
                                  "graph_us": r["graph_us"], "tbs": tbs, "of_copy": tbs / copy})
-    use(False)
     write_json(a.out, copy, rows)
     return 0
 

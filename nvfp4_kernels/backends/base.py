@@ -89,9 +89,10 @@ class AttentionBackend(ABC):
         lengths (the same values already copied into ``plan.page_table`` / ``plan.seq_lens``). Default: none,
         the decode reads everything from device memory."""
 
-    def decode_kernel(self, kv_dtype: str, head_dim: int, group: int, device: torch.device) -> str:
-        """The decode kernel a pool of ``kv_dtype`` runs on ``device`` for ``group`` query heads per KV head
-        (reported in /server_info). Default: the backend's name."""
+    def decode_kernel(self, kv_dtype: str, head_dim: int, group: int, device: torch.device, *, num_kv_heads: int,
+                      page_size: int) -> str:
+        """The decode kernel a pool of ``kv_dtype`` (``num_kv_heads`` heads, ``page_size`` pages) runs on ``device``
+        for ``group`` query heads per KV head (reported in /server_info). Default: the backend's name."""
         return self.name
 
     def warm_decode(self, layer: LayerKV, shapes: list[tuple[int, int]], num_qo_heads: int,

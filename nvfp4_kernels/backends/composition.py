@@ -145,7 +145,10 @@ class ComposedBackend(AttentionBackend):
     def decode(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> torch.Tensor:
         return self.parts.pool(layer.kv_dtype).decode.decode(plan, q, layer, sm_scale)
 
-    def decode_kernel(self, kv_dtype: str, head_dim: int, group: int, device: torch.device) -> str:
+    def decode_kernel(self, kv_dtype: str, head_dim: int, group: int, device: torch.device, *, num_kv_heads: int,
+                      page_size: int) -> str:
         part = self.parts.pool(kv_dtype).decode
         kernel_for = getattr(part, "kernel_for", None)  # optional: parts whose kernel depends on the GPU
-        return kernel_for(head_dim, group, device) if kernel_for is not None else _label(part)
+        if kernel_for is None:
+            return _label(part)
+        return kernel_for(head_dim, group, device, num_kv_heads=num_kv_heads, page_size=page_size)

@@ -1,5 +1,5 @@
 """The NVFP4 decode kernels a backend may launch, named without importing triton (the registry, the config
-flags and start-up checks read these on CPU installs too)."""
+flags and start-up checks read these on CPU installs too), and the geometry each one takes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,38 @@ class DecodeKernel(enum.Enum):
     """Which NVFP4 decode kernel a config launches."""
 
     TRITON = "triton"  # nvfp4_kernels/triton/nvfp4_decode.py: any target, also the CPU interpreter
-    GLUON = "gluon"  # nvfp4_kernels/triton/nvfp4_decode_gluon.py: explicit layouts, one warp, CUDA sm_89+ only
+    GLUON = "gluon"  # nvfp4_kernels/triton/nvfp4_decode_gluon.py: explicit layouts, one warp, cp.async, CUDA sm_89+
+    GLUON_TMA = "gluon-tma"  # nvfp4_kernels/triton/nvfp4_decode_tma.py: the Gluon kernel fed by TMA, CUDA sm_90+
 
 
-NVFP4_DECODE_KERNELS = ("auto", "gluon", "triton")  # --nvfp4-decode-kernel: auto (the GPU's default) or a DecodeKernel
-GLUON_HEAD_DIMS = (64, 128, 256)  # the head dims the Gluon NVFP4 decode has tilings for
+# --nvfp4-decode-kernel: auto (the GPU's default) or a DecodeKernel
+NVFP4_DECODE_KERNELS = ("auto", *(k.value for k in DecodeKernel))
+GLUON_HEAD_DIMS = (64, 128, 256)  # the head dims the Gluon NVFP4 decodes have tilings for
+_MIN_CAPABILITY = {DecodeKernel.GLUON: (8, 9), DecodeKernel.GLUON_TMA: (9, 0)}  # cvt.e4m3x2; TMA (cp.async.bulk)
+
+
+def tma_fits(num_kv_heads: int, head_dim: int, page_size: int, block_w: int) -> bool:
+    """Whether the TMA-fed kernel takes this pool and step: its scale view's rows (HK * D/16 bytes) are a whole
+    number of 16-byte TMA box rows, a step is whole pages (one box per page and part), and a page is a box's
+    height (at most 256 rows)."""
+    return ((num_kv_heads * (head_dim // 16)) % 16 == 0 and block_w % page_size == 0 and page_size <= 256
+            and head_dim in GLUON_HEAD_DIMS)
+
+
+def kernel_unfit(kernel: DecodeKernel, head_dim: int, capability: tuple[int, int] | None,
+                 num_kv_heads: int | None = None, page_size: int | None = None, block_w: int = 32) -> str | None:
+    """Why ``kernel`` cannot decode this model on a GPU of ``capability`` (None: no GPU), or None where it can.
+    The pool geometry (``num_kv_heads``, ``page_size``) is checked where given."""
+    if kernel is DecodeKernel.TRITON:
+        return None
+    if head_dim not in GLUON_HEAD_DIMS:
+        return f"{kernel.value} has tilings for head_dim {GLUON_HEAD_DIMS}, the model has {head_dim}"
+    need = _MIN_CAPABILITY[kernel]
+    if capability is None or tuple(capability) < need:
+        have = "no GPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+        return f"{kernel.value} needs a GPU of compute capability {need[0]}.{need[1]} or newer, got {have}"
+    if (kernel is DecodeKernel.GLUON_TMA and num_kv_heads is not None and page_size is not None
+            and not tma_fits(num_kv_heads, head_dim, page_size, block_w)):
+        return (f"{kernel.value} needs KV heads x head_dim / 16 a multiple of 16 bytes and {block_w}-token steps of "
+                f"whole pages, got {num_kv_heads} KV heads, head_dim {head_dim}, page {page_size}")
+    return None

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from nvfp4_kernels.backends.base import DecodeOptions, DecodePlan
-from nvfp4_kernels.backends.decode_kernels import GLUON_HEAD_DIMS, DecodeKernel
+from nvfp4_kernels.backends.decode_kernels import GLUON_HEAD_DIMS, DecodeKernel, kernel_unfit, tma_fits
 from nvfp4_kernels.backends.triton_nvfp4 import check_nvfp4_layer, u8
 from nvfp4_kernels.kv_layout import LayerKV
 from nvfp4_kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
@@ -36,7 +36,8 @@ _GLUON_HEAD_DIMS = GLUON_HEAD_DIMS
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tiling of the NVFP4 decode kernel: NW warp slices of BW tokens per loop step (Triton), or one warp
-    stepping BW tokens through a ``num_stages``-deep cp.async ring (Gluon: ``num_warps`` must be 1)."""
+    stepping BW tokens through a ``num_stages``-deep ring filled by cp.async (Gluon) or TMA (Gluon TMA; BW whole
+    pages): ``num_warps`` must be 1 for both Gluon kernels."""
 
     num_warps: int = 4
     block_w: int = 32
@@ -54,7 +55,7 @@ class DecodeConfig:
             raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
         if self.max_registers is not None and not 32 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in [32, 255] or None, got {self.max_registers}")
-        if self.kernel is DecodeKernel.GLUON and (self.num_warps != 1 or self.block_w > 64 or self.num_stages < 2):
+        if self.kernel is not DecodeKernel.TRITON and (self.num_warps != 1 or self.block_w > 64 or self.num_stages < 2):
             raise ValueError("the Gluon decode runs one warp per program with block_w <= 64 and num_stages >= 2, got "
                              f"num_warps={self.num_warps} block_w={self.block_w} num_stages={self.num_stages}")
 
@@ -83,17 +84,22 @@ def gluon_fits(head_dim: int, group: int) -> bool:
 
 
 def default_decode_config(head_dim: int, capability: tuple[int, int] | None = None, group: int = 1,
-                          kernel: DecodeKernel | None = None) -> DecodeConfig:
+                          kernel: DecodeKernel | None = None, *, num_kv_heads: int, page_size: int) -> DecodeConfig:
     """The decode kernel and tiling for a GPU of ``capability`` (None: no GPU, the Triton kernel for the
-    interpreter) and ``group`` query heads per KV head.
+    interpreter), ``group`` query heads per KV head and a pool of ``num_kv_heads`` heads in ``page_size`` pages.
 
-    Hopper (9.x) gets the Gluon kernel where ``gluon_fits``: 1.3-1.4x faster than the Triton kernel on the H200
-    with this tiling (docs/benchmarks/kernels.md: 2-stage ring, 24 programs per SM). Other GPUs get the Triton
-    kernel, whose D=256 tiling halves the warp slice to stay in registers (docs/benchmarks/kernel-notes.md).
-    ``kernel`` (``--nvfp4-decode-kernel``) forces one kernel with its default tiling; the Gluon kernel then still
-    needs a head_dim in GLUON_HEAD_DIMS and compute capability 8.9+ (checked at start-up, svc_common/preflight.py)."""
-    if kernel is DecodeKernel.GLUON or (kernel is None and capability is not None and capability[0] == 9
-                                        and gluon_fits(head_dim, group)):
+    Hopper (9.x) gets a Gluon kernel where ``gluon_fits``: the TMA-fed one where its geometry fits (``tma_fits``:
+    16-token pages and an even number of KV heads at head_dim 128, as Qwen3 and Llama pools have), 1.16-1.19x
+    faster than the cp.async one on an H100 (docs/benchmarks/kernel-notes.md), else the cp.async one, itself
+    1.3-1.4x faster than the Triton kernel on the H200 (docs/benchmarks/kernels.md). Both run one warp per
+    program, 32-token steps, a 2-stage ring, 24 programs per SM. Other GPUs get the Triton kernel, whose D=256
+    tiling halves the warp slice to stay in registers (docs/benchmarks/kernel-notes.md). ``kernel``
+    (``--nvfp4-decode-kernel``) forces one kernel with its default tiling; a Gluon kernel still needs what
+    ``kernel_unfit`` checks (at start-up, svc_common/preflight.py; again at the launch)."""
+    hopper = kernel is None and capability is not None and capability[0] == 9 and gluon_fits(head_dim, group)
+    if kernel is DecodeKernel.GLUON_TMA or (hopper and tma_fits(num_kv_heads, head_dim, page_size, 32)):
+        return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON_TMA)
+    if kernel is DecodeKernel.GLUON or hopper:
         return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)
     return DecodeConfig(4, 16 if head_dim > 128 else 32, 2, 8)
 
@@ -180,7 +186,7 @@ class TritonNvfp4Decode:
         batch, max_pages = page_table.shape
         dev = page_table.device
         cfg = self.decode_config or default_decode_config(head_dim, self._capability(dev), num_qo_heads // num_kv_heads,
-                                                          self.kernel)
+                                                          self.kernel, num_kv_heads=num_kv_heads, page_size=page_size)
         if self.target is not None:
             num_sms = self.target.num_sms
         else:
@@ -237,7 +243,9 @@ class TritonNvfp4Decode:
         if q.dtype not in (torch.bfloat16, torch.float16) or q.stride(2) != 1 or batch != plan.page_table.shape[0]:
             raise ValueError(f"q must be bf16/fp16 [B={plan.page_table.shape[0]}, Hq, D] with a contiguous last dim,"
                              f" got {q.dtype} {tuple(q.shape)} strides {q.stride()}")
-        if st.config.kernel is DecodeKernel.GLUON:
+        if st.config.kernel is DecodeKernel.GLUON_TMA:
+            self._launch_gluon_tma(plan, q, layer, sm_scale)
+        elif st.config.kernel is DecodeKernel.GLUON:
             self._launch_gluon(plan, q, layer, sm_scale)
         else:
             self._launch_triton(plan, q, layer, sm_scale)
@@ -268,9 +276,11 @@ class TritonNvfp4Decode:
             NW=cfg.num_warps, BW=cfg.block_w, MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **cfg.launch_options)
 
-    def kernel_for(self, head_dim: int, group: int, device: torch.device) -> str:
-        """``<part>:<config label>`` of the decodes this part plans for ``head_dim`` and ``group`` on ``device``."""
-        cfg = self.decode_config or default_decode_config(head_dim, self._capability(device), group, self.kernel)
+    def kernel_for(self, head_dim: int, group: int, device: torch.device, *, num_kv_heads: int, page_size: int) -> str:
+        """``<part>:<config label>`` of the decodes this part plans for ``head_dim``, ``group`` and a pool of
+        ``num_kv_heads`` heads in ``page_size`` pages on ``device``."""
+        cfg = self.decode_config or default_decode_config(head_dim, self._capability(device), group, self.kernel,
+                                                          num_kv_heads=num_kv_heads, page_size=page_size)
         return f"{self.name}:{cfg.label}"
 
     def _capability(self, dev: torch.device) -> tuple[int, int] | None:
@@ -279,17 +289,63 @@ class TritonNvfp4Decode:
             return self.target.capability
         return torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
 
+    def _gluon_checked(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV) -> None:
+        """ValueError unless the plan's Gluon kernel can decode ``layer`` on ``q``'s device."""
+        kernel, cfg = plan.backend_state.config.kernel, plan.backend_state.config
+        why = kernel_unfit(kernel, q.shape[2], self._capability(q.device), layer.num_kv_heads, layer.page_size,
+                           cfg.block_w)
+        if why is not None:
+            raise ValueError(f"the Gluon NVFP4 decode cannot run here: {why} (use DecodeKernel.TRITON)")
+
     def _launch_gluon(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> None:
         """The Gluon kernel's software E2M1 decode runs on sm_89+ (its scales use cvt.rn.f16x2.e4m3x2)."""
         from nvfp4_kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
 
+        self._gluon_checked(plan, q, layer)
         st, (batch, hq, d), hk = plan.backend_state, q.shape, layer.num_kv_heads
-        cap = self._capability(q.device)
-        if cap is None or cap < (8, 9) or d not in _GLUON_HEAD_DIMS:
-            raise ValueError(f"the Gluon NVFP4 decode needs a CUDA GPU of compute capability >= 8.9 and head_dim in "
-                             f"{_GLUON_HEAD_DIMS}, got capability {cap} and head_dim {d} (use DecodeKernel.TRITON)")
-        group = hq // hk
         nvfp4_decode_gluon_kernel[(hk, st.num_splits, batch)](
             *self._kernel_args(plan, q, layer, sm_scale, e2m1_fold(1)),
-            HK=hk, G=group, GN=max(8, triton.next_power_of_2(group)), D=d, PAGE=layer.page_size,
+            HK=hk, G=hq // hk, GN=max(8, triton.next_power_of_2(hq // hk)), D=d, PAGE=layer.page_size,
             BT=st.config.block_w, STAGES=st.config.num_stages, num_warps=1, **st.config.launch_options)
+
+    def _launch_gluon_tma(self, plan: DecodePlan, q: torch.Tensor, layer: LayerKV, sm_scale: float) -> None:
+        """The TMA-fed Gluon kernel: the pool's four parts as tensor maps (``tma_views``), the rest as the
+        cp.async kernel takes it, and ``oob_row`` (a row past the pool: TMA reads zeros there)."""
+        from nvfp4_kernels.triton.nvfp4_decode_tma import nvfp4_decode_tma_kernel
+
+        self._gluon_checked(plan, q, layer)
+        st, (batch, hq, d), hk = plan.backend_state, q.shape, layer.num_kv_heads
+        page, cfg = layer.page_size, st.config
+        args = list(self._kernel_args(plan, q, layer, sm_scale, e2m1_fold(1)))
+        args[1:5] = tma_views(layer)
+        nvfp4_decode_tma_kernel[(hk, st.num_splits, batch)](
+            *args, layer.k.shape[0] * page, HK=hk, G=hq // hk, GN=max(8, triton.next_power_of_2(hq // hk)), D=d,
+            PAGE=page, NPG=cfg.block_w // page, STAGES=cfg.num_stages, SW=max(16, d // 16), num_warps=1,
+            **cfg.launch_options)
+
+
+def tma_views(layer: LayerKV) -> tuple:
+    """K codes, K scales, V codes, V scales of an NVFP4 pool as Gluon tensor descriptors, in the TMA kernel's
+    argument order. Codes: [P*PAGE, HK*D/4] int16, box [PAGE, D/4], the shared layout ldmatrix reads without bank
+    conflicts (swizzled by the row's width). Scales: [P*PAGE, HK*D/16] uint8, box [PAGE, max(16, D/16)] (a TMA
+    box row is 16 bytes at least; the kernel reads its head's bytes inside it), unswizzled."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    page, hk, d = layer.page_size, layer.num_kv_heads, layer.head_dim
+    rows, dw, ns = layer.k.shape[0] * page, d // 4, d // 16
+    for t in (layer.k, layer.v, layer.k_sf, layer.v_sf):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError("the TMA decode needs contiguous, 16-byte aligned pool tensors")
+    codes_layout = gl.NVMMASharedLayout.get_default_for([page, dw], gl.int16)
+    scales_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+
+    def codes(t: torch.Tensor):
+        return TensorDescriptor(t.view(torch.int16).view(rows, hk * dw), [rows, hk * dw], [hk * dw, 1], [page, dw],
+                                codes_layout)
+
+    def scales(t: torch.Tensor):
+        return TensorDescriptor(u8(t).view(rows, hk * ns), [rows, hk * ns], [hk * ns, 1], [page, max(16, ns)],
+                                scales_layout)
+
+    return codes(layer.k), scales(layer.k_sf), codes(layer.v), scales(layer.v_sf)

@@ -1,5 +1,6 @@
 """NVFP4 decode attention for Hopper, the Gluon kernel fed by TMA: one bulk copy per page and part.
 
+The default NVFP4 decode on Hopper where its geometry fits (``tma_fits`` in nvfp4_kernels/backends/decode_kernels.py).
 Same contract, tiling and math as ``nvfp4_decode_gluon`` (one warp per program = (kv head h, split s, sequence
 b), transposed MMAs, split-KV partials merged by ``merge_kernel``); only the loads differ. There, 32 lanes
 compute a row address each and issue 16- and 8-byte cp.async copies per step. Here one thread issues, per page
@@ -20,6 +21,11 @@ past the pool (TMA fills them with zeros), so every copy of a step completes the
 past ``end`` inside the last page hold whatever the pool has there: S is masked to -inf for them (so K's values
 never matter), and V's scales are zeroed for them on the tail step (E2M1 codes are finite, so those V rows
 decode to 0 and P = 0 multiplies 0, never NaN).
+
+Fewer, larger memory requests are what it buys: 8 bulk copies per 32 tokens instead of about 10 warp-wide cp.async
+instructions of 32 addresses each (L2 was the busiest unit of the cp.async kernel). docs/benchmarks/kernels.md has
+the measurements. The tensor maps are passed by value (``__grid_constant__``), so a captured CUDA graph replays
+with the pool they were made for; the pool tensors of an engine never move.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from nvfp4_kernels.triton.nvfp4_decode import PLAN_INTS
 from nvfp4_kernels.triton.nvfp4_decode_gluon import (
     _MMA,
     _attend,
@@ -98,7 +105,7 @@ def _run(ring, bars, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, 
     return m_i, l_i, acc0, acc1, acc2, acc3
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=PLAN_INTS)  # one compile for every batch shape (nvfp4_decode.py)
 def nvfp4_decode_tma_kernel(
     Q, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, SEQ_LENS, O_PART, LSE_PART,
     qk_scale, out_scale,
