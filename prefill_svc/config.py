@@ -62,6 +62,11 @@ class PrefillConfig:
         "this service's port and reads the pool where the engine wrote it, so the engine never waits for the "
         "GIL behind gRPC's copies), thread (in the engine's process), auto (process when the pool is on CUDA)",
         choices=KV_SENDERS))
+    # grpc path: page exports (gather, copy to host, framing) a transfer keeps in flight on worker threads while
+    # its messages go out (prefill_svc/page_sender.py); 0: the measured default of the sender, page_sender.exports_ahead
+    kv_exports_ahead: int = field(default=0, metadata=flag(
+        "grpc path: page exports a transfer keeps in flight while its messages go out (0: 3 in a sender process, "
+        "2 in the engine's process)"))
     faults: FaultInjection = field(default_factory=FaultInjection)  # tests only (svc_common/fault_injection.py)
 
     def __post_init__(self) -> None:
@@ -74,6 +79,8 @@ class PrefillConfig:
             raise ValueError(f"--kv-hold-timeout must be > 0 seconds, got {self.kv_hold_timeout_s}")
         if self.kv_sender not in KV_SENDERS:
             raise ValueError(f"--kv-sender must be one of {', '.join(KV_SENDERS)}, got {self.kv_sender!r}")
+        if not 0 <= self.kv_exports_ahead <= 16:
+            raise ValueError(f"--kv-exports-ahead must be in 0..16 (0: the default), got {self.kv_exports_ahead}")
         if not self.kv_lane_timeout_s > 0:
             raise ValueError(f"--kv-lane-timeout must be > 0 seconds, got {self.kv_lane_timeout_s}")
 

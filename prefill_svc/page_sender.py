@@ -30,8 +30,17 @@ _MESSAGES_PER_EXPORT = 8  # messages gathered and copied to host at once (one ga
 # exports of a stream in flight while its messages go out: one export at a time kept the stream waiting for a
 # third of a ready transfer (the export, ~2 GB/s on one thread, was slower than the stream's send). In the
 # engine's process a third one measured worse (its threads wait for the GIL behind the engine thread); the
-# sender process shares its GIL with nothing else and keeps three in flight.
+# sender process shares its GIL with nothing else and keeps three in flight (--kv-exports-ahead sets either).
 EXPORTS_AHEAD = 2
+EXPORTS_AHEAD_SENDER_PROCESS = 3
+
+
+def exports_ahead(configured: int, sender_process: bool) -> int:
+    """Exports in flight per transfer: ``--kv-exports-ahead`` (``configured``), else the measured default of the
+    process that sends (the engine's, or the sender process beside it)."""
+    if configured:
+        return configured
+    return EXPORTS_AHEAD_SENDER_PROCESS if sender_process else EXPORTS_AHEAD
 
 log = logging.getLogger(__name__)
 

@@ -47,6 +47,7 @@ class SenderSpec:
     max_message_bytes: int
     kv_message_bytes: int
     lane_timeout_s: float
+    exports_ahead: int  # page exports in flight per transfer
     tls: TLSConfig = field(default_factory=TLSConfig)  # the public port's (the Unix link carries its token only)
     log_level: int = logging.INFO
 
@@ -129,7 +130,7 @@ async def _serve(spec: SenderSpec, view: PoolView) -> None:
                            server_options(spec.max_message_bytes))
     ctx = SenderContext(exporter, prefill_pb2_grpc.PrefillStub(channel), TransferLanes(spec.lane_timeout_s),
                         pages_per_message(spec.max_message_bytes, spec.kv_message_bytes, exporter.page_bytes_per_layer),
-                        len(view.layers), SenderMetrics())
+                        len(view.layers), SenderMetrics(), spec.exports_ahead)
     server = build_server(spec.max_message_bytes, spec.tls)
     add_to_server(SenderServicer(ctx), server)
     parent = multiprocessing.parent_process()

@@ -33,7 +33,6 @@ from svc_common.kv_transfer import PATH_GRPC, PATH_RELAY
 from svc_common.page_export import PageExporter
 
 _RELEASE_TIMEOUT_S = 30.0
-_EXPORTS_AHEAD = 3  # prefill_svc/page_sender.py: EXPORTS_AHEAD
 log = logging.getLogger(__name__)
 
 
@@ -60,6 +59,7 @@ class SenderContext:
     per_message: int  # pages of one layer per message
     num_layers: int
     metrics: SenderMetrics
+    exports_ahead: int  # --kv-exports-ahead, resolved (prefill_svc/config.py: exports_ahead_for)
 
 
 async def relay_prefill(ctx: SenderContext, request: prefill_pb2.PrefillRequest
@@ -124,7 +124,7 @@ class _Relayed:
         self.hold_deadline = time.monotonic() + h.hold_timeout_s
         self.sender = PageSender(self.ctx.exporter, self.request.request_id, self.ctx.per_message,
                                  self.ctx.num_layers, self.lanes, before_export=self._check_hold,
-                                 exports_ahead=_EXPORTS_AHEAD)
+                                 exports_ahead=self.ctx.exports_ahead)
         return prefill_pb2.PrefillMessage(request_id=msg.request_id, header=out)
 
     def _check_hold(self) -> None:

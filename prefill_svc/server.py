@@ -10,6 +10,7 @@ from engine.engine import Engine
 from engine.engine_loop import EngineLoop, favour_engine_thread
 from nvfp4_serve_proto import prefill_pb2
 from prefill_svc.config import SENDER_PROCESS, PrefillConfig, sender_of
+from prefill_svc.page_sender import exports_ahead
 from prefill_svc.servicer import PrefillServicer, add_to_server
 from prefill_svc.worker import PrefillWorker
 from svc_common.grpc_server import build_server, check_port, start_and_wait
@@ -31,7 +32,7 @@ async def serve(config: PrefillConfig) -> None:
     relayed = sender_of(config, engine.pool.device) == SENDER_PROCESS
     worker = PrefillWorker(loop, config.max_message_bytes, metrics, config.faults, config.kv_transfer,
                            config.kv_hold_timeout_s, config.kv_message_bytes, config.kv_lane_timeout_s,
-                           relayed=relayed)
+                           relayed=relayed, exports_ahead=exports_ahead(config.kv_exports_ahead, relayed))
     try:
         if relayed:
             await _serve_behind_sender(config, worker, loop, metrics)
@@ -54,7 +55,8 @@ async def _serve_behind_sender(config: PrefillConfig, worker: PrefillWorker, loo
     server = build_server(config.max_message_bytes, internal)
     add_to_server(PrefillServicer(worker), server)
     spec = SenderSpec(config.host, config.port, socket.path, config.max_message_bytes, config.kv_message_bytes,
-                      config.kv_lane_timeout_s, config.tls, logging.getLogger().getEffectiveLevel())
+                      config.kv_lane_timeout_s, exports_ahead(config.kv_exports_ahead, True), config.tls,
+                      logging.getLogger().getEffectiveLevel())
     sender = SenderProcess(spec, pool_view(worker.engine.pool))
     log.info("the engine's process listens on unix:%s for its sender process only", socket.path)
 

@@ -32,7 +32,7 @@ from engine.request import PrefillProgress, Request, StepOutput
 from nvfp4_serve_proto import prefill_pb2
 from prefill_svc.kv_share import Hold, KVShareSource
 from prefill_svc.lanes import LaneTransfer, TransferLanes
-from prefill_svc.page_sender import HEADER_MARGIN, PageSender, pages_per_message
+from prefill_svc.page_sender import EXPORTS_AHEAD, HEADER_MARGIN, PageSender, pages_per_message
 from svc_common.convert import check_token_ids, sampling_from_proto
 from svc_common.errors import InvalidRequest, PrefillUnavailable, check_request_id, service_error
 from svc_common.fault_injection import FaultInjection
@@ -61,10 +61,11 @@ class PrefillWorker:
     def __init__(self, loop: EngineLoop, max_message_bytes: int, metrics: ServiceMetrics,
                  faults: FaultInjection = _NO_FAULTS,
                  kv_transfer: str = "auto", kv_hold_timeout_s: float = 60.0, kv_message_bytes: int = 4 << 20,
-                 kv_lane_timeout_s: float = 30.0, relayed: bool = False):
+                 kv_lane_timeout_s: float = 30.0, relayed: bool = False, exports_ahead: int = EXPORTS_AHEAD):
         """``relayed``: a sender process beside this one serves every caller (prefill_svc/sender_process.py); a
         transfer that would send page bytes names its pages instead (PATH_RELAY) and the sender sends them."""
         self.loop = loop
+        self.exports_ahead = exports_ahead  # page exports in flight per transfer (grpc path, this process)
         self.debug_delay = faults.transfer_delay_s  # tests only (svc_common/fault_injection.py); 0 in a deployment
         self.debug_header_delay = faults.header_delay_s
         self.debug_done_delay = faults.done_delay_s
@@ -222,7 +223,7 @@ class _Stream:
             self.serving = True
         if choice.path == PATH_GRPC:
             self.sender = PageSender(w.exporter, self.rid, w.pages_per_message, w.layout.num_layers, self.lanes,
-                                     w.debug_delay)
+                                     w.debug_delay, exports_ahead=w.exports_ahead)
         self.started, self.t_header = True, time.perf_counter()
         return prefill_pb2.PrefillMessage(request_id=self.rid, header=header)
 

@@ -160,6 +160,8 @@ def test_hopper_gets_the_tma_kernel_where_the_pool_fits_its_boxes_and_the_cp_asy
     assert kernel(128, hopper, 4, 2, 16) is DecodeKernel.GLUON_TMA  # 2 x 8 scale bytes: one 16-byte row
     assert kernel(128, hopper, 4, 1, 16) is DecodeKernel.GLUON  # an 8-byte scale row: not a TMA box row
     assert kernel(128, hopper, 4, 8, 64) is DecodeKernel.GLUON  # a 32-token step is not a whole 64-token page
+    assert kernel(128, hopper, 4, 8, 4) is DecodeKernel.GLUON  # 4-token pages: boxes 64 bytes apart in smem
+    assert kernel(128, hopper, 4, 8, 8) is DecodeKernel.GLUON  # not checked on a GPU
     assert kernel(128, (8, 9), 4, 8, 16) is DecodeKernel.TRITON  # Ada: the Gluon kernels are opt-in there
     assert kernel(128, (10, 0), 4, 8, 16) is DecodeKernel.TRITON  # Blackwell: the hardware-cvt Triton kernel
     assert kernel(128, None, 4, 8, 16) is DecodeKernel.TRITON  # the CPU interpreter

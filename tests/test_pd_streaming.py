@@ -145,3 +145,48 @@ def test_a_streams_exports_start_with_one_message_and_double_up_to_the_export_si
         assert sum(m for _, m in runs) == 2048
     assert export_units(range(1), 3, 5, 8) == [(0, 0, 3)] and export_units(range(3), 0, 5, 8) == []
     assert [lay for lay, _, _ in export_units(range(2, 4), 6, 5, 8)] == [2, 2, 3]  # a run of some layers
+
+
+def test_a_sender_keeps_its_configured_number_of_exports_in_flight():
+    """--kv-exports-ahead: a transfer's exports run that many at once on worker threads (each blocks for 30 ms
+    here), every message still in send order; 0 picks the sender's measured default."""
+    import time
+
+    from engine.config import EngineConfig
+    from engine.kv_pool import KVPool
+    from prefill_svc.config import PrefillConfig
+    from prefill_svc.page_sender import PageSender, exports_ahead
+    from svc_common.kv_transfer_ipc import pool_view
+    from svc_common.kv_wire import decode_page_run
+    from svc_common.page_export import PageExporter
+
+    class Slow(PageExporter):  # the real exporter of a host pool, each export held 30 ms and counted
+        running = peak = 0
+        lock = threading.Lock()
+
+        def messages(self, *args, **kwargs):
+            with self.lock:
+                Slow.running += 1
+                Slow.peak = max(Slow.peak, Slow.running)
+            time.sleep(0.03)
+            try:
+                return super().messages(*args, **kwargs)
+            finally:
+                with self.lock:
+                    Slow.running -= 1
+
+    pool = KVPool("nvfp4", 2, 40, 4, 2, 64)
+    for ahead in (1, 4):
+        Slow.peak = 0
+        sender = PageSender(Slow(pool_view(pool)), "r", 1, 2, exports_ahead=ahead)
+
+        async def drain(s: PageSender) -> list[bytes]:
+            return [m async for m in s.pages(list(range(32)), 0, None)]
+
+        msgs = asyncio.run(drain(sender))
+        order = [(run.layer, run.first_page) for run in map(decode_page_run, msgs)]
+        assert order == sorted(order) and len(order) == 2 * 32  # one page per message, layer by layer
+        assert Slow.peak == ahead
+    assert (exports_ahead(0, True), exports_ahead(0, False), exports_ahead(5, False)) == (3, 2, 5)
+    with pytest.raises(ValueError, match="--kv-exports-ahead must be in 0..16"):
+        PrefillConfig(engine=EngineConfig(model_dir="m"), kv_exports_ahead=17)

@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; tma_probe, tma_sanitize, gemv_probe, one_user, engine_direct, itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big, transfer_thread are on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; tma_probe, tma_sanitize, gemv_probe, transfer_ahead, one_user, engine_direct, itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big, transfer_thread are on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -164,6 +164,12 @@ stage profile 200 python3 -m benchmarks.transfer.profile_copy --out docs/benchma
   --trace $R/transfer_profile_trace.txt
 stage transfer 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
   --num-layers 8 --lengths 32768 --paths ${TRANSFER_PATHS:-grpc grpc-lanes cuda-ipc} --log-dir $R/logs_tr ${TRANSFER_ARGS:-}
+# on demand: the gRPC path with EXPORTS_AHEAD page exports in flight per transfer (--kv-exports-ahead), nvfp4 only,
+# beside stage transfer run with TRANSFER_ARGS="--kv-dtypes nvfp4 --paths grpc grpc-lanes" (its default, 3)
+stage transfer_ahead 400 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
+  --num-layers 8 --lengths 32768 --kv-dtypes nvfp4 --paths grpc grpc-lanes --kv-exports-ahead ${EXPORTS_AHEAD:-6} \
+  --log-dir $R/logs_tr_ahead --out-json docs/benchmarks/transfer_exports_ahead.json \
+  --out-md docs/benchmarks/transfer_exports_ahead.md
 # on demand: the gRPC path sent by the prefill's engine process itself (--kv-sender thread), beside stage transfer's
 # sender process: the before/after of the same run
 stage transfer_thread 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \

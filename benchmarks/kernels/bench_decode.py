@@ -433,9 +433,6 @@ def _print_table(report: dict) -> None:
     _log(f"quantize-on-write: {q['tokens']} tokens x {HK} heads x {D}: {q['us']:.0f} us, {q['tb_per_s']:.2f} TB/s")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 _MD_BEGIN, _MD_END = "<!-- bench_decode: generated, begin -->", "<!-- bench_decode: generated, end -->"
 
@@ -486,3 +483,7 @@ def write_markdown_table(report: dict, path: str, command: str) -> None:
         text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
     with open(path, "w") as f:
         f.write(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -87,6 +87,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-lanes", type=int, default=4, help="the grpc-lanes path's decode --kv-grpc-lanes")
     p.add_argument("--kv-sender", default="auto", choices=KV_SENDERS,
                    help="the prefills' --kv-sender: which process sends the grpc path's page bytes")
+    p.add_argument("--kv-exports-ahead", type=int, default=0,
+                   help="the prefills' --kv-exports-ahead: page exports in flight per transfer (0: their default)")
     p.add_argument("--prefill-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the prefill services")
     p.add_argument("--decode-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the decode services")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the script")
@@ -155,6 +157,7 @@ def start_services(a: argparse.Namespace, model: Path, log_dir: Path) -> dict[st
             started[kv] = {"prefill": spawn(f"prefill-{kv}", "prefill_svc",
                                             [*common, "--kv-hold-timeout", "300",
                                              "--kv-message-bytes", str(a.message_bytes), "--kv-sender", a.kv_sender,
+                                             "--kv-exports-ahead", str(a.kv_exports_ahead),
                                              *(["--kv-transfer", "nixl"] if "nixl" in a.paths else [])],
                                             log_dir, a.prefill_gpu if a.device == "cuda" else None)}
             every.append(started[kv]["prefill"])
@@ -315,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                   "page_size": a.page_size, "chunk_size": a.chunked_prefill_size, "decode_tokens": a.decode_tokens, "ready_repeats": a.ready_repeats,
                   "compute_repeats": a.compute_repeats,
                   "prefill_gpu": a.prefill_gpu, "decode_gpu": a.decode_gpu, "device": a.device,
-                  "kv_sender": a.kv_sender,
+                  "kv_sender": a.kv_sender, "kv_exports_ahead": a.kv_exports_ahead,
                   "grpc_lanes": a.grpc_lanes if GRPC_LANES in a.paths else None},
         "rows": rows, "summary": summarize(rows), "anchors": anchors}
     attach_anchors(rows, anchors)

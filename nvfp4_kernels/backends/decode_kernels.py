@@ -22,9 +22,10 @@ _MIN_CAPABILITY = {DecodeKernel.GLUON: (8, 9), DecodeKernel.GLUON_TMA: (9, 0)}  
 
 def tma_fits(num_kv_heads: int, head_dim: int, page_size: int, block_w: int) -> bool:
     """Whether the TMA-fed kernel takes this pool and step: its scale view's rows (HK * D/16 bytes) are a whole
-    number of 16-byte TMA box rows, a step is whole pages (one box per page and part), and a page is a box's
-    height (at most 256 rows)."""
-    return ((num_kv_heads * (head_dim // 16)) % 16 == 0 and block_w % page_size == 0 and page_size <= 256
+    number of 16-byte TMA box rows, a step is whole pages (one box per page and part), and each page's box lands
+    128-byte aligned in shared memory (page j of a step at j * PAGE rows of 16 scale bytes; 4-token pages fault
+    with a misaligned address). Pages of 16 and 32 tokens are the ones checked on a GPU: PAGE a multiple of 16."""
+    return ((num_kv_heads * (head_dim // 16)) % 16 == 0 and block_w % page_size == 0 and page_size % 16 == 0
             and head_dim in GLUON_HEAD_DIMS)
 
 
@@ -43,5 +44,6 @@ def kernel_unfit(kernel: DecodeKernel, head_dim: int, capability: tuple[int, int
     if (kernel is DecodeKernel.GLUON_TMA and num_kv_heads is not None and page_size is not None
             and not tma_fits(num_kv_heads, head_dim, page_size, block_w)):
         return (f"{kernel.value} needs KV heads x head_dim / 16 a multiple of 16 bytes and {block_w}-token steps of "
-                f"whole pages, got {num_kv_heads} KV heads, head_dim {head_dim}, page {page_size}")
+                f"whole pages of a multiple of 16 tokens, got {num_kv_heads} KV heads, head_dim {head_dim}, page "
+                f"{page_size}")
     return None
