@@ -217,3 +217,12 @@ def test_no_fused_needs_the_cublas_linear_mode():
     with pytest.raises(SystemExit) as e:
         main(["--no-fused"])
     assert e.value.code == 2
+
+
+def test_rows_with_a_forced_decode_kernel_are_labelled_and_set_against_the_gpus_default(tmp_path):
+    auto = _row(attention_graph_ms=2.25, nvfp4_decode_kernel="auto")
+    gluon = _row(attention_graph_ms=2.70, nvfp4_decode_kernel="gluon", graph_ms=8.29, tok_s=120.6)
+    md = _render([auto, gluon], tmp_path)
+    assert "| 1 x 32768 | nvfp4, gluon decode | 8.29 |" in md
+    assert "| 1 x 32768 | nvfp4, gluon decode | 7.840 | 8.290 | 1.057 | 2.250 | 2.700 |" in md
+    assert "The NVFP4 decode kernel" not in _render([auto], tmp_path)

@@ -41,6 +41,7 @@ import torch
 from benchmarks.engine.decode_step_report import CATEGORY_NAMES, print_table, write_md
 from benchmarks.kernels.bench_decode import copy_bandwidth
 from nvfp4_kernels import programmatic_launch
+from nvfp4_kernels.backends.decode_kernels import NVFP4_DECODE_KERNELS
 
 QWEN3_8B = {"architecture": "Qwen3ForCausalLM", "vocab_size": 151936, "hidden_size": 4096,
             "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -261,7 +262,8 @@ def no_attention_times(model, paths, device: torch.device, reqs: list, max_width
 
 
 def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, device: torch.device,
-              profile: bool = False, block_select: bool = False, only_without_attention: bool = False) -> dict:
+              profile: bool = False, block_select: bool = False, only_without_attention: bool = False,
+              nvfp4_decode_kernel: str = "auto") -> dict:
     """One row: the step (graph, back to back, eager), its attention alone and the step without attention; with
     ``only_without_attention`` the last alone (no attention kernel is planned or compiled: FlashInfer stays
     unloaded for bf16/fp8)."""
@@ -287,7 +289,10 @@ def run_shape(model, cfg, kv_dtype: str, batch: int, seq_len: int, iters: int, d
     pool = KVPool(kv_dtype, cfg.num_hidden_layers, num_pages, PAGE, cfg.num_key_value_heads, cfg.head_dim,
                   device=device, k_scales=scales, v_scales=scales, scratch_pages=1)
     fill_pool_random(pool)
-    backend = TritonBlockSelectBackend() if block_select else TritonBackend()
+    from nvfp4_kernels.backends.decode_kernels import DecodeKernel
+
+    kernel = None if nvfp4_decode_kernel == "auto" else DecodeKernel(nvfp4_decode_kernel)
+    backend = (TritonBlockSelectBackend if block_select else TritonBackend)(decode_kernel=kernel)
     paths = AttentionPaths(pool, backend, PAGE, cfg.num_attention_heads, cfg.head_dim ** -0.5, device)
     width = max_width_pages(seq_len + 64, PAGE)
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -335,18 +340,21 @@ def _measure(a: argparse.Namespace, model, cfg, dev: torch.device, bw: float) ->
             model.rotate_kv(head_rotation(rotation, cfg.head_dim, dev, model.dtype))
         from nvfp4_kernels import skinny_linear
 
-        for (b, l), dt, pdl, lin in itertools.product(a.shapes, a.kv_dtypes, a.pdl_modes, a.linear_modes):
+        for (b, l), dt, pdl, lin, kern in itertools.product(a.shapes, a.kv_dtypes, a.pdl_modes, a.linear_modes,
+                                                            a.nvfp4_decode_kernels):
+            if dt != "nvfp4" and kern != a.nvfp4_decode_kernels[0]:
+                continue  # the kernel choice is the NVFP4 decode's: other dtypes are measured once
             programmatic_launch.set_enabled(pdl == "on")  # the graphs of run_shape are captured under it
             skinny_linear.set_skinny_linear(lin == "skinny")  # and under this
             try:
                 row = run_shape(model, cfg, dt, b, l, a.iters, dev, a.profile, a.block_select,
-                                a.only_without_attention)
+                                a.only_without_attention, kern)
             except Exception as e:  # noqa: BLE001 - recorded, the other shapes go on
                 traceback.print_exc()
                 row = {"kv_dtype": dt, "batch": b, "seq_len": l, "error": f"{type(e).__name__}: {e}"}
                 torch.cuda.empty_cache()
             # pdl: the mode asked for (rows are paired by it); pdl_launched: whether this GPU launched with it
-            row.update(kv_rotation=rotation, pdl=pdl == "on", linear=lin,
+            row.update(kv_rotation=rotation, pdl=pdl == "on", linear=lin, nvfp4_decode_kernel=kern,
                        pdl_launched=programmatic_launch.uses_pdl(torch.empty(0, device=dev)))
             if "weight_gb" in row:
                 row["non_attention_floor_ms"] = row["weight_gb"] / bw
@@ -382,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="run every shape and dtype with the decode projections through the skinny linear where it "
                         "applies (skinny, as the engine runs them) and/or all through cuBLAS, in this order, for the "
                         "before/after of the same run")
+    p.add_argument("--nvfp4-decode-kernels", nargs="+", default=["auto"], choices=NVFP4_DECODE_KERNELS,
+                   help="nvfp4 rows with each of these decode kernels (--nvfp4-decode-kernel), the first the baseline "
+                        "of the same-run comparison")
     p.add_argument("--profile", action="store_true",
                    help="also profile each shape's graph replay (torch profiler): top kernels, kernel time per "
                         "category and the launch gaps (graph step - kernel sum); with --only-without-attention, "

@@ -60,6 +60,7 @@ def write_md(doc: dict, path: str) -> None:
     lines += _rotation_lines(rows)
     lines += _pdl_lines(rows)
     lines += _linear_lines(rows)
+    lines += _decode_kernel_lines(rows)
     lines += _category_lines(rows)
     lines += _kernel_lines(rows)
     with open(path, "w") as f:
@@ -78,13 +79,15 @@ def _kv(r: dict) -> str:
     kv = r["kv_dtype"] if rot == "none" else f"{r['kv_dtype']} + {rot}"
     if r.get("linear") == "cublas":  # --linear-modes cublas (rows before the skinny linear carry no key)
         kv = f"{kv}, cuBLAS"
+    if r.get("nvfp4_decode_kernel", "auto") != "auto":  # --nvfp4-decode-kernels: a kernel forced
+        kv = f"{kv}, {r['nvfp4_decode_kernel']} decode"
     if not r.get("pdl", True):
         return f"{kv}, no PDL"
     return kv if r.get("pdl_launched", True) else f"{kv}, PDL n/a"
 
 
 # The settings a row is measured under besides its shape and dtype, with the value rows of older JSONs had.
-_SETTINGS = {"kv_rotation": "none", "pdl": True, "linear": "cublas"}
+_SETTINGS = {"kv_rotation": "none", "pdl": True, "linear": "cublas", "nvfp4_decode_kernel": "auto"}
 
 
 def _settings(r: dict, leave_out: str = "") -> tuple:
@@ -142,6 +145,12 @@ def _pdl_lines(rows: list[dict]) -> list[str]:
     """Each step launched without programmatic dependent launch against the same step with it (``--pdl-modes``)."""
     return _same_run_lines(rows, "Programmatic dependent launch on / off (same run)", "pdl", True,
                            ("with PDL", "without PDL"))
+
+
+def _decode_kernel_lines(rows: list[dict]) -> list[str]:
+    """Each nvfp4 step with a forced decode kernel against the same step with the GPU's default (auto)."""
+    return _same_run_lines(rows, "The NVFP4 decode kernel: forced against the GPU's default (same run)",
+                           "nvfp4_decode_kernel", "auto", ("auto", "forced"))
 
 
 def _linear_lines(rows: list[dict]) -> list[str]:
