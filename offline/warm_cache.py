@@ -11,6 +11,7 @@ and the NVFP4 decode planned for the target's SM count and compute capability (`
       kernel where TMA does not fit;    the page tables of --context-length
       else nvfp4_decode_kernel),
       merge_kernel
+    nvfp4_decode_gluon_kernel           with the TMA kernel: once, for the eager launches (``eager_config``)
     nvfp4_quantize_kernel               write_kv of 1..16 tokens: every class Triton specializes the row count
                                         into (1, a multiple of 16, other), hence every batch and chunk size
     nvfp4_to_fp8_kernel                 gather_workspace of 1..16 cached tokens, the same classes
@@ -210,7 +211,7 @@ def warm_triton(plan: WarmPlan) -> tuple[dict[str, tuple[int, int]], list[str] |
           programmatic_launch.for_target(plan.capability, plan.pdl)):  # the launch keywords the GPU will use
         if "nvfp4" in plan.kv_dtypes:
             _warm_nvfp4(plan)
-            kernels += [_decode_kernel(plan), merge_kernel, nvfp4_quantize_kernel, nvfp4_to_fp8_kernel]
+            kernels += [*_decode_kernels(plan), merge_kernel, nvfp4_quantize_kernel, nvfp4_to_fp8_kernel]
         for kv in dense:  # their decode and prefill are FlashInfer's (warm_flashinfer); the pool write is ours
             _warm_dense_write(plan, kv)
         _warm_model_ops(plan)
@@ -219,24 +220,26 @@ def warm_triton(plan: WarmPlan) -> tuple[dict[str, tuple[int, int]], list[str] |
     return _report(drv.launches, kernels), drv.stubs
 
 
-def _decode_kernel(plan: WarmPlan):
-    """The NVFP4 decode kernel the engine picks on the target (``default_decode_config``)."""
+def _decode_kernels(plan: WarmPlan) -> list:
+    """The NVFP4 decode kernels the engine launches on the target (``default_decode_config``): with the TMA
+    kernel, also the cp.async one its eager launches use (``triton_decode.eager_config``)."""
     from nvfp4_kernels.backends.triton_backend import DecodeKernel, default_decode_config
 
     group = plan.num_qo_heads // plan.num_kv_heads
     kernel = default_decode_config(plan.head_dim, plan.capability, group, _kernel_choice(plan),
                                    num_kv_heads=plan.num_kv_heads, page_size=plan.page_size).kernel
     if kernel is DecodeKernel.GLUON_TMA:
+        from nvfp4_kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
         from nvfp4_kernels.triton.nvfp4_decode_tma import nvfp4_decode_tma_kernel
 
-        return nvfp4_decode_tma_kernel
+        return [nvfp4_decode_tma_kernel, nvfp4_decode_gluon_kernel]
     if kernel is DecodeKernel.GLUON:
         from nvfp4_kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
 
-        return nvfp4_decode_gluon_kernel
+        return [nvfp4_decode_gluon_kernel]
     from nvfp4_kernels.triton.nvfp4_decode import nvfp4_decode_kernel
 
-    return nvfp4_decode_kernel
+    return [nvfp4_decode_kernel]
 
 
 def _kernel_choice(plan: WarmPlan):

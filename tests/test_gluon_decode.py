@@ -211,3 +211,24 @@ def test_nan_scales_past_a_prompt_never_reach_the_output_on_gpu(kernel):
     ours = tb.decode(tb.plan_decode(pt, seq, hk * 4, hk, d, 16), q, layer, 0.1).float()
     assert torch.isfinite(ours).all()
     assert float((ours - ref).norm() / ref.norm()) < 5e-3
+
+
+def test_eager_plans_of_the_default_tma_kernel_launch_the_cp_async_one_and_captured_plans_keep_it():
+    """The TMA kernel's tensor maps are encoded on the host at each launch: an eager plan (not ``static``) of the
+    GPU's default decodes with the cp.async kernel, same tiling and geometry; a forced kernel is always itself."""
+    from nvfp4_kernels.backends.base import DecodeOptions
+    from nvfp4_kernels.backends.triton_backend import DeviceTarget
+
+    hopper = DeviceTarget(132, (9, 0))
+    table, lens = torch.zeros(2, 64, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+
+    def kernel_of(backend: TritonBackend, static: bool) -> DecodeKernel:
+        opts = DecodeOptions("nvfp4", torch.bfloat16, 0.1, static)
+        st = backend.plan_decode(table, lens, 32, 8, 128, 16, options=opts).backend_state
+        return st.config.kernel, st.num_splits
+
+    auto = TritonBackend(target=hopper)
+    assert kernel_of(auto, True) == (DecodeKernel.GLUON_TMA, kernel_of(auto, False)[1])
+    assert kernel_of(auto, False)[0] is DecodeKernel.GLUON
+    forced = TritonBackend(target=hopper, decode_kernel=DecodeKernel.GLUON_TMA)
+    assert kernel_of(forced, False)[0] is DecodeKernel.GLUON_TMA

@@ -118,11 +118,13 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
     shapes = runner.shapes()
     # on sm_90a the engine decodes with the TMA-fed Gluon kernel (2 KV heads x 128 / 16 = a 16-byte scale row:
     # nvfp4_kernels.backends.triton_decode.default_decode_config)
-    assert launches["nvfp4_decode_tma_kernel"][0] == len(shapes) == launches["merge_kernel"][0]
+    assert launches["nvfp4_decode_tma_kernel"][0] == len(shapes) == launches["merge_kernel"][0] - 1
+    # and the cp.async kernel that eager launches use instead (triton_decode.eager_config), once
+    assert launches["nvfp4_decode_gluon_kernel"] == (1, 1)
     # one compile serves every (batch, width): nothing the plan derives from the shape is specialized
     assert launches["nvfp4_decode_tma_kernel"][1] == 1 == launches["merge_kernel"][1], res.stdout
     cubins = _cubins(cache)
-    for name in ("nvfp4_decode_tma_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel",
+    for name in ("nvfp4_decode_tma_kernel", "nvfp4_decode_gluon_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel",
                  "rmsnorm_kernel", "silu_mul_kernel", "qk_norm_rope_kernel", "kv_write_kernel", "skinny_linear_kernel"):
         assert len(cubins[name]) == launches[name][1] >= 1, (name, launches, res.stdout)
         assert all(m["target"]["arch"] == 90 and m["target"]["backend"] == "cuda" for m in cubins[name])
@@ -141,7 +143,7 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
                                                       for m in skinny_row_classes())
     for ptx in cache.rglob("skinny_linear_kernel.ptx"):
         assert "f32.bf16.bf16" in ptx.read_text() and ".tf32" not in ptx.read_text(), ptx
-    for name in ("nvfp4_decode_tma_kernel", "merge_kernel", "nvfp4_to_fp8_kernel"):
+    for name in ("nvfp4_decode_tma_kernel", "nvfp4_decode_gluon_kernel", "merge_kernel", "nvfp4_to_fp8_kernel"):
         assert all(not m.get("launch_pdl") for m in cubins[name]), name
     # Triton's host launcher stubs: one per distinct launcher source (variants of one signature share it)
     stubs = sorted(cache.rglob("__triton_launcher*.so"))
