@@ -26,6 +26,7 @@ PREFILL_FLAGS = {
     "--kv-message-bytes": (["65536"], {lambda c: c.kv_message_bytes: 65536}),
     "--kv-lane-timeout": (["3.25"], {lambda c: c.kv_lane_timeout_s: 3.25}),
     "--kv-sender": (["process"], {lambda c: c.kv_sender: "process"}),
+    "--kv-exports-ahead": (["5"], {lambda c: c.kv_exports_ahead: 5}),
 }
 DECODE_FLAGS = {
     "--kv-transfer": (["cuda-ipc"], {lambda c: c.kv_transfer: "cuda-ipc"}),
