@@ -89,8 +89,9 @@ def default_decode_config(head_dim: int, capability: tuple[int, int] | None = No
     interpreter), ``group`` query heads per KV head and a pool of ``num_kv_heads`` heads in ``page_size`` pages.
 
     Hopper (9.x) gets a Gluon kernel where ``gluon_fits``: the TMA-fed one where its geometry fits (``tma_fits``:
-    16-token pages and an even number of KV heads at head_dim 128, as Qwen3 and Llama pools have), 1.16-1.19x
-    faster than the cp.async one on an H100 (docs/benchmarks/kernel-notes.md), else the cp.async one, itself
+    16-token pages and an even number of KV heads at head_dim 128, as Qwen3 and Llama pools have), 1.04-1.10x
+    faster than the cp.async one on the H200 and 1.16-1.19x on an H100 (docs/benchmarks/kernels.md,
+    kernel-notes.md), else the cp.async one, itself
     1.3-1.4x faster than the Triton kernel on the H200 (docs/benchmarks/kernels.md). Both run one warp per
     program, 32-token steps, a 2-stage ring, 24 programs per SM. Other GPUs get the Triton kernel, whose D=256
     tiling halves the warp slice to stay in registers (docs/benchmarks/kernel-notes.md). ``kernel``
