@@ -24,7 +24,8 @@ def prepare_engine_args(a: argparse.Namespace) -> None:
     a.model = resolve_model(a.model)
     device = check_device(a.device)
     config = check_model(a.model, a.kv_cache_dtype, device, a.attention_backend, a.context_length, a.kv_rotation)
-    check_decode_kernel(a.nvfp4_decode_kernel, a.attention_backend, device, config.head_dim)
+    check_decode_kernel(a.nvfp4_decode_kernel, a.attention_backend, device, config.head_dim,
+                        num_kv_heads=config.num_key_value_heads, page_size=a.page_size)
 
 
 def check_device(device: str) -> str:
@@ -52,24 +53,24 @@ def check_device(device: str) -> str:
     return device
 
 
-def check_decode_kernel(kernel: str, attention_backend: str, device: str, head_dim: int) -> None:
+def check_decode_kernel(kernel: str, attention_backend: str, device: str, head_dim: int, *,
+                        num_kv_heads: int | None = None, page_size: int | None = None) -> None:
     """ValueError unless ``--nvfp4-decode-kernel`` can be served: a kernel other than auto needs a triton backend
-    (auto is one on CUDA), and a Gluon kernel a head_dim it has a tiling for and a GPU new enough
-    (``decode_kernels.kernel_unfit``; the pool's geometry is checked again when the engine plans a decode)."""
+    (auto is one on CUDA), and a Gluon kernel a head_dim it has a tiling for, a pool its loads take (where
+    ``num_kv_heads`` and ``page_size`` are given) and a GPU new enough (``decode_kernels.kernel_unfit``)."""
     if kernel == "auto":
         return
     on_cuda = device.startswith("cuda")
     if not (attention_backend.startswith("triton") or (attention_backend == "auto" and on_cuda)):
         raise ValueError(f"--nvfp4-decode-kernel {kernel} picks a kernel of the triton backends, and the backend here "
                          f"is {attention_backend} on {device}: use --nvfp4-decode-kernel auto")
-    from nvfp4_kernels.backends.decode_kernels import GLUON_HEAD_DIMS, DecodeKernel, kernel_unfit
+    from nvfp4_kernels.backends.decode_kernels import DecodeKernel, kernel_unfit, shape_unfit
 
     choice = DecodeKernel(kernel)
     if choice is DecodeKernel.TRITON:
         return
-    if head_dim not in GLUON_HEAD_DIMS:  # refused before the GPU is asked
-        why = kernel_unfit(choice, head_dim, None)
-    else:
+    why = shape_unfit(choice, head_dim, num_kv_heads, page_size)  # refused before the GPU is asked
+    if why is None:
         import torch
 
         why = kernel_unfit(choice, head_dim, torch.cuda.get_device_capability(torch.device(device)))

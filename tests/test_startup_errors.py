@@ -192,6 +192,9 @@ def test_a_decode_kernel_other_than_auto_needs_a_triton_backend_and_is_refused_i
     for kernel in ("gluon", "gluon-tma"):
         with pytest.raises(ValueError, match=rf"{kernel} has tilings for head_dim \(64, 128, 256\), the model has 96"):
             check_decode_kernel(kernel, "triton", "cuda", 96)  # refused before the GPU is asked
+    # the TMA kernel on a pool whose pages its boxes do not fit: refused at start-up, before the GPU is asked
+    with pytest.raises(ValueError, match=r"gluon-tma needs .* got 8 KV heads, head_dim 128, page 64 on cuda"):
+        check_decode_kernel("gluon-tma", "triton", "cuda", 128, num_kv_heads=8, page_size=64)
     r = _run("-m", "nvfp4_serve.cli", "up", "--model", tiny_model_dir, "--nvfp4-decode-kernel", "triton")
     assert "use --nvfp4-decode-kernel auto" in _one_line_error(r, "nvfp4-serve up")
 
@@ -270,7 +273,7 @@ def test_prepare_engine_args_resolves_the_model_in_place(tiny_model_dir):
     from svc_common.preflight import prepare_engine_args
 
     a = SimpleNamespace(model=None, device="cpu", kv_cache_dtype="nvfp4", attention_backend="auto", kv_rotation="none",
-                        context_length=None, nvfp4_decode_kernel="auto")
+                        context_length=None, nvfp4_decode_kernel="auto", page_size=16)
     prepare_engine_args(a)
     assert Path(a.model, "config.json").is_file() and Path(a.model).name == "default"
 

@@ -171,7 +171,7 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
     (["--preset", "qwen3-8b", "--context-length", "99999999"], "--context-length 99999999 is longer than"),
     (["--arch", "sm_80", "--nvfp4-decode-kernel", "gluon"],
      "--nvfp4-decode-kernel gluon needs a GPU of compute capability 8.9 or newer, got compute capability 8.0"),
-    (["--arch", "sm_89", "--nvfp4-decode-kernel", "gluon-tma"],
+    (["--arch", "sm_89", "--preset", "qwen3-8b", "--nvfp4-decode-kernel", "gluon-tma"],
      "--nvfp4-decode-kernel gluon-tma needs a GPU of compute capability 9.0 or newer"),
     (["--preset", "qwen3-8b", "--page-size", "64", "--nvfp4-decode-kernel", "gluon-tma"],
      "gluon-tma needs KV heads x head_dim / 16 a multiple of 16 bytes and 32-token steps of whole pages"),

@@ -29,21 +29,31 @@ def tma_fits(num_kv_heads: int, head_dim: int, page_size: int, block_w: int) -> 
             and head_dim in GLUON_HEAD_DIMS)
 
 
-def kernel_unfit(kernel: DecodeKernel, head_dim: int, capability: tuple[int, int] | None,
-                 num_kv_heads: int | None = None, page_size: int | None = None, block_w: int = 32) -> str | None:
-    """Why ``kernel`` cannot decode this model on a GPU of ``capability`` (None: no GPU), or None where it can.
-    The pool geometry (``num_kv_heads``, ``page_size``) is checked where given."""
+def shape_unfit(kernel: DecodeKernel, head_dim: int, num_kv_heads: int | None = None,
+                page_size: int | None = None, block_w: int = 32) -> str | None:
+    """Why ``kernel`` cannot decode this model's pool whatever the GPU, or None: a head_dim it has tilings for and,
+    where given, a pool geometry (``num_kv_heads``, ``page_size``) the TMA kernel's boxes fit. Needs no GPU."""
     if kernel is DecodeKernel.TRITON:
         return None
     if head_dim not in GLUON_HEAD_DIMS:
         return f"{kernel.value} has tilings for head_dim {GLUON_HEAD_DIMS}, the model has {head_dim}"
-    need = _MIN_CAPABILITY[kernel]
-    if capability is None or tuple(capability) < need:
-        have = "no GPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
-        return f"{kernel.value} needs a GPU of compute capability {need[0]}.{need[1]} or newer, got {have}"
     if (kernel is DecodeKernel.GLUON_TMA and num_kv_heads is not None and page_size is not None
             and not tma_fits(num_kv_heads, head_dim, page_size, block_w)):
         return (f"{kernel.value} needs KV heads x head_dim / 16 a multiple of 16 bytes and {block_w}-token steps of "
                 f"whole pages of a multiple of 16 tokens, got {num_kv_heads} KV heads, head_dim {head_dim}, page "
                 f"{page_size}")
     return None
+
+
+def kernel_unfit(kernel: DecodeKernel, head_dim: int, capability: tuple[int, int] | None,
+                 num_kv_heads: int | None = None, page_size: int | None = None, block_w: int = 32) -> str | None:
+    """Why ``kernel`` cannot decode this model on a GPU of ``capability`` (None: no GPU), or None where it can:
+    ``shape_unfit``, then the GPU's compute capability."""
+    if kernel is DecodeKernel.TRITON:
+        return None
+    why = shape_unfit(kernel, head_dim, num_kv_heads, page_size, block_w)
+    need = _MIN_CAPABILITY[kernel]
+    if why is None and (capability is None or tuple(capability) < need):
+        have = "no GPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+        why = f"{kernel.value} needs a GPU of compute capability {need[0]}.{need[1]} or newer, got {have}"
+    return why
