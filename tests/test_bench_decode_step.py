@@ -4,7 +4,9 @@ sorted into the profile's categories, the per-category sums and launch gaps, and
 
 from __future__ import annotations
 
-from benchmarks.engine.bench_decode_step import CATEGORY_NAMES, category_ms, kernel_category
+import pytest
+
+from benchmarks.engine.bench_decode_step import CATEGORY_NAMES, category_ms, kernel_category, main
 from benchmarks.engine.decode_step_report import write_md
 
 # names as the torch profiler reports them on an H200 (docs/benchmarks/engine_decode.md), by category
@@ -226,3 +228,9 @@ def test_rows_with_a_forced_decode_kernel_are_labelled_and_set_against_the_gpus_
     assert "| 1 x 32768 | nvfp4, gluon decode | 8.29 |" in md
     assert "| 1 x 32768 | nvfp4, gluon decode | 7.840 | 8.290 | 1.057 | 2.250 | 2.700 |" in md
     assert "The NVFP4 decode kernel" not in _render([auto], tmp_path)
+
+
+def test_a_decode_kernel_named_twice_is_refused():
+    with pytest.raises(SystemExit) as e:
+        main(["--nvfp4-decode-kernels", "auto", "auto"])
+    assert e.value.code == 2

@@ -412,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--pdl-modes: each once")
     if len(set(a.linear_modes)) != len(a.linear_modes):
         p.error("--linear-modes: each once")
+    if len(set(a.nvfp4_decode_kernels)) != len(a.nvfp4_decode_kernels):
+        p.error("--nvfp4-decode-kernels: each once")
     if a.no_fused and a.linear_modes != ["cublas"]:
         p.error("--no-fused runs every projection through cuBLAS: give --linear-modes cublas")
     if a.render:
