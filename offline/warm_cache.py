@@ -222,7 +222,7 @@ def warm_triton(plan: WarmPlan) -> tuple[dict[str, tuple[int, int]], list[str] |
 
 def _decode_kernels(plan: WarmPlan) -> list:
     """The NVFP4 decode kernels the engine launches on the target (``default_decode_config``): with the TMA
-    kernel, also the cp.async one its eager launches use (``triton_decode.eager_config``)."""
+    kernel, also the cp.async one its eager launches use (``decode_choice.eager_config``)."""
     from nvfp4_kernels.backends.triton_backend import DecodeKernel, default_decode_config
 
     group = plan.num_qo_heads // plan.num_kv_heads

@@ -149,8 +149,8 @@ def test_the_tma_fed_decode_compiles_for_sm90a_with_tma_and_ldmatrix_and_no_spil
 
 
 def test_hopper_gets_the_tma_kernel_where_the_pool_fits_its_boxes_and_the_cp_async_one_elsewhere():
+    from nvfp4_kernels.backends.decode_choice import default_decode_config
     from nvfp4_kernels.backends.decode_kernels import kernel_unfit, tma_fits
-    from nvfp4_kernels.backends.triton_decode import default_decode_config
 
     def kernel(d, cap, group, hk, page, forced=None):
         return default_decode_config(d, cap, group, forced, num_kv_heads=hk, page_size=page).kernel

@@ -117,9 +117,9 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
     runner = DecodeGraphRunner(eng.model, eng.paths, torch.device("cpu"), 16, max_width_pages(1024, 16), capture=False)
     shapes = runner.shapes()
     # on sm_90a the engine decodes with the TMA-fed Gluon kernel (2 KV heads x 128 / 16 = a 16-byte scale row:
-    # nvfp4_kernels.backends.triton_decode.default_decode_config)
+    # nvfp4_kernels.backends.decode_choice.default_decode_config)
     assert launches["nvfp4_decode_tma_kernel"][0] == len(shapes) == launches["merge_kernel"][0] - 1
-    # and the cp.async kernel that eager launches use instead (triton_decode.eager_config), once
+    # and the cp.async kernel that eager launches use instead (decode_choice.eager_config), once
     assert launches["nvfp4_decode_gluon_kernel"] == (1, 1)
     # one compile serves every (batch, width): nothing the plan derives from the shape is specialized
     assert launches["nvfp4_decode_tma_kernel"][1] == 1 == launches["merge_kernel"][1], res.stdout

@@ -23,15 +23,14 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from nvfp4_kernels.backends.composition import ComposedBackend, Composition, PoolParts
+from nvfp4_kernels.backends.decode_choice import DecodeConfig, default_decode_config  # noqa: F401 - public names
 from nvfp4_kernels.backends.flashinfer_parts import FlashInferPagedDecode, FlashInferRaggedPrefill
 from nvfp4_kernels.backends.reference import ReferenceBackend
 from nvfp4_kernels.backends.triton_decode import (  # noqa: F401 - the backend's public names
-    DecodeConfig,
     DecodeKernel,
     DecodeState,
     DeviceTarget,
     TritonNvfp4Decode,
-    default_decode_config,
     e2m1_fold,
     e2m1_mode,
     split_geometry,

@@ -23,7 +23,7 @@ Data path per step of BT tokens:
     (the one layout change per step).
 One warp owns its program's whole state, so no barrier is shared between warps, and at D 128, G <= 8 its 131
 registers let 15 programs share an SM (the 4-warp Triton kernel holds 226 registers: 2 warps per scheduler).
-Larger groups or D 256 need 200-245 registers (``gluon_fits`` in nvfp4_kernels/backends/triton_decode.py).
+Larger groups or D 256 need 200-245 registers (``gluon_fits`` in nvfp4_kernels/backends/decode_choice.py).
 
 Scales folded in, as in the Triton kernel: qk_scale = sm_scale * k_global * 2**14 * log2(e) and
 out_scale = v_global * 2**14 (the decoded values are E2M1 * 2**-14 * E4M3). Q enters as fp16 (|q| < 65504).

@@ -1,0 +1,95 @@
+"""Which NVFP4 decode kernel and tiling a plan launches: ``DecodeConfig``, the GPU's default
+(``default_decode_config``: the TMA-fed Gluon kernel on Hopper where the pool fits its boxes, else the cp.async
+one, else the Triton kernel) and the config of an eager launch (``eager_config``). The launches themselves are
+``triton_decode.TritonNvfp4Decode``'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import triton
+
+from nvfp4_kernels.backends.decode_kernels import GLUON_HEAD_DIMS, DecodeKernel, tma_fits
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiling of the NVFP4 decode kernel: NW warp slices of BW tokens per loop step (Triton), or one warp
+    stepping BW tokens through a ``num_stages``-deep ring filled by cp.async (Gluon) or TMA (Gluon TMA; BW whole
+    pages): ``num_warps`` must be 1 for both Gluon kernels."""
+
+    num_warps: int = 4
+    block_w: int = 32
+    num_stages: int = 2
+    programs_per_sm: int = 8  # split-KV target: about this many programs per SM when sequences are long
+    kernel: DecodeKernel = DecodeKernel.TRITON
+    max_registers: int | None = None  # ptxas register cap per thread (maxnreg); None: the compiler's choice
+
+    def __post_init__(self) -> None:
+        if self.block_w < 16 or self.block_w & (self.block_w - 1):
+            raise ValueError(f"block_w must be a power of two >= 16 (tensor-core N dim), got {self.block_w}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
+        if self.max_registers is not None and not 32 <= self.max_registers <= 255:
+            raise ValueError(f"max_registers must be in [32, 255] or None, got {self.max_registers}")
+        if self.kernel is not DecodeKernel.TRITON and (self.num_warps != 1 or self.block_w > 64 or self.num_stages < 2):
+            raise ValueError("the Gluon decode runs one warp per program with block_w <= 64 and num_stages >= 2, got "
+                             f"num_warps={self.num_warps} block_w={self.block_w} num_stages={self.num_stages}")
+
+    @property
+    def label(self) -> str:
+        cap = "" if self.max_registers is None else f"_r{self.max_registers}"
+        return (f"{self.kernel.value}_nw{self.num_warps}_bw{self.block_w}_st{self.num_stages}"
+                f"_p{self.programs_per_sm}{cap}")
+
+    @property
+    def launch_options(self) -> dict:
+        return {} if self.max_registers is None else {"maxnreg": self.max_registers}
+
+    @property
+    def block_n(self) -> int:
+        return self.num_warps * self.block_w
+
+
+def gluon_fits(head_dim: int, group: int) -> bool:
+    """Whether the Gluon kernel is the default for this head dim and group: its accumulators are GN x D fp32 per
+    warp (GN = the group padded to >= 8). At GN * D <= 1024 (G <= 8 at D 128, G <= 16 at D 64) a program holds
+    about 130 registers, as in the measured GQA 32/8, D 128 case; up to 2048 it compiles without spills but
+    with 200-245 registers (fewer programs per SM, not measured), and G 32 at D 128 spills (sm_90a, Triton 3.6).
+    An explicit DecodeConfig may still ask for it there."""
+    return head_dim in GLUON_HEAD_DIMS and max(8, triton.next_power_of_2(group)) * head_dim <= 1024
+
+
+def default_decode_config(head_dim: int, capability: tuple[int, int] | None = None, group: int = 1,
+                          kernel: DecodeKernel | None = None, *, num_kv_heads: int, page_size: int) -> DecodeConfig:
+    """The decode kernel and tiling for a GPU of ``capability`` (None: no GPU, the Triton kernel for the
+    interpreter), ``group`` query heads per KV head and a pool of ``num_kv_heads`` heads in ``page_size`` pages.
+
+    Hopper (9.x) gets a Gluon kernel where ``gluon_fits``: the TMA-fed one where its geometry fits (``tma_fits``:
+    16-token pages and an even number of KV heads at head_dim 128, as Qwen3 and Llama pools have), 1.04-1.10x
+    faster than the cp.async one on the H200 and 1.16-1.19x on an H100 (docs/benchmarks/kernels.md,
+    kernel-notes.md), else the cp.async one, itself
+    1.3-1.4x faster than the Triton kernel on the H200 (docs/benchmarks/kernels.md). Both run one warp per
+    program, 32-token steps, a 2-stage ring, 24 programs per SM. Other GPUs get the Triton kernel, whose D=256
+    tiling halves the warp slice to stay in registers (docs/benchmarks/kernel-notes.md). ``kernel``
+    (``--nvfp4-decode-kernel``) forces one kernel with its default tiling; a Gluon kernel still needs what
+    ``kernel_unfit`` checks (at start-up, svc_common/preflight.py; again at the launch)."""
+    hopper = kernel is None and capability is not None and capability[0] == 9 and gluon_fits(head_dim, group)
+    if kernel is DecodeKernel.GLUON_TMA or (hopper and tma_fits(num_kv_heads, head_dim, page_size, 32)):
+        return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON_TMA)
+    if kernel is DecodeKernel.GLUON or hopper:
+        return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)
+    return DecodeConfig(4, 16 if head_dim > 128 else 32, 2, 8)
+
+
+def eager_config(config: DecodeConfig) -> DecodeConfig:
+    """The config an eager launch (no CUDA graph) uses for ``config``: the cp.async Gluon kernel with the same
+    tiling (hence the same split geometry and buffers) where ``config`` is the TMA kernel. Its four tensor maps are
+    encoded on the host at every launch: in the engine's eager step that cost about 0.2 ms per layer (1 x 32K on
+    an H200: 42.5 ms a step against 35.7 with the cp.async kernel, 36 layers), more than the kernel saves; a
+    captured graph encodes them once. Any other config is its own."""
+    if config.kernel is DecodeKernel.GLUON_TMA:
+        return replace(config, kernel=DecodeKernel.GLUON)
+    return config
