@@ -5,6 +5,8 @@ benchmark's shapes in one run, each shape twice in alternation, the TMA kernel a
     python -m benchmarks.kernels.probe_tma [--shapes 44x32768 ...] [--configs 32:2:24 16:3:24 ...] [--out F]
     python -m benchmarks.kernels.probe_tma --compile-only     # no GPU: registers and loop instructions, sm_90a
     compute-sanitizer python -m benchmarks.kernels.probe_tma --check-only   # where a check faults
+    ncu --clock-control none --kernel-name regex:nvfp4_decode --launch-skip 2 --launch-count 1 \
+        python -m benchmarks.kernels.probe_tma --launch-only 44x32768            # the default decode, launched 4x
 """
 
 from __future__ import annotations
@@ -71,13 +73,24 @@ def sass_report(kernel) -> dict:
     for i, (a, text) in enumerate(ins):
         m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?(?:0x)?([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
-            body = [t for _, t in ins[at[int(m.group(1), 16)]:i + 1]]
-            if any("HMMA" in t for t in body):
+            body = ins[at[int(m.group(1), 16)]:i + 1]
+            if any("HMMA" in t for _, t in body):
                 loops.append(body)
     loop = min(loops, key=len) if loops else []
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
+    # the steps' common path: the loop less the bodies of its short predicated forward branches (the tail step's
+    # masking and scale zeroing, which one step per split runs)
+    hi = loop[-1][0] if loop else 0
+    rare = set()
+    for a, text in loop:
+        m = re.search(r"^@!?P\d\s+BRA\s+(?:0x)?([0-9a-f]+)", text)
+        if m and a < int(m.group(1), 16) <= hi:
+            body = [b for b, _ in loop if a < b < int(m.group(1), 16)]
+            if len(body) < 150:
+                rare.update(body)
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in loop)
     return {"registers": int(re.search(r"REG:(\d+)", res).group(1)), "spills": "LOCAL:0" not in res,
-            "loop_instructions": len(loop), "loop_ops": dict(ops.most_common()), "tma_loads": sass.count("UTMALDG"),
+            "loop_instructions": len(loop), "common_path_instructions": len(loop) - len(rare),
+            "loop_ops": dict(ops.most_common()), "tma_loads": sass.count("UTMALDG"),
             "ldmatrix": sass.count("LDSM")}
 
 
@@ -122,6 +135,25 @@ def check(dev) -> list[dict]:
     return out
 
 
+def launch_only(batch: int, seq_len: int) -> int:
+    """The default decode (``default_decode_config``) of the benchmark's pool at one shape, launched 4 times."""
+    from nvfp4_kernels.backends.triton_backend import TritonBackend
+
+    dev = torch.device("cuda")
+    layer = bd._nvfp4_pool(dev, batch, seq_len, 1)
+    pt = bd._page_tables(dev, batch, seq_len, 1)[0]
+    seq = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, bd.HQ, bd.D, device=dev).to(torch.bfloat16)
+    tb = TritonBackend()
+    plan = tb.plan_decode(pt, seq, bd.HQ, bd.HK, bd.D, bd.PAGE)
+    for _ in range(4):
+        tb.decode(plan, q, layer, bd.SM_SCALE)
+    torch.cuda.synchronize(dev)
+    print(f"launched {plan.backend_state.config.label} at {batch}x{seq_len}: {plan.backend_state.num_splits} splits",
+          flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=[f"{b}x{n}" for b, n in bd.SHAPES])
@@ -132,12 +164,17 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--check-only", action="store_true",
                     help="the checks alone, each case synchronized (run under compute-sanitizer: stage tma_sanitize)")
+    ap.add_argument("--launch-only", default=None, metavar="BxL",
+                    help="the GPU's default decode at one shape, launched 4 times and nothing else (for a profiler)")
     a = ap.parse_args(argv)
+    if a.launch_only:
+        return launch_only(*map(int, a.launch_only.split("x")))
     if a.compile_only:
         for npg, stages in ((2, 2), (1, 3), (1, 4), (2, 3)):
             r = sass_report(compile_sm90(npg=npg, stages=stages))
             print(f"BT {16 * npg} stages {stages}: {r['registers']} registers, spills {r['spills']}, "
-                  f"{r['loop_instructions']} loop instructions {r['loop_ops']}", flush=True)
+                  f"{r['loop_instructions']} loop instructions ({r['common_path_instructions']} on the steps' common "
+                  f"path) {r['loop_ops']}", flush=True)
         return 0
     from nvfp4_kernels.backends.triton_backend import DecodeConfig, DecodeKernel
 

@@ -19,8 +19,10 @@ Data path per step of BT tokens:
     (``convert_layout(..., assert_trivial=True)``: no data movement), converted to fp16 once per pair; two
     inline-PTX halves per pair of words decode its 8 E2M1 codes (nibbles 0, 2 and 1, 3) and multiply them by
     their E4M3 scales in fp16x2 (exact: E2M1 * E4M3 fits fp16);
-  - online softmax in base 2 over the token axis of S^T (a warp reduction); P^T goes to the B operand layout
-    (the one layout change per step).
+  - online softmax in base 2 over the token axis of S^T: the running max is a warp reduction per step, the
+    running sum is kept per lane (the rows a lane holds) and reduced across lanes once, after the last step; the
+    mask of tokens at or past the split's end runs on the tail step only; P^T goes to the B operand layout (the
+    one layout change per step).
 One warp owns its program's whole state, so no barrier is shared between warps, and at D 128, G <= 8 its 131
 registers let 15 programs share an SM (the 4-warp Triton kernel holds 226 registers: 2 warps per scheduler).
 Larger groups or D 256 need 200-245 registers (``gluon_fits`` in nvfp4_kernels/backends/decode_choice.py).
@@ -148,11 +150,25 @@ def _split_range(SEQ_LENS, chunk_tokens):
 
 
 @gluon.jit
-def _fresh_state(GN: gl.constexpr, DW: gl.constexpr):
-    """Online-softmax state before the first step: (m_i, l_i, acc0..acc3)."""
+def _fresh_state(GN: gl.constexpr, DW: gl.constexpr, BT: gl.constexpr):
+    """Online-softmax state before the first step: (m_i, l_i, acc0..acc3). l_i holds the softmax sums per lane
+    row group, [8, GN] (``_lane_sums``): the sum over lanes is taken once, by ``_total``, after the last step."""
     acc = gl.zeros([DW, GN], gl.float32, layout=_MMA)
     return (gl.full([GN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, _MMA)),
-            gl.zeros([GN], gl.float32, layout=gl.SliceLayout(0, _MMA)), acc, acc, acc, acc)
+            _lane_sums(gl.zeros([BT, GN], gl.float32, layout=_MMA), BT, GN), acc, acc, acc, acc)
+
+
+@gluon.jit
+def _lane_sums(p, BT: gl.constexpr, GN: gl.constexpr):
+    """[BT, GN] in the accumulator layout -> [8, GN]: the sums over the token rows each lane holds (tokens t and
+    t + 8k share a lane), no data leaving a lane."""
+    return gl.sum(gl.reshape(p, [BT // 8, 8, GN]), 0)
+
+
+@gluon.jit
+def _total(l_i):
+    """The softmax sums [GN] (accumulator slice layout) from the per-lane-row-group sums of ``_lane_sums``."""
+    return gl.convert_layout(gl.sum(l_i, 0), gl.SliceLayout(0, _MMA))
 
 
 @gluon.jit
@@ -203,11 +219,13 @@ def _attend(k_slot, ks_slot, v_slot, vs_slot, q0, q1, q2, q3, t0, end, qk_scale,
     k1, k3 = _decode_half(kw, ks, _HI_ASM)
     s = mma_v2(k1, q1, s)
     s = mma_v2(k3, q3, s)
-    s = gl.where(((t0 + ts) < end)[:, None], s * qk_scale, float("-inf"))
+    s = s * qk_scale
+    if t0 + BT > end:  # the tail step only: tokens at or past `end` masked
+        s = gl.where(((t0 + ts) < end)[:, None], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 0))  # finite: every step has >= 1 token below `end`
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[None, :])
-    l_i = l_i * alpha + gl.sum(p, 0)
+    l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(0, l_i.type.layout))[None, :] + _lane_sums(p, BT, GN)
     pb = gl.convert_layout(p.to(gl.float16), op_b)
     vs = _scales(vs_slot, v_sl, op_a, BT, NS, True)
     vw = v_slot.permute((1, 0)).load(op_a)
@@ -260,7 +278,7 @@ def nvfp4_decode_gluon_kernel(
     for i in gl.static_range(STAGES - 1):
         _issue(ring, K16, V16, KSF, VSF, pt_row, start + i * BT, end, i, h, tr, tc, trs, tcs, HK, DW, NS, PAGE)
 
-    m_i, l_i, acc0, acc1, acc2, acc3 = _fresh_state(GN, DW)
+    m_i, l_i, acc0, acc1, acc2, acc3 = _fresh_state(GN, DW, BT)
     for i in range(gl.cdiv(end - start, BT)):
         t0 = start + i * BT
         stage = i % STAGES
@@ -274,6 +292,7 @@ def nvfp4_decode_gluon_kernel(
             end, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, BT, GN, NS)
     async_copy.wait_group(0)
 
+    l_i = _total(l_i)
     inv = (out_scale / l_i)[None, :]
     _store_out(O_PART, LSE_PART, b, split, h, acc0 * inv, acc1 * inv, acc2 * inv, acc3 * inv, m_i + gl.log2(l_i),
                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, mma)
