@@ -20,6 +20,7 @@ accesses); protobuf parses the same parts either way. The decoder accepts exactl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -58,20 +59,28 @@ class PageRunView(NamedTuple):
         return self.k.nbytes + self.k_scales.nbytes + self.v.nbytes + self.v_scales.nbytes
 
 
+_SMALL_VARINTS = tuple(bytes((n,)) for n in range(0x80))  # one-byte varints, built once
+
+
 def _varint(n: int) -> bytes:
     if n < 0:
         raise ValueError(f"wire varints here are non-negative, got {n}")
+    if n < 0x80:
+        return _SMALL_VARINTS[n]
     out = bytearray()
-    while True:
-        b = n & 0x7F
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
         n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
+    out.append(n)
+    return bytes(out)
 
 
+def _varint_len(n: int) -> int:
+    """len(_varint(n)) without building it."""
+    return max(1, (n.bit_length() + 6) // 7)
+
+
+@functools.cache
 def _tag(field: int, wire: int) -> bytes:
     return _varint(field << 3 | wire)
 
@@ -95,9 +104,11 @@ class Frame(NamedTuple):
         return out
 
 
+@functools.lru_cache(maxsize=1024)
 def _padding(at: int, prefix: int, align: int) -> bytes:
     """A padding field to place at offset ``at`` so that a part whose tag and length take ``prefix`` bytes
-    starts at a multiple of ``align`` (empty where it already does). The field is >= 2 bytes (tag, length)."""
+    starts at a multiple of ``align`` (empty where it already does). The field is >= 2 bytes (tag, length).
+    Callers pass ``at`` modulo ``align`` (the result depends on nothing else of it), so the cache stays small."""
     gap = -(at + prefix) % align
     if gap == 0:
         return b""
@@ -121,17 +132,19 @@ def frame_page_run(request_id: str, layer: int, first_page: int, num_pages: int,
     tags = [_tag(field, _WIRE_LEN) + _varint(n) if n else b"" for field, n in zip(_PARTS, sizes, strict=True)]
     rid = request_id.encode()
     top = _tag(1, _WIRE_LEN) + _varint(len(rid)) + rid if rid else b""
-    run_len_bytes = 1  # the run's length prefix; the padding depends on it, so settle both together
+    # the run's length prefix; the padding depends on it, so settle both together (the first guess leaves out the
+    # padding, a few bytes: it is right but near a varint boundary)
+    run_len_bytes = _varint_len(len(head) + sum(len(t) + n for t, n in zip(tags, sizes, strict=True)))
     while True:
         prefixes, at = [], len(top) + 1 + run_len_bytes + len(head)
         for tag, n in zip(tags, sizes, strict=True):
-            pad = _padding(at, len(tag), align) if tag and align > 1 else b""
+            pad = _padding(at % align, len(tag), align) if tag and align > 1 else b""
             prefixes.append(pad + tag)
             at += len(pad) + len(tag) + n
-        run_len = len(head) + sum(len(p) + n for p, n in zip(prefixes, sizes, strict=True))
-        if len(_varint(run_len)) == run_len_bytes:
+        run_len = at - (len(top) + 1 + run_len_bytes)
+        if _varint_len(run_len) == run_len_bytes:
             break
-        run_len_bytes = len(_varint(run_len))
+        run_len_bytes = _varint_len(run_len)
     outer = top + _tag(_PAGES_FIELD, _WIRE_LEN) + _varint(run_len)
     return Frame(outer + bytes(head), tuple(prefixes), len(outer) + run_len)
 

@@ -147,7 +147,8 @@ class ExportTimes(SummedTimes):
 def messages_from(frames: Sequence[Frame], payloads: Sequence[Sequence[torch.Tensor | np.ndarray | None]]
                   ) -> list[bytes]:
     """The messages ``frames`` frame, each part's bytes copied in from a 1-D uint8 tensor or array (None: absent),
-    every byte of every message in ONE call (``torch._foreach_copy_``), which runs without the GIL.
+    every payload byte of every message in ONE call (``torch._foreach_copy_``), which runs without the GIL; the
+    framing bytes (a few dozen per part) are written directly.
 
     Why one call: in a sender, gRPC's thread holds the GIL while it copies each sent message into its own buffer,
     and every copy that releases the GIL must win it back behind such a copy (up to a switch interval). One
@@ -158,16 +159,15 @@ def messages_from(frames: Sequence[Frame], payloads: Sequence[Sequence[torch.Ten
     msgs, dst, src = [], [], []
     for frame, parts in zip(frames, payloads, strict=True):
         msg = _new_bytes(None, frame.total)
+        base = _bytes_data(msg)
         # a writable view of the fresh object's buffer (no other code holds it yet)
-        out = torch.frombuffer((ctypes.c_ubyte * frame.total).from_address(_bytes_data(msg)), dtype=torch.uint8)
+        out = torch.frombuffer((ctypes.c_ubyte * frame.total).from_address(base), dtype=torch.uint8)
         msgs.append(msg)
-        dst.append(out[:len(frame.head)])
-        src.append(torch.frombuffer(bytearray(frame.head), dtype=torch.uint8))
+        ctypes.memmove(base, frame.head, len(frame.head))  # the framing: a few bytes each, written here
         sizes = [0 if p is None else p.shape[0] for p in parts]
         for prefix, p, at in zip(frame.prefixes, parts, frame.payload_offsets(sizes), strict=True):
             if prefix:
-                dst.append(out[at - len(prefix):at])
-                src.append(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+                ctypes.memmove(base + at - len(prefix), prefix, len(prefix))
                 dst.append(out[at:at + p.shape[0]])
                 src.append(torch.from_numpy(p) if isinstance(p, np.ndarray) else p)
     torch._foreach_copy_(dst, src)

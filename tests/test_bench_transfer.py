@@ -92,3 +92,19 @@ def test_the_phase_table_gives_the_stream_rate_and_a_sender_processs_exports():
     assert len(lines) == 4  # header, rule, and one line per row with phases (the third has none)
     assert lines[2] == "| nvfp4 | 32,768 | grpc | 110.0 | 2.0 | 100.0 | 1.0 | 3.0 | 4.0 | 3.00 | 50.0 | 20.0 |"
     assert lines[3].endswith("| 3.00 | - | - |")
+
+
+def test_the_framing_benchmark_runs_on_cpu_and_writes_its_table(tmp_path):
+    """benchmarks/transfer/bench_framing.py: one export's host work per dtype and payload size (no timing
+    asserted); each export is the 8 messages of 4 MiB of pages the grpc path sends."""
+    from benchmarks.transfer.bench_framing import main as framing_main
+
+    out_json, out_md = tmp_path / "framing.json", tmp_path / "framing.md"
+    assert framing_main(["--repeats", "3", "--out-json", str(out_json), "--out-md", str(out_md)]) == 0
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["kv_dtype"], r["payload_scale"]) for r in rows] == [
+        ("nvfp4", 128), ("nvfp4", 1), ("fp8_e4m3", 128), ("fp8_e4m3", 1)]
+    full = [r for r in rows if r["payload_scale"] == 1]
+    assert all(8 * (4 << 20) - 8 * 18432 < r["export_bytes"] <= 8 * (4 << 20) + 8 * 4096 for r in full), full
+    assert all(r["export_us"] > 0 and r["frame_us_per_message"] > 0 for r in rows)
+    assert "| nvfp4 | full |" in out_md.read_text()

@@ -345,6 +345,28 @@ def test_aligned_framing_puts_every_part_at_a_multiple_of_64_whatever_the_header
         assert [pages.k, pages.k_scales, pages.v, pages.v_scales] == blobs and set(pages.padding) <= {0}
 
 
+def test_unaligned_framing_is_byte_for_byte_protobufs_at_every_varint_length():
+    """Run lengths and part sizes at each varint boundary (1 to 4 bytes): the framing's own length bookkeeping
+    (the run's length prefix settled with its padding) gives exactly protobuf's serialization."""
+    import random
+
+    from nvfp4_serve_proto import prefill_pb2
+    from svc_common.kv_wire import frame_page_run
+    from svc_common.page_export import message_from
+
+    rnd = random.Random(11)
+    edges = [1, 100, 127, 128, 129, 16_383, 16_384, 16_385, (1 << 21) - 40, 1 << 21]
+    for _ in range(60):
+        sizes = [rnd.choice([0, *edges]) for _ in range(4)]
+        blobs = [bytes(rnd.getrandbits(8) for _ in range(min(n, 64))) * (n // 64) + bytes(n % 64) for n in sizes]
+        rid, layer, first, num = "q" * rnd.randint(0, 200), rnd.randint(0, 200), rnd.randint(0, 1 << 22), rnd.randint(0, 300)
+        want = prefill_pb2.PrefillMessage(request_id=rid, pages=prefill_pb2.KVPageRun(
+            layer=layer, first_page=first, num_pages=num, k=blobs[0], k_scales=blobs[1], v=blobs[2],
+            v_scales=blobs[3])).SerializeToString()
+        parts = [torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else None for b in blobs]
+        assert message_from(frame_page_run(rid, layer, first, num, sizes, align=0), parts) == want, sizes
+
+
 _BATCHED_UNDER_INTERPRETER = """
 import random, torch
 from svc_common.page_import import PageImporter, PageTableCache
