@@ -15,8 +15,10 @@ Data path per step of BT tokens:
     once per step, STAGES-1 steps ahead of its use;
   - ldmatrix loads the packed K words as the A operand (pairs along j) and the V words transposed (pairs along
     tokens), so the codes reach the MMA registers without any shuffle;
-  - the scale bytes are read from shared memory in a layout whose broadcast to [BT, D/4] IS the operand layout
-    (``convert_layout(..., assert_trivial=True)``: no data movement), converted to fp16 once per pair; two
+  - the scale bytes of a step are converted to fp16 once each (one row or two half rows per lane, 4-8 bytes per
+    load, ``cvt.rn.f16x2.e4m3x2``) into a small shared buffer as the fp16 pairs the operands take, then read
+    back 16 bytes at a time in a layout whose broadcast to [BT, D/4] IS the operand layout
+    (``convert_layout(..., assert_trivial=True)``: no data movement) (``_k_scales``, ``_v_scales``); two
     inline-PTX halves per pair of words decode its 8 E2M1 codes (nibbles 0, 2 and 1, 3) and multiply them by
     their E4M3 scales in fp16x2 (exact: E2M1 * E4M3 fits fp16);
   - online softmax in base 2 over the token axis of S^T: the running max is a warp reduction per step, the
@@ -106,17 +108,46 @@ def _issue(ring, K16, V16, KSF, VSF, pt_row, t0, end, stage, h, tr, tc, trs, tcs
 
 
 @gluon.jit
-def _scales(smem, layout: gl.constexpr, operand: gl.constexpr, BT: gl.constexpr, NS: gl.constexpr,
-            TRANS: gl.constexpr):
-    """Scale bytes [BT, NS] of one ring slot -> uint8 [BT, 4*NS] (or its transpose) in ``operand`` layout:
-    element (t, j) = scale(t, j // 4). ``layout`` is chosen so the broadcast is already that layout."""
-    x = gl.expand_dims(smem.load(gl.SliceLayout(2, layout)), 2)
-    x = gl.broadcast(x, gl.full([BT, NS, 4], 0, gl.uint8, layout=layout))[0]
-    x = gl.reshape(x, [BT, NS * 4])
-    if TRANS:
-        x = gl.permute(x, (1, 0))
-    x = gl.convert_layout(x, operand, assert_trivial=True)
-    return x.to(gl.float8e4nv, bitcast=True).to(gl.float16)  # exact
+def _k_scales(ks_slot, scratch, op_a: gl.constexpr, BT: gl.constexpr, NS: gl.constexpr):
+    """K's block scales [BT, NS] bytes of one ring slot -> fp16 [BT, 4*NS] in ``op_a`` layout (element (t, j) =
+    scale(t, j // 4)), through ``scratch`` (fp16 [BT, 2, NS // 2, 2], this program's): each lane converts one
+    row (one 64-bit load, e4m3x2 -> f16x2 conversions) and stores it as (s, s) pairs, blocks of one parity
+    together; then each lane loads the pairs its operand registers need, 16 bytes per row. The same values as
+    the operand's broadcast of each byte, in about half the instructions (one load and conversion per scale, not
+    per operand register)."""
+    rl: gl.constexpr = gl.BlockedLayout([1, NS], [32, 1], [1, 1], [1, 0])  # a row per lane
+    x = ks_slot.load(rl).to(gl.float8e4nv, bitcast=True).to(gl.float16)  # [BT, NS]
+    x = gl.permute(gl.reshape(x, [BT, NS // 2, 2]), (0, 2, 1))  # [t, b % 2, b // 2]
+    scratch.store(gl.join(x, x))  # [t, b % 2, b // 2, 2]: (s, s) pairs
+    gl.thread_barrier()
+    # lane bits: 0 -> j bit 1 (both lanes of a pair read the same scales), 1 -> b % 2, 2-4 -> t bits 0-2;
+    # registers: the pair, then b // 2, then t bits 3-4 (the operand's order: the convert below is no data move)
+    l5: gl.constexpr = gl.BlockedLayout([1, 1, NS // 2, 1, 2], [8, 2, 1, 2, 1], [1, 1, 1, 1, 1], [4, 2, 3, 1, 0])
+    y = gl.expand_dims(scratch.load(gl.SliceLayout(3, l5)), 3)
+    y = gl.broadcast(y, gl.full([BT, 2, NS // 2, 2, 2], 0, gl.float16, layout=l5))[0]
+    y = gl.reshape(gl.permute(y, (0, 2, 1, 3, 4)), [BT, 4 * NS])  # j = 8 (b // 2) + 4 (b % 2) + 2 jj1 + jj0
+    return gl.convert_layout(y, op_a, assert_trivial=True)
+
+
+@gluon.jit
+def _v_scales(vs_slot, scratch, op_a: gl.constexpr, BT: gl.constexpr, NS: gl.constexpr):
+    """V's block scales [BT, NS] bytes of one ring slot -> fp16 [4*NS, BT] in ``op_a`` layout (V^T's: element
+    (j, t) = scale(t, j // 4)), through ``scratch`` (fp16 [BT // 2, 2, NS // 2, 2], this program's): each lane
+    converts two rows' halves and stores (scale(t, b), scale(t + 1, b)) pairs, a token pair's blocks of one
+    parity together; then each lane loads the pairs its operand registers need: one load and conversion per
+    scale instead of per operand register."""
+    rl: gl.constexpr = gl.BlockedLayout([2, NS // 2], [16, 2], [1, 1], [1, 0])  # two rows' halves per lane
+    x = vs_slot.load(rl).to(gl.float8e4nv, bitcast=True).to(gl.float16)  # [BT, NS]
+    x = gl.permute(gl.reshape(x, [BT // 2, 2, NS // 2, 2]), (0, 3, 2, 1))  # [t // 2, b % 2, b // 2, t % 2]
+    scratch.store(x)
+    gl.thread_barrier()
+    # lane bits: 0-1 -> t bits 1-2, 2-3 -> j bits 0-1 (lanes that read the same scales), 4 -> b % 2; registers:
+    # t % 2 (the pair), t bits 3-4, then b // 2 (the operand's order: the convert below is no data move)
+    l5: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2, 1], [4, 2, 1, 1, 4], [1, 1, 1, 1, 1], [3, 0, 4, 1, 2])
+    y = gl.expand_dims(scratch.load(gl.SliceLayout(4, l5)), 4)
+    y = gl.broadcast(y, gl.full([BT // 2, 2, NS // 2, 2, 4], 0, gl.float16, layout=l5))[0]
+    y = gl.reshape(gl.permute(y, (0, 3, 2, 1, 4)), [BT, 4 * NS])  # t = 2 (t // 2) + t % 2, j = 4 b + jj
+    return gl.convert_layout(gl.permute(y, (1, 0)), op_a, assert_trivial=True)
 
 
 @gluon.jit
@@ -134,6 +165,8 @@ def _store_out(O_PART, LSE_PART, b, split, h, acc0, acc1, acc2, acc3, lse, strid
     gl.store(LSE_PART + b * stride_lb + hq * stride_lh + split, lse, mask=go < G)
 
 
+# ``_k_scales``'s converted scales: unswizzled (each lane writes and reads whole 16-byte runs)
+_SCRATCH = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
 # the accumulators' layout: one warp, MMA v2 (m16n8k16)
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 
@@ -199,19 +232,17 @@ def _store_empty(O_PART, LSE_PART, b, split, h, stride_pb, stride_ph, stride_ps,
 
 @gluon.jit
 def _attend(k_slot, ks_slot, v_slot, vs_slot, q0, q1, q2, q3, t0, end, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3,
-            BT: gl.constexpr, GN: gl.constexpr, NS: gl.constexpr):
+            BT: gl.constexpr, GN: gl.constexpr, NS: gl.constexpr, scratch, scratch_v):
     """One step of BT tokens from one ring slot (shared memory: codes [BT, D/4] int16, scales [BT, D/16] uint8):
     S^T = K Q^T, the online softmax over tokens (those at or past ``end`` masked), O^T += V^T P^T. Returns the
-    new (m_i, l_i, acc0..acc3). V is read only after the softmax, so K's and V's operands are never live at once."""
+    new (m_i, l_i, acc0..acc3). V is read only after the softmax, so K's and V's operands are never live at once.
+    ``scratch`` / ``scratch_v``: the program's shared buffers of ``_k_scales`` / ``_v_scales``; every lane is past
+    the previous step's reads of them (the caller's barrier at the top of a step) before they are rewritten."""
     mma: gl.constexpr = _MMA
     op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    # scale layouts whose [BT, NS, 4] broadcast, reshaped to [BT, DW], equals op_a's layout of K [BT, DW] (j bit 0
-    # in a register, j bits 1-2 on lanes 0-1, t bits 0-2 on lanes 2-4) or, transposed, of V^T [DW, BT]
-    k_sl: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 2, 2], [1, 1, 1], [2, 1, 0])
-    v_sl: gl.constexpr = gl.BlockedLayout([2, 1, 1], [4, 2, 4], [1, 1, 1], [0, 2, 1])
     ts = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))
-    ks = _scales(ks_slot, k_sl, op_a, BT, NS, False)
+    ks = _k_scales(ks_slot, scratch, op_a, BT, NS)
     kw = k_slot.load(op_a)
     k0, k2 = _decode_half(kw, ks, _LO_ASM)
     s = mma_v2(k0, q0, gl.zeros([BT, GN], gl.float32, layout=mma))
@@ -227,7 +258,7 @@ def _attend(k_slot, ks_slot, v_slot, vs_slot, q0, q1, q2, q3, t0, end, qk_scale,
     p = gl.exp2(s - m_new[None, :])
     l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(0, l_i.type.layout))[None, :] + _lane_sums(p, BT, GN)
     pb = gl.convert_layout(p.to(gl.float16), op_b)
-    vs = _scales(vs_slot, v_sl, op_a, BT, NS, True)
+    vs = _v_scales(vs_slot, scratch_v, op_a, BT, NS)
     vw = v_slot.permute((1, 0)).load(op_a)
     a2 = alpha[None, :]
     v0, v2 = _decode_half(vw, vs, _LO_ASM)
@@ -270,6 +301,8 @@ def nvfp4_decode_gluon_kernel(
             gl.allocate_shared_memory(gl.int16, [STAGES, BT, DW], codes_sh),
             gl.allocate_shared_memory(gl.uint8, [STAGES, BT, NS], bytes_sh),
             gl.allocate_shared_memory(gl.uint8, [STAGES, BT, NS], bytes_sh))
+    scratch = gl.allocate_shared_memory(gl.float16, [BT, 2, NS // 2, 2], _SCRATCH)
+    scratch_v = gl.allocate_shared_memory(gl.float16, [BT // 2, 2, NS // 2, 2], _SCRATCH)
     tr = gl.arange(0, BT, layout=gl.SliceLayout(1, cp))
     tc = gl.arange(0, DW, layout=gl.SliceLayout(0, cp))
     trs = gl.arange(0, BT, layout=gl.SliceLayout(1, cps))
@@ -289,7 +322,7 @@ def nvfp4_decode_gluon_kernel(
         k_smem, v_smem, ks_smem, vs_smem = ring
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend(
             k_smem.index(stage), ks_smem.index(stage), v_smem.index(stage), vs_smem.index(stage), q0, q1, q2, q3, t0,
-            end, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, BT, GN, NS)
+            end, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, BT, GN, NS, scratch, scratch_v)
     async_copy.wait_group(0)
 
     l_i = _total(l_i)

@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from nvfp4_kernels.triton.nvfp4_decode import PLAN_INTS
 from nvfp4_kernels.triton.nvfp4_decode_gluon import (
     _MMA,
+    _SCRATCH,
     _attend,
     _fresh_state,
     _load_q,
@@ -68,7 +69,7 @@ def _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, t0, end, stage,
 
 
 @gluon.jit
-def _run(ring, bars, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2, q3,
+def _run(ring, bars, scratch, scratch_v, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2, q3,
          qk_scale, stride_ptb, GN: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, NPG: gl.constexpr,
          STAGES: gl.constexpr, SW: gl.constexpr, SOFF: gl.constexpr):
     """The split's tokens [start, end) of head h through the TMA ring (``ring``, ``bars``: fresh), this head's
@@ -100,7 +101,7 @@ def _run(ring, bars, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, 
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend(
             k_smem.index(stage), ks_smem.index(stage).slice(SOFF, NS, dim=1), v_smem.index(stage),
             vs_smem.index(stage).slice(SOFF, NS, dim=1), q0, q1, q2, q3, t0, end, qk_scale, m_i, l_i, acc0, acc1, acc2,
-            acc3, BT, GN, NS)
+            acc3, BT, GN, NS, scratch, scratch_v)
     n = gl.cdiv(end - start, BT)
     for j in gl.static_range(STAGES - 1):  # the copies issued past the last step have landed before smem is freed
         mbarrier.wait(bars.index((n + j) % STAGES), ((n + j) // STAGES) & 1)
@@ -136,6 +137,8 @@ def nvfp4_decode_tma_kernel(
             gl.allocate_shared_memory(gl.uint8, [STAGES, BT, SW], ks_desc.layout),
             gl.allocate_shared_memory(gl.uint8, [STAGES, BT, SW], vs_desc.layout))
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    scratch = gl.allocate_shared_memory(gl.float16, [BT, 2, NS // 2, 2], _SCRATCH)
+    scratch_v = gl.allocate_shared_memory(gl.float16, [BT // 2, 2, NS // 2, 2], _SCRATCH)
     for si in gl.static_range(STAGES):
         mbarrier.init(bars.index(si), count=1)
     fence_async_shared()
@@ -143,7 +146,7 @@ def nvfp4_decode_tma_kernel(
     for v in gl.static_range(SW // NS):  # the loop compiled for each offset of a head's scales in a box row
         if (h * NS) % SW == v * NS:
             m_i, l_i, acc0, acc1, acc2, acc3 = _run(
-                ring, bars, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2,
+                ring, bars, scratch, scratch_v, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2,
                 q3, qk_scale, stride_ptb, GN, D, PAGE, NPG, STAGES, SW, v * NS)
 
     l_i = _total(l_i)
