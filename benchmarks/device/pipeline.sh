@@ -46,7 +46,7 @@ elif want nixl || want nixl_probe; then
 fi
 # the GPU tests first: a broken GPU path shows before any benchmark spends time on it
 stage tests 420 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu $TESTS  # CPU-only files whose imports (openai, cryptography) the image lacks do not stop it
-stage kernels 540 python3 -m benchmarks.kernels.bench_decode ${KERNELS_ARGS:-} --out docs/benchmarks/kernels.json
+stage kernels 900 python3 -m benchmarks.kernels.bench_decode ${KERNELS_ARGS:-} --out docs/benchmarks/kernels.json
 # the TMA-fed Gluon decode variant against the committed kernel (checks, then both timed in alternation)
 stage tma_probe 480 python3 -m benchmarks.kernels.probe_tma ${TMA_PROBE_ARGS:-} --out $R/probe_tma.json
 # on demand: Nsight Compute on the default decode at three shapes (occupancy, issue, stalls, pipes, DRAM; clocks left alone)
