@@ -1,8 +1,9 @@
 """NVFP4 decode attention for Hopper, the Gluon kernel fed by TMA: one bulk copy per page and part.
 
 The default NVFP4 decode on Hopper where its geometry fits (``tma_fits`` in nvfp4_kernels/backends/decode_kernels.py).
-Same contract, tiling and math as ``nvfp4_decode_gluon`` (one warp per program = (kv head h, split s, sequence
-b), transposed MMAs, split-KV partials merged by ``merge_kernel``); only the loads differ. There, 32 lanes
+The program and each step's math are ``gluon_decode_step``'s, as for the cp.async kernel (``nvfp4_decode_gluon``:
+one warp per program = (kv head h, split s, sequence b), transposed MMAs, split-KV partials merged by
+``merge_kernel``); only the loads differ. There, 32 lanes
 compute a row address each and issue 16- and 8-byte cp.async copies per step. Here one thread issues, per page
 of a step, four TMA copies (2-D boxes through tensor maps made on the host):
 
@@ -34,18 +35,18 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from nvfp4_kernels.triton.nvfp4_decode import PLAN_INTS
-from nvfp4_kernels.triton.nvfp4_decode_gluon import (
-    _MMA,
-    _SCRATCH,
-    _attend,
-    _fresh_state,
-    _load_q,
-    _split_range,
-    _store_empty,
-    _store_out,
-    _total,
+from nvfp4_kernels.triton.gluon_decode_step import (
+    ACC_LAYOUT,
+    attend,
+    fresh_state,
+    load_q,
+    scale_buffers,
+    split_range,
+    store_empty,
+    store_out,
+    total_sums,
 )
+from nvfp4_kernels.triton.nvfp4_decode import PLAN_INTS
 
 
 @gluon.jit
@@ -84,7 +85,7 @@ def _run(ring, bars, scratch, scratch_v, k_desc, ks_desc, v_desc, vs_desc, PAGE_
                DW, NS, PAGE, NPG, SW, SOFF)
 
     tz = gl.arange(0, BT, layout=gl.SliceLayout(1, zl))
-    m_i, l_i, acc0, acc1, acc2, acc3 = _fresh_state(GN, DW, BT)
+    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW, BT)
     for i in range(gl.cdiv(end - start, BT)):
         t0 = start + i * BT
         stage = i % STAGES
@@ -98,7 +99,7 @@ def _run(ring, bars, scratch, scratch_v, k_desc, ks_desc, v_desc, vs_desc, PAGE_
             vs_smem.index(stage).store(gl.where(((t0 + tz) < end)[:, None], x, gl.zeros_like(x)))
             fence_async_shared()  # these generic writes are ordered before a later TMA refill of the slot
             gl.thread_barrier()
-        m_i, l_i, acc0, acc1, acc2, acc3 = _attend(
+        m_i, l_i, acc0, acc1, acc2, acc3 = attend(
             k_smem.index(stage), ks_smem.index(stage).slice(SOFF, NS, dim=1), v_smem.index(stage),
             vs_smem.index(stage).slice(SOFF, NS, dim=1), q0, q1, q2, q3, t0, end, qk_scale, m_i, l_i, acc0, acc1, acc2,
             acc3, BT, GN, NS, scratch, scratch_v)
@@ -126,30 +127,29 @@ def nvfp4_decode_tma_kernel(
     NS: gl.constexpr = D // 16
     BT: gl.constexpr = NPG * PAGE
 
-    h, split, b, start, end = _split_range(SEQ_LENS, chunk_tokens)
+    h, split, b, start, end = split_range(SEQ_LENS, chunk_tokens)
     if start >= end:
-        _store_empty(O_PART, LSE_PART, b, split, h, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW)
+        store_empty(O_PART, LSE_PART, b, split, h, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW)
         return
-    q0, q1, q2, q3 = _load_q(Q, b, h, stride_qb, stride_qh, G, GN, DW)
+    q0, q1, q2, q3 = load_q(Q, b, h, stride_qb, stride_qh, G, GN, DW)
 
     ring = (gl.allocate_shared_memory(gl.int16, [STAGES, BT, DW], k_desc.layout),
             gl.allocate_shared_memory(gl.int16, [STAGES, BT, DW], v_desc.layout),
             gl.allocate_shared_memory(gl.uint8, [STAGES, BT, SW], ks_desc.layout),
             gl.allocate_shared_memory(gl.uint8, [STAGES, BT, SW], vs_desc.layout))
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    scratch = gl.allocate_shared_memory(gl.float16, [BT, 2, NS // 2, 2], _SCRATCH)
-    scratch_v = gl.allocate_shared_memory(gl.float16, [BT // 2, 2, NS // 2, 2], _SCRATCH)
+    scratch, scratch_v = scale_buffers(BT, NS)
     for si in gl.static_range(STAGES):
         mbarrier.init(bars.index(si), count=1)
     fence_async_shared()
-    m_i, l_i, acc0, acc1, acc2, acc3 = _fresh_state(GN, DW, BT)
+    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW, BT)
     for v in gl.static_range(SW // NS):  # the loop compiled for each offset of a head's scales in a box row
         if (h * NS) % SW == v * NS:
             m_i, l_i, acc0, acc1, acc2, acc3 = _run(
                 ring, bars, scratch, scratch_v, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2,
                 q3, qk_scale, stride_ptb, GN, D, PAGE, NPG, STAGES, SW, v * NS)
 
-    l_i = _total(l_i)
+    l_i = total_sums(l_i)
     inv = (out_scale / l_i)[None, :]
-    _store_out(O_PART, LSE_PART, b, split, h, acc0 * inv, acc1 * inv, acc2 * inv, acc3 * inv, m_i + gl.log2(l_i),
-               stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, _MMA)
+    store_out(O_PART, LSE_PART, b, split, h, acc0 * inv, acc1 * inv, acc2 * inv, acc3 * inv, m_i + gl.log2(l_i),
+               stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, ACC_LAYOUT)
