@@ -144,9 +144,7 @@ def test_the_tma_fed_decode_compiles_for_sm90a_with_tma_and_ldmatrix_and_no_spil
 
     r = sass_report(compile_sm90(npg=npg, stages=stages))
     assert not r["spills"] and r["registers"] <= 168, r
-    if (npg, stages) == (2, 2):  # the Hopper default: at <= 128 registers 16 one-warp programs fit on an SM, not 12
-        assert r["registers"] <= 128, r
-        assert r["common_path_instructions"] < r["loop_instructions"], r  # the tail step's work is branched around
+    assert r["common_path_instructions"] < r["loop_instructions"], r  # the tail step's scale zeroing is branched around
     assert r["tma_loads"] >= 4 * npg and r["ldmatrix"] > 0, r  # four TMA copies per page of a step
     assert r["loop_ops"].get("HMMA", 0) == 16 * npg, r  # 8 QK + 8 PV products per page of 16 tokens
 

@@ -19,11 +19,9 @@ from nvfp4_kernels.triton.gluon_decode_step import (
     attend,
     fresh_state,
     load_q,
-    scale_buffers,
     split_range,
     store_empty,
     store_out,
-    total_sums,
 )
 from nvfp4_kernels.triton.nvfp4_decode import PLAN_INTS
 
@@ -84,7 +82,6 @@ def nvfp4_decode_gluon_kernel(
             gl.allocate_shared_memory(gl.int16, [STAGES, BT, DW], codes_sh),
             gl.allocate_shared_memory(gl.uint8, [STAGES, BT, NS], bytes_sh),
             gl.allocate_shared_memory(gl.uint8, [STAGES, BT, NS], bytes_sh))
-    scratch, scratch_v = scale_buffers(BT, NS)
     tr = gl.arange(0, BT, layout=gl.SliceLayout(1, cp))
     tc = gl.arange(0, DW, layout=gl.SliceLayout(0, cp))
     trs = gl.arange(0, BT, layout=gl.SliceLayout(1, cps))
@@ -93,7 +90,7 @@ def nvfp4_decode_gluon_kernel(
     for i in gl.static_range(STAGES - 1):
         _issue(ring, K16, V16, KSF, VSF, pt_row, start + i * BT, end, i, h, tr, tc, trs, tcs, HK, DW, NS, PAGE)
 
-    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW, BT)
+    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW)
     for i in range(gl.cdiv(end - start, BT)):
         t0 = start + i * BT
         stage = i % STAGES
@@ -104,10 +101,9 @@ def nvfp4_decode_gluon_kernel(
         k_smem, v_smem, ks_smem, vs_smem = ring
         m_i, l_i, acc0, acc1, acc2, acc3 = attend(
             k_smem.index(stage), ks_smem.index(stage), v_smem.index(stage), vs_smem.index(stage), q0, q1, q2, q3, t0,
-            end, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, BT, GN, NS, scratch, scratch_v)
+            end, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, BT, GN, NS)
     async_copy.wait_group(0)
 
-    l_i = total_sums(l_i)
     inv = (out_scale / l_i)[None, :]
     store_out(O_PART, LSE_PART, b, split, h, acc0 * inv, acc1 * inv, acc2 * inv, acc3 * inv, m_i + gl.log2(l_i),
                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, mma)

@@ -40,11 +40,9 @@ from nvfp4_kernels.triton.gluon_decode_step import (
     attend,
     fresh_state,
     load_q,
-    scale_buffers,
     split_range,
     store_empty,
     store_out,
-    total_sums,
 )
 from nvfp4_kernels.triton.nvfp4_decode import PLAN_INTS
 
@@ -53,24 +51,25 @@ from nvfp4_kernels.triton.nvfp4_decode import PLAN_INTS
 def _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, t0, end, stage, h, oob_row,
            DW: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr, NPG: gl.constexpr, SW: gl.constexpr,
            SOFF: gl.constexpr):
-    """TMA copies of tokens [t0, t0 + NPG*PAGE) of head h into ring slot ``stage``. Pages at or past ``end`` are
-    read at ``oob_row`` (zeros, no memory traffic), so every issue completes the same byte count, including the
-    STAGES - 1 issued past a split's last step (``_drain`` waits for those)."""
+    """TMA copies of tokens [t0, t0 + NPG*PAGE) of head h into ring slot ``stage`` (nothing when t0 >= end)."""
     k_smem, v_smem, ks_smem, vs_smem = ring
+    live = t0 < end
     bar = bars.index(stage)
-    mbarrier.expect(bar, NPG * PAGE * (4 * DW + 2 * SW))
+    mbarrier.expect(bar, NPG * PAGE * (4 * DW + 2 * SW), pred=live)
     for j in gl.static_range(NPG):
         tok = t0 + j * PAGE
         page = gl.load(pt_row + tok // PAGE, mask=tok < end, other=-1)
         row = gl.where(tok < end, page * PAGE, oob_row)
-        tma.async_copy_global_to_shared(k_desc, [row, h * DW], bar, k_smem.index(stage).slice(j * PAGE, PAGE))
-        tma.async_copy_global_to_shared(v_desc, [row, h * DW], bar, v_smem.index(stage).slice(j * PAGE, PAGE))
-        tma.async_copy_global_to_shared(ks_desc, [row, h * NS - SOFF], bar, ks_smem.index(stage).slice(j * PAGE, PAGE))
-        tma.async_copy_global_to_shared(vs_desc, [row, h * NS - SOFF], bar, vs_smem.index(stage).slice(j * PAGE, PAGE))
+        tma.async_copy_global_to_shared(k_desc, [row, h * DW], bar, k_smem.index(stage).slice(j * PAGE, PAGE), pred=live)
+        tma.async_copy_global_to_shared(v_desc, [row, h * DW], bar, v_smem.index(stage).slice(j * PAGE, PAGE), pred=live)
+        tma.async_copy_global_to_shared(ks_desc, [row, h * NS - SOFF], bar,
+                                        ks_smem.index(stage).slice(j * PAGE, PAGE), pred=live)
+        tma.async_copy_global_to_shared(vs_desc, [row, h * NS - SOFF], bar,
+                                        vs_smem.index(stage).slice(j * PAGE, PAGE), pred=live)
 
 
 @gluon.jit
-def _run(ring, bars, scratch, scratch_v, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2, q3,
+def _run(ring, bars, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2, q3,
          qk_scale, stride_ptb, GN: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, NPG: gl.constexpr,
          STAGES: gl.constexpr, SW: gl.constexpr, SOFF: gl.constexpr):
     """The split's tokens [start, end) of head h through the TMA ring (``ring``, ``bars``: fresh), this head's
@@ -85,7 +84,7 @@ def _run(ring, bars, scratch, scratch_v, k_desc, ks_desc, v_desc, vs_desc, PAGE_
                DW, NS, PAGE, NPG, SW, SOFF)
 
     tz = gl.arange(0, BT, layout=gl.SliceLayout(1, zl))
-    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW, BT)
+    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW)
     for i in range(gl.cdiv(end - start, BT)):
         t0 = start + i * BT
         stage = i % STAGES
@@ -102,10 +101,7 @@ def _run(ring, bars, scratch, scratch_v, k_desc, ks_desc, v_desc, vs_desc, PAGE_
         m_i, l_i, acc0, acc1, acc2, acc3 = attend(
             k_smem.index(stage), ks_smem.index(stage).slice(SOFF, NS, dim=1), v_smem.index(stage),
             vs_smem.index(stage).slice(SOFF, NS, dim=1), q0, q1, q2, q3, t0, end, qk_scale, m_i, l_i, acc0, acc1, acc2,
-            acc3, BT, GN, NS, scratch, scratch_v)
-    n = gl.cdiv(end - start, BT)
-    for j in gl.static_range(STAGES - 1):  # the copies issued past the last step have landed before smem is freed
-        mbarrier.wait(bars.index((n + j) % STAGES), ((n + j) // STAGES) & 1)
+            acc3, BT, GN, NS)
 
     return m_i, l_i, acc0, acc1, acc2, acc3
 
@@ -138,18 +134,16 @@ def nvfp4_decode_tma_kernel(
             gl.allocate_shared_memory(gl.uint8, [STAGES, BT, SW], ks_desc.layout),
             gl.allocate_shared_memory(gl.uint8, [STAGES, BT, SW], vs_desc.layout))
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    scratch, scratch_v = scale_buffers(BT, NS)
     for si in gl.static_range(STAGES):
         mbarrier.init(bars.index(si), count=1)
     fence_async_shared()
-    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW, BT)
+    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW)
     for v in gl.static_range(SW // NS):  # the loop compiled for each offset of a head's scales in a box row
         if (h * NS) % SW == v * NS:
             m_i, l_i, acc0, acc1, acc2, acc3 = _run(
-                ring, bars, scratch, scratch_v, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2,
+                ring, bars, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2,
                 q3, qk_scale, stride_ptb, GN, D, PAGE, NPG, STAGES, SW, v * NS)
 
-    l_i = total_sums(l_i)
     inv = (out_scale / l_i)[None, :]
     store_out(O_PART, LSE_PART, b, split, h, acc0 * inv, acc1 * inv, acc2 * inv, acc3 * inv, m_i + gl.log2(l_i),
                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, ACC_LAYOUT)
