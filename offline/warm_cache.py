@@ -255,13 +255,15 @@ def _warm_nvfp4(plan: WarmPlan) -> None:
     from engine.kv_pool import KVPool
     from nvfp4_kernels.backends.triton_backend import DeviceTarget, TritonBackend, TritonBlockSelectBackend
 
-    target = DeviceTarget(plan.num_sms, plan.capability)
-    backend = (TritonBlockSelectBackend if plan.block_select else TritonBackend)(target=target,
-                                                                                decode_kernel=_kernel_choice(plan))
     pool = KVPool("nvfp4", 1, 16, plan.page_size, plan.num_kv_heads, plan.head_dim, scratch_pages=1)
     layer, hk, d = pool.layers[0], plan.num_kv_heads, plan.head_dim
     shapes = [(b, w) for b in batch_buckets(plan.max_batch) for w in width_buckets(plan.max_width)]
-    backend.warm_decode(layer, shapes, plan.num_qo_heads, plan.q_dtype, d ** -0.5, pool.scratch_page)
+    # an sm_90a arch is an H100 or an H200, whose TMA decode runs different steps (decode_choice.LEAN_STEP_GPUS):
+    # both are compiled (a kernel whose pool TMA does not fit, or another GPU, compiles the same thing twice)
+    for lean in ((False, True) if plan.capability[0] == 9 else (False,)):
+        backend = (TritonBlockSelectBackend if plan.block_select else TritonBackend)(
+            target=DeviceTarget(plan.num_sms, plan.capability, lean_step=lean), decode_kernel=_kernel_choice(plan))
+        backend.warm_decode(layer, shapes, plan.num_qo_heads, plan.q_dtype, d ** -0.5, pool.scratch_page)
     for n in _ROW_CLASSES:
         slots = torch.arange(n, dtype=torch.int64)
         kv = torch.zeros(n, hk, d, dtype=plan.q_dtype)

@@ -116,8 +116,9 @@ def test_gluon_decode_on_cpu_tensors_is_refused_with_a_clear_error():
 @pytest.mark.parametrize("group,d,lens", [(4, 128, (5000, 17, 1, 33)), (1, 128, (3001, 640)), (8, 64, (2049, 100)),
                                           (4, 256, (1500, 16))])
 @pytest.mark.parametrize("bt,stages,cap", [(32, 3, None), (64, 2, None), (16, 4, None), (32, 2, 112)])
-@pytest.mark.parametrize("kernel", [DecodeKernel.GLUON, DecodeKernel.GLUON_TMA])
-def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, cap, kernel):
+@pytest.mark.parametrize("kernel,lean", [(DecodeKernel.GLUON, False), (DecodeKernel.GLUON_TMA, False),
+                                         (DecodeKernel.GLUON_TMA, True)])
+def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, cap, kernel, lean):
     dev = torch.device("cuda")
     hk = 4
     maxp = max(-(-n // 16) for n in lens) + 1
@@ -128,7 +129,7 @@ def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, c
     q = torch.randn(len(lens), hk * group, d, device=dev).to(torch.bfloat16)
     sm = 1 / math.sqrt(d)
     # programs_per_sm 64: long rows get many splits, so split edges and empty splits are exercised too
-    tb = TritonBackend(DecodeConfig(1, bt, stages, 64, kernel, cap))
+    tb = TritonBackend(DecodeConfig(1, bt, stages, 64, kernel, cap, lean))
     plan = tb.plan_decode(pt, seq, hk * group, hk, d, 16)
     ours = tb.decode(plan, q, layer, sm).float()
     ref = ReferenceBackend().decode(ReferenceBackend().plan_decode(pt, seq, hk * group, hk, d, 16), q, layer, sm).float()
@@ -139,10 +140,11 @@ def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, c
 
 
 @pytest.mark.parametrize("npg,stages", [(2, 2), (1, 3)])
-def test_the_tma_fed_decode_compiles_for_sm90a_with_tma_and_ldmatrix_and_no_spills(npg, stages):
+@pytest.mark.parametrize("lean", [False, True])
+def test_the_tma_fed_decode_compiles_for_sm90a_with_tma_and_ldmatrix_and_no_spills(npg, stages, lean):
     from benchmarks.kernels.probe_tma import compile_sm90, sass_report
 
-    r = sass_report(compile_sm90(npg=npg, stages=stages))
+    r = sass_report(compile_sm90(npg=npg, stages=stages, lean=lean))
     assert not r["spills"] and r["registers"] <= 168, r
     assert r["common_path_instructions"] < r["loop_instructions"], r  # the tail step's scale zeroing is branched around
     assert r["tma_loads"] >= 4 * npg and r["ldmatrix"] > 0, r  # four TMA copies per page of a step
@@ -192,8 +194,9 @@ def test_a_forced_tma_decode_on_a_pool_it_cannot_take_is_refused_with_a_clear_er
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kernel", [DecodeKernel.GLUON, DecodeKernel.GLUON_TMA])
-def test_nan_scales_past_a_prompt_never_reach_the_output_on_gpu(kernel):
+@pytest.mark.parametrize("kernel,lean", [(DecodeKernel.GLUON, False), (DecodeKernel.GLUON_TMA, False),
+                                         (DecodeKernel.GLUON_TMA, True)])
+def test_nan_scales_past_a_prompt_never_reach_the_output_on_gpu(kernel, lean):
     """A reused page holds any bytes past a prompt's end (here NaN block scales, 0x7F): both kernels mask them."""
     dev = torch.device("cuda")
     hk, d, lens = 4, 128, (1001, 40, 17, 1)
@@ -208,7 +211,7 @@ def test_nan_scales_past_a_prompt_never_reach_the_output_on_gpu(kernel):
         last = int(pt[i, (n - 1) // 16])
         layer.k_sf.view(torch.uint8)[last, (n - 1) % 16 + 1:] = 0x7F
         layer.v_sf.view(torch.uint8)[last, (n - 1) % 16 + 1:] = 0x7F
-    tb = TritonBackend(DecodeConfig(1, 32, 2, 24, kernel))
+    tb = TritonBackend(DecodeConfig(1, 32, 2, 24, kernel, lean=lean))
     ours = tb.decode(tb.plan_decode(pt, seq, hk * 4, hk, d, 16), q, layer, 0.1).float()
     assert torch.isfinite(ours).all()
     assert float((ours - ref).norm() / ref.norm()) < 5e-3
@@ -233,3 +236,28 @@ def test_eager_plans_of_the_default_tma_kernel_launch_the_cp_async_one_and_captu
     assert kernel_of(auto, False)[0] is DecodeKernel.GLUON
     forced = TritonBackend(target=hopper, decode_kernel=DecodeKernel.GLUON_TMA)
     assert kernel_of(forced, False)[0] is DecodeKernel.GLUON_TMA
+
+
+def test_the_lean_step_is_the_tma_kernels_and_h200s_get_it_by_default():
+    """The TMA kernel's lean step (gluon_decode_step.attend, LEAN) measured faster on an H200 and slower on H100s:
+    the default picks it by the GPU's name; eager launches (the cp.async kernel) never take it."""
+    from nvfp4_kernels.backends.decode_choice import default_decode_config, eager_config, prefers_lean_step
+
+    assert prefers_lean_step("NVIDIA H200") and not prefers_lean_step("NVIDIA H100 80GB HBM3")
+    lean = default_decode_config(128, (9, 0), 4, num_kv_heads=8, page_size=16, lean_step=True)
+    assert lean.kernel is DecodeKernel.GLUON_TMA and lean.lean and lean.label.endswith("_p24_lean")
+    assert not default_decode_config(128, (9, 0), 4, num_kv_heads=8, page_size=16).lean
+    # where the TMA kernel does not fit, the cp.async kernel runs its one step
+    assert not default_decode_config(128, (9, 0), 4, num_kv_heads=8, page_size=4, lean_step=True).lean
+    assert eager_config(lean) == DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)
+    with pytest.raises(ValueError, match="lean step is the TMA kernel's"):
+        DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON, lean=True)
+    from nvfp4_kernels.backends.base import DecodeOptions
+    from nvfp4_kernels.backends.triton_backend import DeviceTarget
+
+    table, lens = torch.zeros(2, 64, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    for lean_gpu in (False, True):  # a target GPU says which step its plans take (warm-cache, or the GPU's name)
+        tb = TritonBackend(target=DeviceTarget(132, (9, 0), lean_step=lean_gpu))
+        opts = DecodeOptions("nvfp4", torch.bfloat16, 0.1, True)
+        cfg = tb.plan_decode(table, lens, 32, 8, 128, 16, options=opts).backend_state.config
+        assert cfg.kernel is DecodeKernel.GLUON_TMA and cfg.lean is lean_gpu

@@ -21,7 +21,7 @@ from benchmarks.kernels import bench_decode as bd
 from benchmarks.kernels.probe_gluon import write_json
 
 
-def compile_sm90(d: int = 128, npg: int = 2, stages: int = 2, group: int = 4, page: int = 16):
+def compile_sm90(d: int = 128, npg: int = 2, stages: int = 2, group: int = 4, page: int = 16, lean: bool = False):
     """The variant compiled for sm_90a with Triton's bundled ptxas (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -39,7 +39,7 @@ def compile_sm90(d: int = 128, npg: int = 2, stages: int = 2, group: int = 4, pa
            "SEQ_LENS": "*i32", "O_PART": "*fp32", "LSE_PART": "*fp32", "qk_scale": "fp32", "out_scale": "fp32",
            **{n: "i32" for n in ints}}
     cx = {"HK": 8, "G": group, "GN": max(8, triton.next_power_of_2(group)), "D": d, "PAGE": page, "NPG": npg,
-          "STAGES": stages, "SW": max(16, ns)}
+          "STAGES": stages, "SW": max(16, ns), "LEAN": lean}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
              if sig[n].startswith("*") or n.startswith("stride_") and n != "stride_ptb"}
     src = GluonASTSource(fn=nvfp4_decode_tma_kernel, signature=dict(sig, **{k: "constexpr" for k in cx}),
@@ -125,13 +125,14 @@ def check(dev) -> list[dict]:
         seq = torch.tensor(lens, dtype=torch.int32, device=dev)
         q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
         ref = bd.fp32_decode_reference(layer, pt, seq, q, 1 / math.sqrt(d))
-        gb = TritonBackend(DecodeConfig(1, bt, st, 24, DecodeKernel.GLUON_TMA))
-        print(f"check case g {g} d {d} lens {lens} bt {bt} page {pg} stages {st}", flush=True)
-        o = gb.decode(gb.plan_decode(pt, seq, hq, bd.HK, d, pg), q, layer, 1 / math.sqrt(d)).float()
-        torch.cuda.synchronize(dev)  # a fault shows at the case that made it
-        err = float((o - ref).norm() / ref.norm())
-        out.append({"g": g, "d": d, "lens": lens, "bt": bt, "page": pg, "stages": st, "rel_err": err,
-                    "finite": bool(torch.isfinite(o).all())})
+        for lean in (False, True):  # both steps of the TMA kernel
+            gb = TritonBackend(DecodeConfig(1, bt, st, 24, DecodeKernel.GLUON_TMA, lean=lean))
+            print(f"check case g {g} d {d} lens {lens} bt {bt} page {pg} stages {st} lean {lean}", flush=True)
+            o = gb.decode(gb.plan_decode(pt, seq, hq, bd.HK, d, pg), q, layer, 1 / math.sqrt(d)).float()
+            torch.cuda.synchronize(dev)  # a fault shows at the case that made it
+            err = float((o - ref).norm() / ref.norm())
+            out.append({"g": g, "d": d, "lens": lens, "bt": bt, "page": pg, "stages": st, "lean": lean, "rel_err": err,
+                        "finite": bool(torch.isfinite(o).all())})
     return out
 
 
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=[f"{b}x{n}" for b, n in bd.SHAPES])
     ap.add_argument("--configs", nargs="*", default=["32:2:24", "16:3:24", "16:4:24", "32:3:24"],
-                    help="TMA kernel tilings BT:STAGES:programs_per_sm")
+                    help="TMA kernel tilings BT:STAGES:programs_per_sm, ':lean' for its lean step")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile-only", action="store_true")
@@ -189,7 +190,8 @@ def main(argv=None) -> int:
         write_json(a.out, copy, rows)
         return 0
     base = [DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)]
-    tcfgs = [DecodeConfig(1, *[int(v) for v in x.split(":")], DecodeKernel.GLUON_TMA) for x in a.configs]
+    tcfgs = [DecodeConfig(1, *[int(v) for v in x.split(":")[:3]], DecodeKernel.GLUON_TMA, lean=x.endswith(":lean"))
+             for x in a.configs]
     for rnd in range(a.rounds):
         for sh in a.shapes:
             bsz, n = map(int, sh.split("x"))

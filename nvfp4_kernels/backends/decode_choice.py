@@ -24,6 +24,7 @@ class DecodeConfig:
     programs_per_sm: int = 8  # split-KV target: about this many programs per SM when sequences are long
     kernel: DecodeKernel = DecodeKernel.TRITON
     max_registers: int | None = None  # ptxas register cap per thread (maxnreg); None: the compiler's choice
+    lean: bool = False  # the TMA kernel's shorter step (gluon_decode_step.attend, LEAN): faster on an H200 only
 
     def __post_init__(self) -> None:
         if self.block_w < 16 or self.block_w & (self.block_w - 1):
@@ -34,6 +35,8 @@ class DecodeConfig:
             raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
         if self.max_registers is not None and not 32 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in [32, 255] or None, got {self.max_registers}")
+        if self.lean and self.kernel is not DecodeKernel.GLUON_TMA:
+            raise ValueError(f"the lean step is the TMA kernel's (DecodeKernel.GLUON_TMA), got {self.kernel.value}")
         if self.kernel is not DecodeKernel.TRITON and (self.num_warps != 1 or self.block_w > 64 or self.num_stages < 2):
             raise ValueError("the Gluon decode runs one warp per program with block_w <= 64 and num_stages >= 2, got "
                              f"num_warps={self.num_warps} block_w={self.block_w} num_stages={self.num_stages}")
@@ -42,7 +45,7 @@ class DecodeConfig:
     def label(self) -> str:
         cap = "" if self.max_registers is None else f"_r{self.max_registers}"
         return (f"{self.kernel.value}_nw{self.num_warps}_bw{self.block_w}_st{self.num_stages}"
-                f"_p{self.programs_per_sm}{cap}")
+                f"_p{self.programs_per_sm}{cap}{'_lean' if self.lean else ''}")
 
     @property
     def launch_options(self) -> dict:
@@ -62,8 +65,20 @@ def gluon_fits(head_dim: int, group: int) -> bool:
     return head_dim in GLUON_HEAD_DIMS and max(8, triton.next_power_of_2(group)) * head_dim <= 1024
 
 
+# GPUs (by name) where the TMA kernel's lean step measured faster than its kept one: 5.5 / 9-10 / 5 / 2.5% at
+# 44x32K / 10x160K / 1x1M / 128x4K on an H200, against 13-15% slower on two of three H100s
+# (docs/benchmarks/kernel-notes.md). The H200's faster memory leaves the step's instruction issue the limit.
+LEAN_STEP_GPUS = ("H200",)
+
+
+def prefers_lean_step(device_name: str) -> bool:
+    """Whether the TMA kernel runs its lean step on the GPU named ``device_name`` (``LEAN_STEP_GPUS``)."""
+    return any(g in device_name for g in LEAN_STEP_GPUS)
+
+
 def default_decode_config(head_dim: int, capability: tuple[int, int] | None = None, group: int = 1,
-                          kernel: DecodeKernel | None = None, *, num_kv_heads: int, page_size: int) -> DecodeConfig:
+                          kernel: DecodeKernel | None = None, *, num_kv_heads: int, page_size: int,
+                          lean_step: bool = False) -> DecodeConfig:
     """The decode kernel and tiling for a GPU of ``capability`` (None: no GPU, the Triton kernel for the
     interpreter), ``group`` query heads per KV head and a pool of ``num_kv_heads`` heads in ``page_size`` pages.
 
@@ -75,10 +90,11 @@ def default_decode_config(head_dim: int, capability: tuple[int, int] | None = No
     program, 32-token steps, a 2-stage ring, 24 programs per SM. Other GPUs get the Triton kernel, whose D=256
     tiling halves the warp slice to stay in registers (docs/benchmarks/kernel-notes.md). ``kernel``
     (``--nvfp4-decode-kernel``) forces one kernel with its default tiling; a Gluon kernel still needs what
-    ``kernel_unfit`` checks (at start-up, svc_common/preflight.py; again at the launch)."""
+    ``kernel_unfit`` checks (at start-up, svc_common/preflight.py; again at the launch). ``lean_step``: the TMA
+    kernel runs its lean step (``prefers_lean_step`` of the GPU's name)."""
     hopper = kernel is None and capability is not None and capability[0] == 9 and gluon_fits(head_dim, group)
     if kernel is DecodeKernel.GLUON_TMA or (hopper and tma_fits(num_kv_heads, head_dim, page_size, 32)):
-        return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON_TMA)
+        return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON_TMA, lean=lean_step)
     if kernel is DecodeKernel.GLUON or hopper:
         return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)
     return DecodeConfig(4, 16 if head_dim > 128 else 32, 2, 8)
@@ -91,5 +107,5 @@ def eager_config(config: DecodeConfig) -> DecodeConfig:
     an H200: 42.5 ms a step against 35.7 with the cp.async kernel, 36 layers), more than the kernel saves; a
     captured graph encodes them once. Any other config is its own."""
     if config.kernel is DecodeKernel.GLUON_TMA:
-        return replace(config, kernel=DecodeKernel.GLUON)
+        return replace(config, kernel=DecodeKernel.GLUON, lean=False)
     return config

@@ -21,7 +21,12 @@ import torch
 import triton
 
 from nvfp4_kernels.backends.base import DecodeOptions, DecodePlan
-from nvfp4_kernels.backends.decode_choice import DecodeConfig, default_decode_config, eager_config
+from nvfp4_kernels.backends.decode_choice import (
+    DecodeConfig,
+    default_decode_config,
+    eager_config,
+    prefers_lean_step,
+)
 from nvfp4_kernels.backends.decode_kernels import DecodeKernel, kernel_unfit
 from nvfp4_kernels.backends.triton_nvfp4 import check_nvfp4_layer, u8
 from nvfp4_kernels.kv_layout import LayerKV
@@ -46,6 +51,7 @@ class DeviceTarget:
 
     num_sms: int
     capability: tuple[int, int]
+    lean_step: bool = False  # the TMA decode's lean step (decode_choice.prefers_lean_step of the GPU's name)
 
     def __post_init__(self) -> None:
         if self.num_sms < 1 or self.capability[0] < 1:
@@ -113,7 +119,8 @@ class TritonNvfp4Decode:
         batch, max_pages = page_table.shape
         dev = page_table.device
         cfg = self.decode_config or default_decode_config(head_dim, self._capability(dev), num_qo_heads // num_kv_heads,
-                                                          self.kernel, num_kv_heads=num_kv_heads, page_size=page_size)
+                                                          self.kernel, num_kv_heads=num_kv_heads, page_size=page_size,
+                                                          lean_step=self._lean_step(dev))
         if self.target is not None:
             num_sms = self.target.num_sms
         else:
@@ -225,8 +232,15 @@ class TritonNvfp4Decode:
         """``<part>:<config label>`` of the decodes this part plans for ``head_dim``, ``group`` and a pool of
         ``num_kv_heads`` heads in ``page_size`` pages on ``device``."""
         cfg = self.decode_config or default_decode_config(head_dim, self._capability(device), group, self.kernel,
-                                                          num_kv_heads=num_kv_heads, page_size=page_size)
+                                                          num_kv_heads=num_kv_heads, page_size=page_size,
+                                                          lean_step=self._lean_step(device))
         return f"{self.name}:{cfg.label}"
+
+    def _lean_step(self, dev: torch.device) -> bool:
+        """Whether the TMA decode runs its lean step: the target's setting, else by the GPU's name."""
+        if self.target is not None:
+            return self.target.lean_step
+        return dev.type == "cuda" and prefers_lean_step(torch.cuda.get_device_name(dev))
 
     def _capability(self, dev: torch.device) -> tuple[int, int] | None:
         """The target's compute capability, else that of ``dev``'s GPU; None for CPU tensors without a target."""
@@ -265,7 +279,7 @@ class TritonNvfp4Decode:
         args[1:5] = tma_views(layer)
         nvfp4_decode_tma_kernel[(hk, st.num_splits, batch)](
             *args, layer.k.shape[0] * page, HK=hk, G=hq // hk, GN=max(8, triton.next_power_of_2(hq // hk)), D=d,
-            PAGE=page, NPG=cfg.block_w // page, STAGES=cfg.num_stages, SW=max(16, d // 16), num_warps=1,
+            PAGE=page, NPG=cfg.block_w // page, STAGES=cfg.num_stages, SW=max(16, d // 16), LEAN=cfg.lean, num_warps=1,
             **cfg.launch_options)
 
 

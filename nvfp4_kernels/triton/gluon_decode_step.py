@@ -93,6 +93,49 @@ def operand_scales(smem, layout: gl.constexpr, operand: gl.constexpr, BT: gl.con
 
 
 @gluon.jit
+def k_scales(ks_slot, scratch, op_a: gl.constexpr, BT: gl.constexpr, NS: gl.constexpr):
+    """K's block scales [BT, NS] bytes of one ring slot -> fp16 [BT, 4*NS] in ``op_a`` layout (element (t, j) =
+    scale(t, j // 4)), through ``scratch`` (fp16 [BT, 2, NS // 2, 2], this program's): each lane converts one
+    row (one 64-bit load, e4m3x2 -> f16x2 conversions) and stores it as (s, s) pairs, blocks of one parity
+    together; then each lane loads the pairs its operand registers need, 16 bytes per row. The same values as
+    the operand's broadcast of each byte, in about half the instructions (one load and conversion per scale, not
+    per operand register)."""
+    rl: gl.constexpr = gl.BlockedLayout([1, NS], [32, 1], [1, 1], [1, 0])  # a row per lane
+    x = ks_slot.load(rl).to(gl.float8e4nv, bitcast=True).to(gl.float16)  # [BT, NS]
+    x = gl.permute(gl.reshape(x, [BT, NS // 2, 2]), (0, 2, 1))  # [t, b % 2, b // 2]
+    scratch.store(gl.join(x, x))  # [t, b % 2, b // 2, 2]: (s, s) pairs
+    gl.thread_barrier()
+    # lane bits: 0 -> j bit 1 (both lanes of a pair read the same scales), 1 -> b % 2, 2-4 -> t bits 0-2;
+    # registers: the pair, then b // 2, then t bits 3-4 (the operand's order: the convert below is no data move)
+    l5: gl.constexpr = gl.BlockedLayout([1, 1, NS // 2, 1, 2], [8, 2, 1, 2, 1], [1, 1, 1, 1, 1], [4, 2, 3, 1, 0])
+    y = gl.expand_dims(scratch.load(gl.SliceLayout(3, l5)), 3)
+    y = gl.broadcast(y, gl.full([BT, 2, NS // 2, 2, 2], 0, gl.float16, layout=l5))[0]
+    y = gl.reshape(gl.permute(y, (0, 2, 1, 3, 4)), [BT, 4 * NS])  # j = 8 (b // 2) + 4 (b % 2) + 2 jj1 + jj0
+    return gl.convert_layout(y, op_a, assert_trivial=True)
+
+
+@gluon.jit
+def v_scales(vs_slot, scratch, op_a: gl.constexpr, BT: gl.constexpr, NS: gl.constexpr):
+    """V's block scales [BT, NS] bytes of one ring slot -> fp16 [4*NS, BT] in ``op_a`` layout (V^T's: element
+    (j, t) = scale(t, j // 4)), through ``scratch`` (fp16 [BT // 2, 2, NS // 2, 2], this program's): each lane
+    converts two rows' halves and stores (scale(t, b), scale(t + 1, b)) pairs, a token pair's blocks of one
+    parity together; then each lane loads the pairs its operand registers need: one load and conversion per
+    scale instead of per operand register."""
+    rl: gl.constexpr = gl.BlockedLayout([2, NS // 2], [16, 2], [1, 1], [1, 0])  # two rows' halves per lane
+    x = vs_slot.load(rl).to(gl.float8e4nv, bitcast=True).to(gl.float16)  # [BT, NS]
+    x = gl.permute(gl.reshape(x, [BT // 2, 2, NS // 2, 2]), (0, 3, 2, 1))  # [t // 2, b % 2, b // 2, t % 2]
+    scratch.store(x)
+    gl.thread_barrier()
+    # lane bits: 0-1 -> t bits 1-2, 2-3 -> j bits 0-1 (lanes that read the same scales), 4 -> b % 2; registers:
+    # t % 2 (the pair), t bits 3-4, then b // 2 (the operand's order: the convert below is no data move)
+    l5: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2, 1], [4, 2, 1, 1, 4], [1, 1, 1, 1, 1], [3, 0, 4, 1, 2])
+    y = gl.expand_dims(scratch.load(gl.SliceLayout(4, l5)), 4)
+    y = gl.broadcast(y, gl.full([BT // 2, 2, NS // 2, 2, 4], 0, gl.float16, layout=l5))[0]
+    y = gl.reshape(gl.permute(y, (0, 3, 2, 1, 4)), [BT, 4 * NS])  # t = 2 (t // 2) + t % 2, j = 4 b + jj
+    return gl.convert_layout(gl.permute(y, (1, 0)), op_a, assert_trivial=True)
+
+
+@gluon.jit
 def store_out(O_PART, LSE_PART, b, split, h, acc0, acc1, acc2, acc3, lse, stride_pb, stride_ph, stride_ps,
                stride_lb, stride_lh, G: gl.constexpr, GN: gl.constexpr, DW: gl.constexpr, mma: gl.constexpr):
     jo = gl.arange(0, DW, layout=gl.SliceLayout(1, mma))
@@ -108,6 +151,8 @@ def store_out(O_PART, LSE_PART, b, split, h, acc0, acc1, acc2, acc3, lse, stride
 
 
 # the accumulators' layout: one warp, MMA v2 (m16n8k16)
+# ``k_scales`` / ``v_scales``' buffers of converted scales: unswizzled (each lane writes and reads 16-byte runs)
+SCALE_BUFFER = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
 ACC_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 
 
@@ -123,11 +168,31 @@ def split_range(SEQ_LENS, chunk_tokens):
 
 
 @gluon.jit
-def fresh_state(GN: gl.constexpr, DW: gl.constexpr):
-    """Online-softmax state before the first step: (m_i, l_i, acc0..acc3)."""
+def fresh_state(GN: gl.constexpr, DW: gl.constexpr, BT: gl.constexpr, LEAN: gl.constexpr):
+    """Online-softmax state before the first step: (m_i, l_i, acc0..acc3). With LEAN (``attend``'s lean step) l_i
+    holds the sums per lane row group, [8, GN] (``lane_sums``), reduced across lanes once by ``total_sums``."""
     acc = gl.zeros([DW, GN], gl.float32, layout=ACC_LAYOUT)
-    return (gl.full([GN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC_LAYOUT)),
-            gl.zeros([GN], gl.float32, layout=gl.SliceLayout(0, ACC_LAYOUT)), acc, acc, acc, acc)
+    m_i = gl.full([GN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC_LAYOUT))
+    if LEAN:
+        return m_i, lane_sums(gl.zeros([BT, GN], gl.float32, layout=ACC_LAYOUT), BT, GN), acc, acc, acc, acc
+    else:
+        return m_i, gl.zeros([GN], gl.float32, layout=gl.SliceLayout(0, ACC_LAYOUT)), acc, acc, acc, acc
+
+
+@gluon.jit
+def lane_sums(p, BT: gl.constexpr, GN: gl.constexpr):
+    """[BT, GN] in the accumulator layout -> [8, GN]: the sums over the token rows each lane holds (tokens t and
+    t + 8k share a lane), no data leaving a lane."""
+    return gl.sum(gl.reshape(p, [BT // 8, 8, GN]), 0)
+
+
+@gluon.jit
+def total_sums(l_i, LEAN: gl.constexpr):
+    """The softmax sums [GN] (accumulator slice layout) of ``fresh_state``'s l_i after the last step."""
+    if LEAN:
+        return gl.convert_layout(gl.sum(l_i, 0), gl.SliceLayout(0, ACC_LAYOUT))
+    else:
+        return l_i
 
 
 @gluon.jit
@@ -158,10 +223,15 @@ def store_empty(O_PART, LSE_PART, b, split, h, stride_pb, stride_ph, stride_ps, 
 
 @gluon.jit
 def attend(k_slot, ks_slot, v_slot, vs_slot, q0, q1, q2, q3, t0, end, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3,
-            BT: gl.constexpr, GN: gl.constexpr, NS: gl.constexpr):
+           BT: gl.constexpr, GN: gl.constexpr, NS: gl.constexpr, LEAN: gl.constexpr, bufs):
     """One step of BT tokens from one ring slot (shared memory: codes [BT, D/4] int16, scales [BT, D/16] uint8):
     S^T = K Q^T, the online softmax over tokens (those at or past ``end`` masked), O^T += V^T P^T. Returns the
-    new (m_i, l_i, acc0..acc3). V is read only after the softmax, so K's and V's operands are never live at once."""
+    new (m_i, l_i, acc0..acc3). V is read only after the softmax, so K's and V's operands are never live at once.
+
+    LEAN: the shorter step (about 14% fewer instructions, 128 registers; 5-10% faster on an H200, 13-15% slower on
+    H100s: docs/benchmarks/kernel-notes.md): each scale byte converted once through ``bufs`` (``scale_buffers``;
+    every lane is past the previous step's reads of them, by the caller's barrier at the top of a step, before
+    they are rewritten), the mask on the tail step only, the softmax sum kept per lane (``lane_sums``)."""
     mma: gl.constexpr = ACC_LAYOUT
     op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -170,7 +240,10 @@ def attend(k_slot, ks_slot, v_slot, vs_slot, q0, q1, q2, q3, t0, end, qk_scale, 
     k_sl: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 2, 2], [1, 1, 1], [2, 1, 0])
     v_sl: gl.constexpr = gl.BlockedLayout([2, 1, 1], [4, 2, 4], [1, 1, 1], [0, 2, 1])
     ts = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))
-    ks = operand_scales(ks_slot, k_sl, op_a, BT, NS, False)
+    if LEAN:
+        ks = k_scales(ks_slot, bufs[0], op_a, BT, NS)
+    else:
+        ks = operand_scales(ks_slot, k_sl, op_a, BT, NS, False)
     kw = k_slot.load(op_a)
     k0, k2 = decode_half(kw, ks, _LO_ASM)
     s = mma_v2(k0, q0, gl.zeros([BT, GN], gl.float32, layout=mma))
@@ -178,13 +251,24 @@ def attend(k_slot, ks_slot, v_slot, vs_slot, q0, q1, q2, q3, t0, end, qk_scale, 
     k1, k3 = decode_half(kw, ks, _HI_ASM)
     s = mma_v2(k1, q1, s)
     s = mma_v2(k3, q3, s)
-    s = gl.where(((t0 + ts) < end)[:, None], s * qk_scale, float("-inf"))
+    if LEAN:
+        s = s * qk_scale
+        if t0 + BT > end:  # the tail step only: tokens at or past `end` masked
+            s = gl.where(((t0 + ts) < end)[:, None], s, float("-inf"))
+    else:
+        s = gl.where(((t0 + ts) < end)[:, None], s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 0))  # finite: every step has >= 1 token below `end`
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[None, :])
-    l_i = l_i * alpha + gl.sum(p, 0)
+    if LEAN:
+        l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(0, l_i.type.layout))[None, :] + lane_sums(p, BT, GN)
+    else:
+        l_i = l_i * alpha + gl.sum(p, 0)
     pb = gl.convert_layout(p.to(gl.float16), op_b)
-    vs = operand_scales(vs_slot, v_sl, op_a, BT, NS, True)
+    if LEAN:
+        vs = v_scales(vs_slot, bufs[1], op_a, BT, NS)
+    else:
+        vs = operand_scales(vs_slot, v_sl, op_a, BT, NS, True)
     vw = v_slot.permute((1, 0)).load(op_a)
     a2 = alpha[None, :]
     v0, v2 = decode_half(vw, vs, _LO_ASM)
@@ -194,3 +278,11 @@ def attend(k_slot, ks_slot, v_slot, vs_slot, q0, q1, q2, q3, t0, end, qk_scale, 
     acc1 = mma_v2(v1, pb, acc1 * a2)
     acc3 = mma_v2(v3, pb, acc3 * a2)
     return m_new, l_i, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def scale_buffers(BT: gl.constexpr, NS: gl.constexpr):
+    """A program's two shared buffers of converted scales: ``k_scales``'s [BT, 2, NS // 2, 2] and ``v_scales``'s
+    [BT // 2, 2, NS // 2, 2] fp16 (1.5 KB at BT 32, D 128)."""
+    return (gl.allocate_shared_memory(gl.float16, [BT, 2, NS // 2, 2], SCALE_BUFFER),
+            gl.allocate_shared_memory(gl.float16, [BT // 2, 2, NS // 2, 2], SCALE_BUFFER))

@@ -90,7 +90,7 @@ def nvfp4_decode_gluon_kernel(
     for i in gl.static_range(STAGES - 1):
         _issue(ring, K16, V16, KSF, VSF, pt_row, start + i * BT, end, i, h, tr, tc, trs, tcs, HK, DW, NS, PAGE)
 
-    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW)
+    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW, BT, False)
     for i in range(gl.cdiv(end - start, BT)):
         t0 = start + i * BT
         stage = i % STAGES
@@ -101,7 +101,7 @@ def nvfp4_decode_gluon_kernel(
         k_smem, v_smem, ks_smem, vs_smem = ring
         m_i, l_i, acc0, acc1, acc2, acc3 = attend(
             k_smem.index(stage), ks_smem.index(stage), v_smem.index(stage), vs_smem.index(stage), q0, q1, q2, q3, t0,
-            end, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, BT, GN, NS)
+            end, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, BT, GN, NS, False, None)
     async_copy.wait_group(0)
 
     inv = (out_scale / l_i)[None, :]

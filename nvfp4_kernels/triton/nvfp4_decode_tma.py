@@ -40,9 +40,11 @@ from nvfp4_kernels.triton.gluon_decode_step import (
     attend,
     fresh_state,
     load_q,
+    scale_buffers,
     split_range,
     store_empty,
     store_out,
+    total_sums,
 )
 from nvfp4_kernels.triton.nvfp4_decode import PLAN_INTS
 
@@ -50,10 +52,15 @@ from nvfp4_kernels.triton.nvfp4_decode import PLAN_INTS
 @gluon.jit
 def _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, t0, end, stage, h, oob_row,
            DW: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr, NPG: gl.constexpr, SW: gl.constexpr,
-           SOFF: gl.constexpr):
-    """TMA copies of tokens [t0, t0 + NPG*PAGE) of head h into ring slot ``stage`` (nothing when t0 >= end)."""
+           SOFF: gl.constexpr, LEAN: gl.constexpr):
+    """TMA copies of tokens [t0, t0 + NPG*PAGE) of head h into ring slot ``stage`` (nothing when t0 >= end; with
+    LEAN issued anyway: pages past ``end`` read at ``oob_row`` give zeros and the full byte count, and ``_run``
+    waits for those STAGES - 1 issues after its last step)."""
     k_smem, v_smem, ks_smem, vs_smem = ring
-    live = t0 < end
+    if LEAN:
+        live = True
+    else:
+        live = t0 < end
     bar = bars.index(stage)
     mbarrier.expect(bar, NPG * PAGE * (4 * DW + 2 * SW), pred=live)
     for j in gl.static_range(NPG):
@@ -69,9 +76,9 @@ def _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, t0, end, stage,
 
 
 @gluon.jit
-def _run(ring, bars, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2, q3,
+def _run(ring, bars, bufs, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2, q3,
          qk_scale, stride_ptb, GN: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, NPG: gl.constexpr,
-         STAGES: gl.constexpr, SW: gl.constexpr, SOFF: gl.constexpr):
+         STAGES: gl.constexpr, SW: gl.constexpr, SOFF: gl.constexpr, LEAN: gl.constexpr):
     """The split's tokens [start, end) of head h through the TMA ring (``ring``, ``bars``: fresh), this head's
     scales at byte SOFF of each scale row. Returns the softmax state and accumulators."""
     DW: gl.constexpr = D // 4
@@ -81,16 +88,16 @@ def _run(ring, bars, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, 
     pt_row = PAGE_TABLE + b * stride_ptb
     for i in gl.static_range(STAGES - 1):
         _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, start + i * BT, end, i, h, oob_row,
-               DW, NS, PAGE, NPG, SW, SOFF)
+               DW, NS, PAGE, NPG, SW, SOFF, LEAN)
 
     tz = gl.arange(0, BT, layout=gl.SliceLayout(1, zl))
-    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW)
+    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW, BT, LEAN)
     for i in range(gl.cdiv(end - start, BT)):
         t0 = start + i * BT
         stage = i % STAGES
         gl.thread_barrier()  # every lane has read slot (i - 1) % STAGES (its values consumed) before TMA refills it
         _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, t0 + (STAGES - 1) * BT, end,
-               (i + STAGES - 1) % STAGES, h, oob_row, DW, NS, PAGE, NPG, SW, SOFF)
+               (i + STAGES - 1) % STAGES, h, oob_row, DW, NS, PAGE, NPG, SW, SOFF, LEAN)
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
         k_smem, v_smem, ks_smem, vs_smem = ring
         if t0 + BT > end:  # the tail step: V's scale rows past the prompt zeroed (the pool's bytes there are any)
@@ -101,7 +108,11 @@ def _run(ring, bars, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, 
         m_i, l_i, acc0, acc1, acc2, acc3 = attend(
             k_smem.index(stage), ks_smem.index(stage).slice(SOFF, NS, dim=1), v_smem.index(stage),
             vs_smem.index(stage).slice(SOFF, NS, dim=1), q0, q1, q2, q3, t0, end, qk_scale, m_i, l_i, acc0, acc1, acc2,
-            acc3, BT, GN, NS)
+            acc3, BT, GN, NS, LEAN, bufs)
+    if LEAN:  # the copies issued past the last step have landed before the program's shared memory is freed
+        n = gl.cdiv(end - start, BT)
+        for j in gl.static_range(STAGES - 1):
+            mbarrier.wait(bars.index((n + j) % STAGES), ((n + j) // STAGES) & 1)
 
     return m_i, l_i, acc0, acc1, acc2, acc3
 
@@ -115,7 +126,7 @@ def nvfp4_decode_tma_kernel(
     stride_lb, stride_lh,
     chunk_tokens, oob_row,
     HK: gl.constexpr, G: gl.constexpr, GN: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
-    NPG: gl.constexpr, STAGES: gl.constexpr, SW: gl.constexpr,
+    NPG: gl.constexpr, STAGES: gl.constexpr, SW: gl.constexpr, LEAN: gl.constexpr,
 ):
     """Descriptors: k/v [P*PAGE, HK*D/4] int16, box [PAGE, D/4]; ks/vs [P*PAGE, HK*D/16] uint8, box [PAGE, SW]
     (HK*D/16 a multiple of SW). ``oob_row`` = P*PAGE (a row past the pool). num_warps=1."""
@@ -137,13 +148,18 @@ def nvfp4_decode_tma_kernel(
     for si in gl.static_range(STAGES):
         mbarrier.init(bars.index(si), count=1)
     fence_async_shared()
-    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW)
+    if LEAN:
+        bufs = scale_buffers(BT, NS)
+    else:
+        bufs = None
+    m_i, l_i, acc0, acc1, acc2, acc3 = fresh_state(GN, DW, BT, LEAN)
     for v in gl.static_range(SW // NS):  # the loop compiled for each offset of a head's scales in a box row
         if (h * NS) % SW == v * NS:
             m_i, l_i, acc0, acc1, acc2, acc3 = _run(
-                ring, bars, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2,
-                q3, qk_scale, stride_ptb, GN, D, PAGE, NPG, STAGES, SW, v * NS)
+                ring, bars, bufs, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2,
+                q3, qk_scale, stride_ptb, GN, D, PAGE, NPG, STAGES, SW, v * NS, LEAN)
 
+    l_i = total_sums(l_i, LEAN)
     inv = (out_scale / l_i)[None, :]
     store_out(O_PART, LSE_PART, b, split, h, acc0 * inv, acc1 * inv, acc2 * inv, acc3 * inv, m_i + gl.log2(l_i),
                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, ACC_LAYOUT)
