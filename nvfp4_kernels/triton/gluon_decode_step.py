@@ -20,6 +20,10 @@ shared memory:
     their E4M3 scales in fp16x2 (exact: E2M1 * E4M3 fits fp16);
   - online softmax in base 2 over the token axis of S^T (warp reductions); P^T goes to the B operand layout (the
     one layout change per step).
+The TMA kernel also has a lean step (``attend``'s LEAN, the default on an H200: ``decode_choice.LEAN_STEP_GPUS``):
+each scale byte converted once into a small shared buffer of the fp16 pairs the operands take (``k_scales``,
+``v_scales``), the softmax sum kept per lane and reduced once after the last step (``lane_sums``, ``total_sums``),
+the mask on the tail step only.
 One warp owns its program's whole state, so no barrier is shared between warps. At D 128, G <= 8 a program holds
 130-131 registers: 12 programs per SM (the 4-warp Triton kernel holds 226:
 2 warps per scheduler). Larger groups or D 256 need 180-245 registers (``gluon_fits`` in
