@@ -26,24 +26,15 @@ import triton.language as tl
 #   hi = (w & 0x80808080) | ((w >> 3) & 0x0E0E0E0E)     high nibble of every byte, as fp16 high bytes
 #   lo = same on w << 4                                 low nibble of every byte
 #   out0 = lo bytes 0,2 ; out1 = hi bytes 0,2 ; out2 = lo bytes 1,3 ; out3 = hi bytes 1,3 (-> fp16 high bytes)
-_SM90_ASM = tl.constexpr("""
-{
-.reg .b32 t, hi, lo, w4;
-shr.b32 t, $4, 3;
-and.b32 t, t, 0x0E0E0E0E;
-and.b32 hi, $4, 0x80808080;
-or.b32 hi, hi, t;
-shl.b32 w4, $4, 4;
-shl.b32 t, $4, 1;
-and.b32 t, t, 0x0E0E0E0E;
-and.b32 lo, w4, 0x80808080;
-or.b32 lo, lo, t;
-prmt.b32 $0, lo, 0, 0x2404;
-prmt.b32 $1, hi, 0, 0x2404;
-and.b32 $2, lo, 0xFF00FF00;
-and.b32 $3, hi, 0xFF00FF00;
-}
-""")
+# The two halves of that decode as PTX fragments on the word {w}, shared with the Gluon decode
+# (nvfp4_kernels/triton/gluon_decode_step.py): E5M2-shaped bytes of every byte's high nibble into ``hi`` (uses t)
+# and of every byte's low nibble into ``lo`` (uses t, w4).
+SM90_HI_BYTES = "shr.b32 t, {w}, 3;\nand.b32 t, t, 0x0E0E0E0E;\nand.b32 hi, {w}, 0x80808080;\nor.b32 hi, hi, t;\n"
+SM90_LO_BYTES = ("shl.b32 w4, {w}, 4;\nshl.b32 t, {w}, 1;\nand.b32 t, t, 0x0E0E0E0E;\nand.b32 lo, w4, 0x80808080;\n"
+                 "or.b32 lo, lo, t;\n")
+_SM90_ASM = tl.constexpr("\n{\n.reg .b32 t, hi, lo, w4;\n" + SM90_HI_BYTES.format(w="$4") + SM90_LO_BYTES.format(w="$4")
+                         + "prmt.b32 $0, lo, 0, 0x2404;\nprmt.b32 $1, hi, 0, 0x2404;\nand.b32 $2, lo, 0xFF00FF00;\n"
+                         "and.b32 $3, hi, 0xFF00FF00;\n}\n")
 
 # MODE 2. Same lanes via cvt.rn.f16x2.e2m1x2 (low nibble -> low half), values unscaled. Build the byte
 # (nibble k of e0) | (nibble k of e1) << 4 for each k, then convert it.

@@ -40,39 +40,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from nvfp4_kernels.triton.e2m1 import SM90_HI_BYTES, SM90_LO_BYTES
+
 # $2: two int16 words (8 codes) e0 | e1 << 16; $3: their two block scales as fp16x2 (s0, s1).
 # _LO_ASM: outputs for nibbles 0 and 2, _HI_ASM: nibbles 1 and 3, each an fp16x2
 # (E2M1[nibble k of e0] * s0, E2M1[nibble k of e1] * s1) * 2**-14 (the decode of nvfp4_kernels/triton/e2m1.py, split
 # in two halves that share no work, so a step's decoded operands are live two nibbles at a time).
-_LO_ASM = gl.constexpr("""
-{
-.reg .b32 t, lo, w4;
-shl.b32 w4, $2, 4;
-shl.b32 t, $2, 1;
-and.b32 t, t, 0x0E0E0E0E;
-and.b32 lo, w4, 0x80808080;
-or.b32 lo, lo, t;
-prmt.b32 $0, lo, 0, 0x2404;
-and.b32 $1, lo, 0xFF00FF00;
-mul.rn.f16x2 $0, $0, $3;
-mul.rn.f16x2 $1, $1, $3;
-}
-""")
-
-
-_HI_ASM = gl.constexpr("""
-{
-.reg .b32 t, hi;
-shr.b32 t, $2, 3;
-and.b32 t, t, 0x0E0E0E0E;
-and.b32 hi, $2, 0x80808080;
-or.b32 hi, hi, t;
-prmt.b32 $0, hi, 0, 0x2404;
-and.b32 $1, hi, 0xFF00FF00;
-mul.rn.f16x2 $0, $0, $3;
-mul.rn.f16x2 $1, $1, $3;
-}
-""")
+_SCALED = "mul.rn.f16x2 $0, $0, $3;\nmul.rn.f16x2 $1, $1, $3;\n}\n"  # both outputs times the scales $3
+_LO_ASM = gl.constexpr("\n{\n.reg .b32 t, lo, w4;\n" + SM90_LO_BYTES.format(w="$2")
+                       + "prmt.b32 $0, lo, 0, 0x2404;\nand.b32 $1, lo, 0xFF00FF00;\n" + _SCALED)
+_HI_ASM = gl.constexpr("\n{\n.reg .b32 t, hi;\n" + SM90_HI_BYTES.format(w="$2")
+                       + "prmt.b32 $0, hi, 0, 0x2404;\nand.b32 $1, hi, 0xFF00FF00;\n" + _SCALED)
 
 
 @gluon.jit
