@@ -220,14 +220,20 @@ def warm_triton(plan: WarmPlan) -> tuple[dict[str, tuple[int, int]], list[str] |
     return _report(drv.launches, kernels), drv.stubs
 
 
-def _decode_kernels(plan: WarmPlan) -> list:
-    """The NVFP4 decode kernels the engine launches on the target (``default_decode_config``): with the TMA
-    kernel, also the cp.async one its eager launches use (``decode_choice.eager_config``)."""
-    from nvfp4_kernels.backends.triton_backend import DecodeKernel, default_decode_config
+def _decode_config(plan: WarmPlan):
+    """The NVFP4 decode config the engine plans on the target (``default_decode_config``)."""
+    from nvfp4_kernels.backends.triton_backend import default_decode_config
 
-    group = plan.num_qo_heads // plan.num_kv_heads
-    kernel = default_decode_config(plan.head_dim, plan.capability, group, _kernel_choice(plan),
-                                   num_kv_heads=plan.num_kv_heads, page_size=plan.page_size).kernel
+    return default_decode_config(plan.head_dim, plan.capability, plan.num_qo_heads // plan.num_kv_heads,
+                                 _kernel_choice(plan), num_kv_heads=plan.num_kv_heads, page_size=plan.page_size)
+
+
+def _decode_kernels(plan: WarmPlan) -> list:
+    """The NVFP4 decode kernels the engine launches on the target (``_decode_config``): with the TMA kernel, also
+    the cp.async one its eager launches use (``decode_choice.eager_config``)."""
+    from nvfp4_kernels.backends.triton_backend import DecodeKernel
+
+    kernel = _decode_config(plan).kernel
     if kernel is DecodeKernel.GLUON_TMA:
         from nvfp4_kernels.triton.nvfp4_decode_gluon import nvfp4_decode_gluon_kernel
         from nvfp4_kernels.triton.nvfp4_decode_tma import nvfp4_decode_tma_kernel
@@ -253,14 +259,20 @@ def _warm_nvfp4(plan: WarmPlan) -> None:
     """The NVFP4 decode for every graph shape, the quantize and the workspace dequant for every row class."""
     from engine.decode_graphs import batch_buckets, width_buckets
     from engine.kv_pool import KVPool
-    from nvfp4_kernels.backends.triton_backend import DeviceTarget, TritonBackend, TritonBlockSelectBackend
+    from nvfp4_kernels.backends.triton_backend import (
+        DecodeKernel,
+        DeviceTarget,
+        TritonBackend,
+        TritonBlockSelectBackend,
+    )
 
     pool = KVPool("nvfp4", 1, 16, plan.page_size, plan.num_kv_heads, plan.head_dim, scratch_pages=1)
     layer, hk, d = pool.layers[0], plan.num_kv_heads, plan.head_dim
     shapes = [(b, w) for b in batch_buckets(plan.max_batch) for w in width_buckets(plan.max_width)]
     # an sm_90a arch is an H100 or an H200, whose TMA decode runs different steps (decode_choice.LEAN_STEP_GPUS):
-    # both are compiled (a kernel whose pool TMA does not fit, or another GPU, compiles the same thing twice)
-    for lean in ((False, True) if plan.capability[0] == 9 else (False,)):
+    # where the plan's kernel is the TMA one, both steps are compiled
+    tma = _decode_config(plan).kernel is DecodeKernel.GLUON_TMA
+    for lean in ((False, True) if tma else (False,)):
         backend = (TritonBlockSelectBackend if plan.block_select else TritonBackend)(
             target=DeviceTarget(plan.num_sms, plan.capability, lean_step=lean), decode_kernel=_kernel_choice(plan))
         backend.warm_decode(layer, shapes, plan.num_qo_heads, plan.q_dtype, d ** -0.5, pool.scratch_page)
