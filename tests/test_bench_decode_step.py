@@ -161,13 +161,19 @@ def test_an_older_json_with_only_the_eager_attention_shows_no_rest(tmp_path):
     assert "kernel ms per step" not in md
 
 
-def test_rotated_rows_are_labelled_and_set_against_the_unrotated_step_of_the_same_run(tmp_path):
-    plain = _row(attention_graph_ms=2.25, kv_rotation="none")
-    rotated = _row(attention_graph_ms=2.26, kv_rotation="hadamard", graph_ms=7.92, tok_s=126.3)
-    md = _render([plain, rotated], tmp_path)
-    assert "| 1 x 32768 | nvfp4 + hadamard | 7.92 |" in md
-    assert "| 1 x 32768 | nvfp4 + hadamard | 7.840 | 7.920 | 1.010 | 2.250 | 2.260 |" in md
-    assert "rotation's cost" not in _render([plain], tmp_path)
+@pytest.mark.parametrize("setting,base,other,label,other_ms,other_attention_ms,ratio,section", [
+    ("kv_rotation", "none", "hadamard", "nvfp4 + hadamard", 7.92, 2.26, "1.010", "rotation's cost"),
+    ("nvfp4_decode_kernel", "auto", "gluon", "nvfp4, gluon decode", 8.29, 2.70, "1.057", "The NVFP4 decode kernel")])
+def test_rows_of_another_setting_are_labelled_and_set_against_the_same_step_with_the_base_one(
+        tmp_path, setting, base, other, label, other_ms, other_attention_ms, ratio, section):
+    """A rotated row against the unrotated step, a forced decode kernel's row against the GPU's default: both of
+    the same run, each labelled; the pairs' section only where there is a pair."""
+    plain = _row(attention_graph_ms=2.25, **{setting: base})
+    row = _row(attention_graph_ms=other_attention_ms, graph_ms=other_ms, tok_s=1e3 / other_ms, **{setting: other})
+    md = _render([plain, row], tmp_path)
+    assert f"| 1 x 32768 | {label} | {other_ms:.2f} |" in md
+    assert f"| 1 x 32768 | {label} | 7.840 | {other_ms:.3f} | {ratio} | 2.250 | {other_attention_ms:.3f} |" in md
+    assert section not in _render([plain], tmp_path)
 
 
 def test_rows_without_pdl_are_labelled_and_set_against_the_same_step_with_it(tmp_path):
@@ -219,15 +225,6 @@ def test_no_fused_needs_the_cublas_linear_mode():
     with pytest.raises(SystemExit) as e:
         main(["--no-fused"])
     assert e.value.code == 2
-
-
-def test_rows_with_a_forced_decode_kernel_are_labelled_and_set_against_the_gpus_default(tmp_path):
-    auto = _row(attention_graph_ms=2.25, nvfp4_decode_kernel="auto")
-    gluon = _row(attention_graph_ms=2.70, nvfp4_decode_kernel="gluon", graph_ms=8.29, tok_s=120.6)
-    md = _render([auto, gluon], tmp_path)
-    assert "| 1 x 32768 | nvfp4, gluon decode | 8.29 |" in md
-    assert "| 1 x 32768 | nvfp4, gluon decode | 7.840 | 8.290 | 1.057 | 2.250 | 2.700 |" in md
-    assert "The NVFP4 decode kernel" not in _render([auto], tmp_path)
 
 
 def test_a_decode_kernel_named_twice_is_refused():
