@@ -59,7 +59,7 @@ class SenderContext:
     per_message: int  # pages of one layer per message
     num_layers: int
     metrics: SenderMetrics
-    exports_ahead: int  # --kv-exports-ahead, resolved (prefill_svc/config.py: exports_ahead_for)
+    exports_ahead: int  # --kv-exports-ahead, resolved (prefill_svc/page_sender.py: exports_ahead)
 
 
 async def relay_prefill(ctx: SenderContext, request: prefill_pb2.PrefillRequest

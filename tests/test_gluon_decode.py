@@ -261,3 +261,13 @@ def test_the_lean_step_is_the_tma_kernels_and_h200s_get_it_by_default():
         opts = DecodeOptions("nvfp4", torch.bfloat16, 0.1, True)
         cfg = tb.plan_decode(table, lens, 32, 8, 128, 16, options=opts).backend_state.config
         assert cfg.kernel is DecodeKernel.GLUON_TMA and cfg.lean is lean_gpu
+
+
+@pytest.mark.parametrize("args", [["--configs", "32:2:24:foo"], ["--configs", "32:2"], ["--configs", "48:2:24"],
+                                  ["--launch-only", "4x"], ["--shapes", "1x100"], ["--rounds", "0"]])
+def test_the_tma_probe_refuses_bad_arguments_before_any_gpu_work(args, capsys):
+    from benchmarks.kernels.probe_tma import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err

@@ -155,6 +155,27 @@ def launch_only(batch: int, seq_len: int) -> int:
     return 0
 
 
+def _tma_config(ap: argparse.ArgumentParser, text: str):
+    """``BT:STAGES:PROGRAMS_PER_SM[:lean]`` as the TMA kernel's DecodeConfig (argparse's error otherwise)."""
+    from nvfp4_kernels.backends.triton_backend import DecodeConfig, DecodeKernel
+
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts[:3]) or parts[3:] not in ([], ["lean"]):
+        ap.error(f"--configs takes BT:STAGES:PROGRAMS_PER_SM or BT:STAGES:PROGRAMS_PER_SM:lean, got {text!r}")
+    try:
+        return DecodeConfig(1, *map(int, parts[:3]), DecodeKernel.GLUON_TMA, lean=len(parts) == 4)
+    except ValueError as e:
+        ap.error(f"--configs {text}: {e}")
+
+
+def _shape(ap: argparse.ArgumentParser, text: str) -> tuple[int, int]:
+    """``BxL`` (sequences x tokens, both >= 1; L a whole number of pages) as ints (argparse's error otherwise)."""
+    b, _, n = text.partition("x")
+    if not (b.isdigit() and n.isdigit() and int(b) >= 1 and int(n) >= 1 and int(n) % bd.PAGE == 0):
+        ap.error(f"a shape is BxL with B, L >= 1 and L a multiple of {bd.PAGE} tokens, got {text!r}")
+    return int(b), int(n)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=[f"{b}x{n}" for b, n in bd.SHAPES])
@@ -168,8 +189,12 @@ def main(argv=None) -> int:
     ap.add_argument("--launch-only", default=None, metavar="BxL",
                     help="the GPU's default decode at one shape, launched 4 times and nothing else (for a profiler)")
     a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {a.rounds}")
+    tcfgs = [_tma_config(ap, x) for x in a.configs]
+    shapes = [(sh, *_shape(ap, sh)) for sh in a.shapes]
     if a.launch_only:
-        return launch_only(*map(int, a.launch_only.split("x")))
+        return launch_only(*_shape(ap, a.launch_only))
     if a.compile_only:
         for npg, stages in ((2, 2), (1, 3), (1, 4), (2, 3)):
             r = sass_report(compile_sm90(npg=npg, stages=stages))
@@ -190,11 +215,8 @@ def main(argv=None) -> int:
         write_json(a.out, copy, rows)
         return 0
     base = [DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)]
-    tcfgs = [DecodeConfig(1, *[int(v) for v in x.split(":")[:3]], DecodeKernel.GLUON_TMA, lean=x.endswith(":lean"))
-             for x in a.configs]
     for rnd in range(a.rounds):
-        for sh in a.shapes:
-            bsz, n = map(int, sh.split("x"))
+        for sh, bsz, n in shapes:
             for kernel, cfgs in (("cp.async", base), ("tma", tcfgs)):
                 for label, r in bd.time_ours(dev, bsz, n, cfgs).items():
                     tbs = bd.nvfp4_bytes(bsz, n) / r["us"] / 1e6
