@@ -151,6 +151,44 @@ def test_the_tma_fed_decode_compiles_for_sm90a_with_tma_and_ldmatrix_and_no_spil
     assert r["loop_ops"].get("HMMA", 0) == 16 * npg, r  # 8 QK + 8 PV products per page of 16 tokens
 
 
+@pytest.mark.parametrize("key", sorted(__import__("nvfp4_kernels.backends.decode_choice", fromlist=["x"])
+                                        .RESIDENT_PROGRAMS, key=str), ids=str)
+def test_each_default_gluon_tiling_fills_waves_of_the_programs_that_fit_on_an_sm90_sm(key):
+    """The split-KV grid's wave (decode_choice.RESIDENT_PROGRAMS) is what the compiled kernel's registers and
+    shared memory let run at once on one SM: a wrong figure leaves a grid of whole waves ragged at its end."""
+    from benchmarks.kernels.probe_tma import compile_sm90, sass_report, sm90_resident_programs
+    from nvfp4_kernels.backends.decode_choice import RESIDENT_PROGRAMS, default_decode_config
+
+    kernel, lean, d, gn = key
+
+    def resident(group: int) -> int:
+        k = compile_sm90(d=d, group=group, lean=lean) if kernel is DecodeKernel.GLUON_TMA else _compile(d, 32, 2, group)
+        return sm90_resident_programs(sass_report(k)["registers"], k.metadata.shared)
+
+    # the fewest over the groups of that padded size (GN 8: groups 1 to 8, the ends compiled)
+    assert min(resident(g) for g in ((1, 8) if gn == 8 else (gn,))) == RESIDENT_PROGRAMS[key]
+    forced = default_decode_config(d, (9, 0), gn, kernel, num_kv_heads=8, page_size=16, lean_step=lean)
+    assert (forced.kernel, forced.lean) == (kernel, lean)
+    assert forced.programs_per_sm == RESIDENT_PROGRAMS[key] * (2 if lean else 1)  # the lean step: two waves
+
+
+def test_the_split_kv_grid_fills_whole_waves():
+    """A grid one program past a whole wave runs a program alone at its end; 1.5 waves run a third at half the
+    SM's programs. The split count fills whole waves where one exists, else the fewest tokens per SM."""
+    from nvfp4_kernels.backends.triton_decode import split_geometry
+
+    sms = 132
+    for batch, tokens, resident, splits in ((44, 32768, 16, 6), (10, 163840, 16, 26), (1, 1 << 20, 16, 263),
+                                            (128, 4096, 16, 2), (84, 32768, 16, 3), (44, 32768, 12, 9)):
+        chunk, n = split_geometry(batch, 8, tokens, 32, sms, resident)
+        assert n == splits and chunk % 32 == 0 and (n - 1) * chunk < tokens <= n * chunk, (batch, tokens, chunk, n)
+        waves = batch * 8 * n / (resident * sms)
+        assert waves <= 1 or 0.9 <= waves % 1 or waves % 1 == 0, (batch, tokens, waves)
+    assert split_geometry(1, 8, 300, 32, sms, 16) == (160, 2)  # short: splits of at least 256 tokens, at most 2
+    assert split_geometry(256, 32, 4096, 32, sms, 16) == (4096, 1)  # more programs than a wave: no split
+    assert split_geometry(1, 1, 16, 32, 4, 8) == (32, 1)
+
+
 def test_hopper_gets_the_tma_kernel_where_the_pool_fits_its_boxes_and_the_cp_async_one_elsewhere():
     from nvfp4_kernels.backends.decode_choice import default_decode_config
     from nvfp4_kernels.backends.decode_kernels import kernel_unfit, tma_fits
@@ -245,11 +283,11 @@ def test_the_lean_step_is_the_tma_kernels_and_h200s_get_it_by_default():
 
     assert prefers_lean_step("NVIDIA H200") and not prefers_lean_step("NVIDIA H100 80GB HBM3")
     lean = default_decode_config(128, (9, 0), 4, num_kv_heads=8, page_size=16, lean_step=True)
-    assert lean.kernel is DecodeKernel.GLUON_TMA and lean.lean and lean.label.endswith("_p24_lean")
+    assert lean.kernel is DecodeKernel.GLUON_TMA and lean.lean and lean.label.endswith("_p32_lean")  # two waves of the 16 that fit
     assert not default_decode_config(128, (9, 0), 4, num_kv_heads=8, page_size=16).lean
     # where the TMA kernel does not fit, the cp.async kernel runs its one step
     assert not default_decode_config(128, (9, 0), 4, num_kv_heads=8, page_size=4, lean_step=True).lean
-    assert eager_config(lean) == DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)
+    assert eager_config(lean) == DecodeConfig(1, 32, 2, 32, DecodeKernel.GLUON)  # the same plan geometry
     with pytest.raises(ValueError, match="lean step is the TMA kernel's"):
         DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON, lean=True)
     from nvfp4_kernels.backends.base import DecodeOptions

@@ -302,6 +302,7 @@ def _prewarm_flashinfer(cuda_cores: bool) -> object:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from nvfp4_kernels.backends.decode_choice import prefers_lean_step
     from nvfp4_kernels.backends.flashinfer_backend import flashinfer_available
     from nvfp4_kernels.backends.triton_backend import DecodeConfig, DecodeKernel, default_decode_config
 
@@ -337,12 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     triton_cfg = DecodeConfig(4, 16 if D > 128 else 32, 2, 8)  # the Triton kernel's measured best tiling
     gluon, tma = DecodeKernel.GLUON, DecodeKernel.GLUON_TMA
     default = default_decode_config(D, torch.cuda.get_device_capability(dev), HQ // HK, num_kv_heads=HK,
-                                    page_size=PAGE)
+                                    page_size=PAGE, lean_step=prefers_lean_step(torch.cuda.get_device_name(dev)))
     report["default_config"] = default.label  # what the engine runs on this GPU (auto)
-    # the TMA kernel with each step (kept and lean: the default picks by GPU) and at 16 and 32 programs per SM
-    configs = list(dict.fromkeys([default, triton_cfg, DecodeConfig(1, 32, 2, 24, gluon), DecodeConfig(1, 32, 2, 24, tma),
-                                  DecodeConfig(1, 32, 2, 24, tma, lean=True), DecodeConfig(1, 32, 2, 16, tma),
-                                  DecodeConfig(1, 32, 2, 32, tma)]))
+    # the TMA kernel with each step (kept and lean: the default picks by GPU), its grid in waves of 12 and 24 (kept:
+    # 12 fit on an SM) and 24 and 32 programs per SM (lean: 16 fit); the cp.async kernel in waves of its 12
+    configs = list(dict.fromkeys([default, triton_cfg, DecodeConfig(1, 32, 2, 12, gluon), DecodeConfig(1, 32, 2, 12, tma),
+                                  DecodeConfig(1, 32, 2, 24, tma), DecodeConfig(1, 32, 2, 32, tma, lean=True),
+                                  DecodeConfig(1, 32, 2, 24, tma, lean=True)]))
     if args.sweep:
         configs += [DecodeConfig(1, 32, 3, 24, tma), DecodeConfig(1, 16, 3, 24, tma)]
         configs += [DecodeConfig(4, 32, 2, 16), DecodeConfig(1, 32, 2, 32), DecodeConfig(1, 32, 4, 24, gluon),

@@ -2,7 +2,7 @@
 probe): checked against the fp32 reference with NaN scales past every prompt, then both timed at the kernel
 benchmark's shapes in one run, each shape twice in alternation, the TMA kernel at several tilings.
 
-    python -m benchmarks.kernels.probe_tma [--shapes 44x32768 ...] [--configs 32:2:24 16:3:24 ...] [--out F]
+    python -m benchmarks.kernels.probe_tma [--shapes 44x32768 ...] [--configs 32:2:12 32:2:16:lean ...] [--out F]
     python -m benchmarks.kernels.probe_tma --compile-only     # no GPU: registers and loop instructions, sm_90a
     compute-sanitizer python -m benchmarks.kernels.probe_tma --check-only   # where a check faults
     ncu --clock-control none --kernel-name regex:nvfp4_decode --launch-skip 2 --launch-count 1 \
@@ -45,6 +45,14 @@ def compile_sm90(d: int = 128, npg: int = 2, stages: int = 2, group: int = 4, pa
     src = GluonASTSource(fn=nvfp4_decode_tma_kernel, signature=dict(sig, **{k: "constexpr" for k in cx}),
                          constexprs=cx, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+
+
+def sm90_resident_programs(registers: int, shared_bytes: int) -> int:
+    """One-warp programs that run at once on one SM90 SM: a warp's registers (allocated 8 a thread at a time) come
+    from its scheduler's quarter of the 65,536, a program's shared memory (plus 1 KB the hardware reserves) from
+    the SM's 228 KB, and at most 32 programs."""
+    per_warp = -(-registers // 8) * 8 * 32
+    return min(4 * (16384 // per_warp), 228 * 1024 // (shared_bytes + 1024), 32)
 
 
 def sass_report(kernel) -> dict:
@@ -179,7 +187,7 @@ def _shape(ap: argparse.ArgumentParser, text: str) -> tuple[int, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=[f"{b}x{n}" for b, n in bd.SHAPES])
-    ap.add_argument("--configs", nargs="*", default=["32:2:24", "16:3:24", "16:4:24", "32:3:24"],
+    ap.add_argument("--configs", nargs="*", default=["32:2:12", "32:2:16:lean", "32:2:24", "32:2:32:lean"],
                     help="TMA kernel tilings BT:STAGES:programs_per_sm, ':lean' for its lean step")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
@@ -214,7 +222,7 @@ def main(argv=None) -> int:
     if a.check_only:
         write_json(a.out, copy, rows)
         return 0
-    base = [DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)]
+    base = [DecodeConfig(1, 32, 2, 12, DecodeKernel.GLUON)]
     for rnd in range(a.rounds):
         for sh, bsz, n in shapes:
             for kernel, cfgs in (("cp.async", base), ("tma", tcfgs)):

@@ -21,7 +21,8 @@ class DecodeConfig:
     num_warps: int = 4
     block_w: int = 32
     num_stages: int = 2
-    programs_per_sm: int = 8  # split-KV target: about this many programs per SM when sequences are long
+    # split-KV: programs that run at once on one SM (the kernel's residency); the grid fills whole waves of it
+    programs_per_sm: int = 8
     kernel: DecodeKernel = DecodeKernel.TRITON
     max_registers: int | None = None  # ptxas register cap per thread (maxnreg); None: the compiler's choice
     lean: bool = False  # the TMA kernel's shorter step (gluon_decode_step.attend, LEAN): faster on an H200 only
@@ -65,6 +66,38 @@ def gluon_fits(head_dim: int, group: int) -> bool:
     return head_dim in GLUON_HEAD_DIMS and max(8, triton.next_power_of_2(group)) * head_dim <= 1024
 
 
+# One-warp programs of each Gluon kernel (32-token steps, 2 stages) that run at once on one SM90 SM, by (kernel,
+# lean step, head_dim, GN: the group padded to >= 8), for every tiling ``default_decode_config`` picks: registers
+# are the limit (a scheduler's 16,384 hold 4 warps of 128 registers, 3 of 130 or 131), shared memory (5-12 KB a
+# program) next; at D 128 every group up to 8 compiles to the same registers. tests/test_gluon_decode.py compiles each for sm_90a and checks them.
+RESIDENT_PROGRAMS = {
+    (DecodeKernel.GLUON_TMA, False, 128, 8): 12, (DecodeKernel.GLUON_TMA, True, 128, 8): 16,
+    (DecodeKernel.GLUON, False, 128, 8): 12,
+    # at D 64 some groups compile to 72 registers (28 programs) and others to 75-80 (24): the fewer, so that a
+    # wave never runs past what fits
+    (DecodeKernel.GLUON_TMA, False, 64, 8): 24, (DecodeKernel.GLUON_TMA, True, 64, 8): 24,
+    (DecodeKernel.GLUON, False, 64, 8): 24,
+    (DecodeKernel.GLUON_TMA, False, 64, 16): 16, (DecodeKernel.GLUON_TMA, True, 64, 16): 16,
+    (DecodeKernel.GLUON, False, 64, 16): 16,
+}
+_RESIDENT_ELSEWHERE = 12  # a tiling forced past gluon_fits (not measured; its grid still fills whole waves of 12)
+
+
+def resident_programs(kernel: DecodeKernel, lean: bool, head_dim: int, group: int) -> int:
+    """The programs of ``kernel`` (its lean step or not) at ``head_dim`` and ``group`` query heads per KV head that
+    run at once on one Hopper SM (``RESIDENT_PROGRAMS``)."""
+    return RESIDENT_PROGRAMS.get((kernel, lean, head_dim, max(8, triton.next_power_of_2(group))), _RESIDENT_ELSEWHERE)
+
+
+def wave_programs(kernel: DecodeKernel, lean: bool, head_dim: int, group: int) -> int:
+    """``programs_per_sm`` of a Gluon kernel's default config: the split-KV grid fills whole waves of this many
+    programs per SM (``triton_decode.split_geometry``). The programs that fit, or twice that for the lean step.
+    Measured on an H100 (docs/benchmarks/kernel-notes.md): the kept step with its grid in waves of the 12 that
+    fit ran as fast as in the 24 before or up to 2% faster; the lean step in one wave of the 16 that fit ran up
+    to 25% slower than in two, which were 0-5% faster than the 24 before (1.5 waves)."""
+    return resident_programs(kernel, lean, head_dim, group) * (2 if lean else 1)
+
+
 # GPUs (by name) where the TMA kernel's lean step measured faster than its kept one: 5.5 / 9-10 / 5 / 2.5% at
 # 44x32K / 10x160K / 1x1M / 128x4K on an H200, against 13-15% slower on two of three H100s
 # (docs/benchmarks/kernel-notes.md). The H200's faster memory leaves the step's instruction issue the limit.
@@ -87,16 +120,18 @@ def default_decode_config(head_dim: int, capability: tuple[int, int] | None = No
     faster than the cp.async one on the H200 and 1.16-1.19x on an H100 (docs/benchmarks/kernels.md,
     kernel-notes.md), else the cp.async one, itself
     1.3-1.4x faster than the Triton kernel on the H200 (docs/benchmarks/kernels.md). Both run one warp per
-    program, 32-token steps, a 2-stage ring, 24 programs per SM. Other GPUs get the Triton kernel, whose D=256
+    program, 32-token steps, a 2-stage ring; the split-KV grid fills whole waves of the programs that fit on an SM
+    (``wave_programs``). Other GPUs get the Triton kernel, whose D=256
     tiling halves the warp slice to stay in registers (docs/benchmarks/kernel-notes.md). ``kernel``
     (``--nvfp4-decode-kernel``) forces one kernel with its default tiling; a Gluon kernel still needs what
     ``kernel_unfit`` checks (at start-up, svc_common/preflight.py; again at the launch). ``lean_step``: the TMA
     kernel runs its lean step (``prefers_lean_step`` of the GPU's name)."""
     hopper = kernel is None and capability is not None and capability[0] == 9 and gluon_fits(head_dim, group)
     if kernel is DecodeKernel.GLUON_TMA or (hopper and tma_fits(num_kv_heads, head_dim, page_size, 32)):
-        return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON_TMA, lean=lean_step)
+        return DecodeConfig(1, 32, 2, wave_programs(DecodeKernel.GLUON_TMA, lean_step, head_dim, group),
+                            DecodeKernel.GLUON_TMA, lean=lean_step)
     if kernel is DecodeKernel.GLUON or hopper:
-        return DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)
+        return DecodeConfig(1, 32, 2, wave_programs(DecodeKernel.GLUON, False, head_dim, group), DecodeKernel.GLUON)
     return DecodeConfig(4, 16 if head_dim > 128 else 32, 2, 8)
 
 

@@ -13,6 +13,7 @@ lengths <= max_pages * page_size; there is no host-side refresh.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from nvfp4_kernels.triton.nvfp4_decode import merge_kernel, nvfp4_decode_kernel
 
 _LOG2E = math.log2(math.e)
 _MIN_SPLIT_TOKENS = 256
+_MAX_WAVES = 4  # split counts tried fill up to this many whole waves (split_geometry)
 
 
 def e2m1_mode(device: torch.device) -> int:
@@ -84,15 +86,26 @@ class DecodeState:
     fallback_args: tuple | None = None  # plan arguments after (page_table, seq_lens), for refresh_decode_plan
 
 
+@functools.lru_cache(maxsize=4096)
 def split_geometry(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, num_sms: int,
                    programs_per_sm: int = 8) -> tuple[int, int]:
-    """(chunk_tokens, num_splits): enough programs to fill the GPU, each at least ``_MIN_SPLIT_TOKENS`` long."""
+    """(chunk_tokens, num_splits) of a grid of batch x num_kv_heads x num_splits programs.
+
+    A wave is ``programs_per_sm * num_sms`` programs (``decode_choice.wave_programs``: the programs that fit on
+    an SM, or a multiple). A grid a little past whole waves runs its last programs at a fraction of what the SMs
+    hold (1.5 waves: the last third at half), so the split count is the one whose grid takes the fewest
+    program-lengths of tokens, waves x (chunk + one step of fixed cost), among the most splits that fill 1, 2, 3
+    or 4 whole waves (and 1), each split at least ``_MIN_SPLIT_TOKENS`` long; a tie goes to fewer programs."""
     base = max(1, batch * num_kv_heads)
-    want = max(1, math.ceil(programs_per_sm * num_sms / base))
+    wave = max(1, programs_per_sm * num_sms)
     cap = max(1, math.ceil(max_tokens / _MIN_SPLIT_TOKENS))
-    splits = min(want, cap)
-    chunk = triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
-    return chunk, triton.cdiv(max_tokens, chunk)
+    grids = []  # (tokens per SM in program-lengths, programs, chunk, splits)
+    for want in {1, *(min(cap, w * wave // base) for w in range(1, _MAX_WAVES + 1))} - {0}:
+        chunk = triton.cdiv(triton.cdiv(max_tokens, want), block_n) * block_n
+        splits = triton.cdiv(max_tokens, chunk)
+        grids.append((triton.cdiv(base * splits, wave) * (chunk + block_n), base * splits, chunk, splits))
+    _, _, chunk, splits = min(grids)
+    return chunk, splits
 
 
 class TritonNvfp4Decode:
