@@ -169,7 +169,7 @@ def test_each_default_gluon_tiling_fills_waves_of_the_programs_that_fit_on_an_sm
     assert min(resident(g) for g in ((1, 8) if gn == 8 else (gn,))) == RESIDENT_PROGRAMS[key]
     forced = default_decode_config(d, (9, 0), gn, kernel, num_kv_heads=8, page_size=16, lean_step=lean)
     assert (forced.kernel, forced.lean) == (kernel, lean)
-    assert forced.programs_per_sm == RESIDENT_PROGRAMS[key] * (2 if lean else 1)  # the lean step: two waves
+    assert forced.programs_per_sm == 2 * RESIDENT_PROGRAMS[key]  # a wave: two rounds of them
 
 
 def test_the_split_kv_grid_fills_whole_waves():
@@ -283,7 +283,7 @@ def test_the_lean_step_is_the_tma_kernels_and_h200s_get_it_by_default():
 
     assert prefers_lean_step("NVIDIA H200") and not prefers_lean_step("NVIDIA H100 80GB HBM3")
     lean = default_decode_config(128, (9, 0), 4, num_kv_heads=8, page_size=16, lean_step=True)
-    assert lean.kernel is DecodeKernel.GLUON_TMA and lean.lean and lean.label.endswith("_p32_lean")  # two waves of the 16 that fit
+    assert lean.kernel is DecodeKernel.GLUON_TMA and lean.lean and lean.label.endswith("_p32_lean")  # two rounds of the 16 that fit
     assert not default_decode_config(128, (9, 0), 4, num_kv_heads=8, page_size=16).lean
     # where the TMA kernel does not fit, the cp.async kernel runs its one step
     assert not default_decode_config(128, (9, 0), 4, num_kv_heads=8, page_size=4, lean_step=True).lean

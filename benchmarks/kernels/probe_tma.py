@@ -2,7 +2,7 @@
 probe): checked against the fp32 reference with NaN scales past every prompt, then both timed at the kernel
 benchmark's shapes in one run, each shape twice in alternation, the TMA kernel at several tilings.
 
-    python -m benchmarks.kernels.probe_tma [--shapes 44x32768 ...] [--configs 32:2:12 32:2:16:lean ...] [--out F]
+    python -m benchmarks.kernels.probe_tma [--shapes 44x32768 ...] [--configs 32:2:24 32:2:32:lean ...] [--out F]
     python -m benchmarks.kernels.probe_tma --compile-only     # no GPU: registers and loop instructions, sm_90a
     compute-sanitizer python -m benchmarks.kernels.probe_tma --check-only   # where a check faults
     ncu --clock-control none --kernel-name regex:nvfp4_decode --launch-skip 2 --launch-count 1 \
@@ -187,7 +187,7 @@ def _shape(ap: argparse.ArgumentParser, text: str) -> tuple[int, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=[f"{b}x{n}" for b, n in bd.SHAPES])
-    ap.add_argument("--configs", nargs="*", default=["32:2:12", "32:2:16:lean", "32:2:24", "32:2:32:lean"],
+    ap.add_argument("--configs", nargs="*", default=["32:2:24", "32:2:12", "32:2:32:lean", "32:2:48:lean"],
                     help="TMA kernel tilings BT:STAGES:programs_per_sm, ':lean' for its lean step")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     if a.check_only:
         write_json(a.out, copy, rows)
         return 0
-    base = [DecodeConfig(1, 32, 2, 12, DecodeKernel.GLUON)]
+    base = [DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON)]
     for rnd in range(a.rounds):
         for sh, bsz, n in shapes:
             for kernel, cfgs in (("cp.async", base), ("tma", tcfgs)):

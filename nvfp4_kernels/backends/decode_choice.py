@@ -90,12 +90,13 @@ def resident_programs(kernel: DecodeKernel, lean: bool, head_dim: int, group: in
 
 
 def wave_programs(kernel: DecodeKernel, lean: bool, head_dim: int, group: int) -> int:
-    """``programs_per_sm`` of a Gluon kernel's default config: the split-KV grid fills whole waves of this many
-    programs per SM (``triton_decode.split_geometry``). The programs that fit, or twice that for the lean step.
-    Measured on an H100 (docs/benchmarks/kernel-notes.md): the kept step with its grid in waves of the 12 that
-    fit ran as fast as in the 24 before or up to 2% faster; the lean step in one wave of the 16 that fit ran up
-    to 25% slower than in two, which were 0-5% faster than the 24 before (1.5 waves)."""
-    return resident_programs(kernel, lean, head_dim, group) * (2 if lean else 1)
+    """``programs_per_sm`` of a Gluon kernel's default config: the split-KV grid fills whole waves of two rounds
+    of the programs that fit on an SM (``triton_decode.split_geometry``). Measured on an H100
+    (docs/benchmarks/kernel-notes.md): programs that all start at once end unevenly across SMs, and with one
+    round nothing takes the place of the early ones; the lean step in one round of its 16 ran up to 25% slower
+    than in two, the cp.async kernel in one of its 12 5% slower at 1 x 1M; two rounds of the lean step's 16 ran
+    0-5% faster than 24 programs per SM (1.5 rounds), the rule before."""
+    return 2 * resident_programs(kernel, lean, head_dim, group)
 
 
 # GPUs (by name) where the TMA kernel's lean step measured faster than its kept one: 5.5 / 9-10 / 5 / 2.5% at
@@ -120,8 +121,8 @@ def default_decode_config(head_dim: int, capability: tuple[int, int] | None = No
     faster than the cp.async one on the H200 and 1.16-1.19x on an H100 (docs/benchmarks/kernels.md,
     kernel-notes.md), else the cp.async one, itself
     1.3-1.4x faster than the Triton kernel on the H200 (docs/benchmarks/kernels.md). Both run one warp per
-    program, 32-token steps, a 2-stage ring; the split-KV grid fills whole waves of the programs that fit on an SM
-    (``wave_programs``). Other GPUs get the Triton kernel, whose D=256
+    program, 32-token steps, a 2-stage ring; the split-KV grid fills whole waves of two rounds of the programs
+    that fit on an SM (``wave_programs``). Other GPUs get the Triton kernel, whose D=256
     tiling halves the warp slice to stay in registers (docs/benchmarks/kernel-notes.md). ``kernel``
     (``--nvfp4-decode-kernel``) forces one kernel with its default tiling; a Gluon kernel still needs what
     ``kernel_unfit`` checks (at start-up, svc_common/preflight.py; again at the launch). ``lean_step``: the TMA
