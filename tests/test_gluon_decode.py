@@ -29,6 +29,7 @@ pytest.importorskip("triton.experimental.gluon")
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from nvfp4_kernels.backends.decode_choice import RESIDENT_PROGRAMS
 from nvfp4_kernels.backends.reference import ReferenceBackend
 from nvfp4_kernels.backends.triton_backend import DecodeConfig, DecodeKernel, TritonBackend
 from nvfp4_kernels.kv_layout import LayerKV
@@ -151,13 +152,12 @@ def test_the_tma_fed_decode_compiles_for_sm90a_with_tma_and_ldmatrix_and_no_spil
     assert r["loop_ops"].get("HMMA", 0) == 16 * npg, r  # 8 QK + 8 PV products per page of 16 tokens
 
 
-@pytest.mark.parametrize("key", sorted(__import__("nvfp4_kernels.backends.decode_choice", fromlist=["x"])
-                                        .RESIDENT_PROGRAMS, key=str), ids=str)
+@pytest.mark.parametrize("key", sorted(RESIDENT_PROGRAMS, key=str), ids=str)
 def test_each_default_gluon_tiling_fills_waves_of_the_programs_that_fit_on_an_sm90_sm(key):
     """The split-KV grid's wave (decode_choice.RESIDENT_PROGRAMS) is what the compiled kernel's registers and
     shared memory let run at once on one SM: a wrong figure leaves a grid of whole waves ragged at its end."""
     from benchmarks.kernels.probe_tma import compile_sm90, sass_report, sm90_resident_programs
-    from nvfp4_kernels.backends.decode_choice import RESIDENT_PROGRAMS, default_decode_config
+    from nvfp4_kernels.backends.decode_choice import default_decode_config
 
     kernel, lean, d, gn = key
 
@@ -174,7 +174,7 @@ def test_each_default_gluon_tiling_fills_waves_of_the_programs_that_fit_on_an_sm
 
 def test_the_split_kv_grid_fills_whole_waves():
     """A grid one program past a whole wave runs a program alone at its end; 1.5 waves run a third at half the
-    SM's programs. The split count fills whole waves where one exists, else the fewest tokens per SM."""
+    SM's programs. The split count fills whole waves (of the programs per SM given) where one exists."""
     from nvfp4_kernels.backends.triton_decode import split_geometry
 
     sms = 132
@@ -283,7 +283,7 @@ def test_the_lean_step_is_the_tma_kernels_and_h200s_get_it_by_default():
 
     assert prefers_lean_step("NVIDIA H200") and not prefers_lean_step("NVIDIA H100 80GB HBM3")
     lean = default_decode_config(128, (9, 0), 4, num_kv_heads=8, page_size=16, lean_step=True)
-    assert lean.kernel is DecodeKernel.GLUON_TMA and lean.lean and lean.label.endswith("_p32_lean")  # two rounds of the 16 that fit
+    assert lean.kernel is DecodeKernel.GLUON_TMA and lean.lean and lean.label.endswith("_p32_lean")  # 2 x 16
     assert not default_decode_config(128, (9, 0), 4, num_kv_heads=8, page_size=16).lean
     # where the TMA kernel does not fit, the cp.async kernel runs its one step
     assert not default_decode_config(128, (9, 0), 4, num_kv_heads=8, page_size=4, lean_step=True).lean

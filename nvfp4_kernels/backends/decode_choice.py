@@ -21,7 +21,7 @@ class DecodeConfig:
     num_warps: int = 4
     block_w: int = 32
     num_stages: int = 2
-    # split-KV: programs that run at once on one SM (the kernel's residency); the grid fills whole waves of it
+    # split-KV: the grid fills whole waves of this many programs per SM (wave_programs: two rounds of what fits)
     programs_per_sm: int = 8
     kernel: DecodeKernel = DecodeKernel.TRITON
     max_registers: int | None = None  # ptxas register cap per thread (maxnreg); None: the compiler's choice
@@ -69,7 +69,8 @@ def gluon_fits(head_dim: int, group: int) -> bool:
 # One-warp programs of each Gluon kernel (32-token steps, 2 stages) that run at once on one SM90 SM, by (kernel,
 # lean step, head_dim, GN: the group padded to >= 8), for every tiling ``default_decode_config`` picks: registers
 # are the limit (a scheduler's 16,384 hold 4 warps of 128 registers, 3 of 130 or 131), shared memory (5-12 KB a
-# program) next; at D 128 every group up to 8 compiles to the same registers. tests/test_gluon_decode.py compiles each for sm_90a and checks them.
+# program) next; at D 128 every group up to 8 compiles to the same registers. tests/test_gluon_decode.py compiles
+# each for sm_90a and checks them.
 RESIDENT_PROGRAMS = {
     (DecodeKernel.GLUON_TMA, False, 128, 8): 12, (DecodeKernel.GLUON_TMA, True, 128, 8): 16,
     (DecodeKernel.GLUON, False, 128, 8): 12,
