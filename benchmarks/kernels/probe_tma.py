@@ -3,7 +3,7 @@ probe): checked against the fp32 reference with NaN scales past every prompt, th
 benchmark's shapes in one run, each shape twice in alternation, the TMA kernel at several tilings.
 
     python -m benchmarks.kernels.probe_tma [--shapes 44x32768 ...] [--configs 32:2:24 32:2:32:lean ...] [--out F]
-    python -m benchmarks.kernels.probe_tma --compile-only     # no GPU: registers and loop instructions, sm_90a
+    python -m benchmarks.kernels.probe_tma --compile-only     # no GPU: registers, programs per SM, loop instructions
     compute-sanitizer python -m benchmarks.kernels.probe_tma --check-only   # where a check faults
     ncu --clock-control none --kernel-name regex:nvfp4_decode --launch-skip 2 --launch-count 1 \
         python -m benchmarks.kernels.probe_tma --launch-only 44x32768            # the default decode, launched 4x
@@ -204,9 +204,11 @@ def main(argv=None) -> int:
     if a.launch_only:
         return launch_only(*_shape(ap, a.launch_only))
     if a.compile_only:
-        for npg, stages in ((2, 2), (1, 3), (1, 4), (2, 3)):
-            r = sass_report(compile_sm90(npg=npg, stages=stages))
-            print(f"BT {16 * npg} stages {stages}: {r['registers']} registers, spills {r['spills']}, "
+        for npg, stages, lean in ((2, 2, False), (2, 2, True), (1, 3, False), (1, 4, False), (2, 3, False)):
+            k = compile_sm90(npg=npg, stages=stages, lean=lean)
+            r = sass_report(k)
+            print(f"BT {16 * npg} stages {stages}{' lean' if lean else ''}: {r['registers']} registers, spills "
+                  f"{r['spills']}, {sm90_resident_programs(r['registers'], k.metadata.shared)} programs per SM, "
                   f"{r['loop_instructions']} loop instructions ({r['common_path_instructions']} on the steps' common "
                   f"path) {r['loop_ops']}", flush=True)
         return 0
