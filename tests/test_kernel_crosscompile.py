@@ -263,6 +263,17 @@ _INTERPRETED = textwrap.dedent("""
         expect = rb.decode(rb.plan_decode(pt, seq, HK * G, HK, D, S), q, ours, 1 / math.sqrt(D)).float()
         err = ((out - expect).norm() / expect.norm()).item()
         assert err < 1e-2, err
+        # the plans of a part share one pair of split buffers, grown by doubling: a larger plan made after the
+        # first (its pages repeated: 40 in the table, 600 tokens, 3 splits) and the first decoded again after it
+        pt2 = torch.arange(80).remainder(P).reshape(2, 40).to(torch.int32)
+        seq2 = torch.tensor([600, 250], dtype=torch.int32)
+        first, second = tb.plan_decode(pt, seq, HK * G, HK, D, S), tb.plan_decode(pt2, seq2, HK * G, HK, D, S)
+        assert second.backend_state.num_splits == 3
+        q2 = torch.randn(2, HK * G, D).to(torch.bfloat16)
+        for plan, table, lens, qq in ((second, pt2, seq2, q2), (first, pt, seq, q)):
+            got = tb.decode(plan, qq, ours, 1 / math.sqrt(D)).float()
+            want = rb.decode(rb.plan_decode(table, lens, HK * G, HK, D, S), qq, ours, 1 / math.sqrt(D)).float()
+            assert ((got - want).norm() / want.norm()).item() < 1e-2
     # the merge walks the splits in tiles: one split, part of a tile, a whole tile, and several tiles with a
     # partial last one; empty splits (lse -inf) weigh nothing, and a head whose every split is empty gets zeros
     from nvfp4_kernels.triton.nvfp4_decode import MERGE_ELEMENTS, merge_kernel

@@ -110,6 +110,24 @@ def test_warm_decode_runs_nothing_for_a_cpu_nvfp4_pool_and_plans_check_their_inp
     assert (st.num_splits, tuple(st.o_part.shape)) == (3, (2, 4, 3, 64))
 
 
+def test_the_plans_of_one_backend_share_one_pair_of_split_buffers_grown_by_doubling():
+    """An engine keeps a plan per (batch, width) bucket it captured; their split outputs are views of one pair
+    (a decode writes them and its merge reads them within the one call, decodes run one after another)."""
+    tb = get_backend("triton")
+
+    def plan(batch: int, pages: int):
+        return tb.plan_decode(torch.zeros(batch, pages, dtype=torch.int32), torch.ones(batch, dtype=torch.int32),
+                              4, 2, 64, 16).backend_state
+
+    big, small = plan(2, 40), plan(1, 20)
+    assert tuple(small.o_part.shape) == (1, 4, small.num_splits, 64) and small.lse_part.shape == (1, 4, small.num_splits)
+    assert small.o_part.data_ptr() == big.o_part.data_ptr() and small.lse_part.data_ptr() == big.lse_part.data_ptr()
+    grown = plan(8, 40)  # 8 x 4 heads x 3 splits: past the pair, which doubles (at least)
+    assert grown.o_part.data_ptr() != big.o_part.data_ptr() and grown.o_part.is_contiguous()
+    assert big.o_part.shape == (2, 4, 3, 64)  # an earlier plan keeps the pair it viewed
+    assert plan(2, 40).o_part.data_ptr() == grown.o_part.data_ptr()
+
+
 _POOL = {"num_kv_heads": 8, "page_size": 16}  # Qwen3-8B's pool: 8 KV heads in 16-token pages
 
 
