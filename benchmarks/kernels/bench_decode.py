@@ -340,9 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     default = default_decode_config(D, torch.cuda.get_device_capability(dev), HQ // HK, num_kv_heads=HK,
                                     page_size=PAGE, lean_step=prefers_lean_step(torch.cuda.get_device_name(dev)))
     report["default_config"] = default.label  # what the engine runs on this GPU (auto)
-    # the TMA kernel with each step (kept and lean: the default picks by GPU), its grid in waves of one and two rounds
-    # of the programs that fit on an SM (kept: 12, lean: 16), and the lean step's in three; the cp.async kernel's
-    # in two rounds of its 12
+    # the TMA kernel with each step (kept and lean: the default picks by GPU), its grid in waves of whole rounds of
+    # the programs that fit on an SM (kept: one and two rounds of 12; lean: two and three of 16); the cp.async
+    # kernel's in two rounds of its 12
     configs = list(dict.fromkeys([default, triton_cfg, DecodeConfig(1, 32, 2, 24, gluon), DecodeConfig(1, 32, 2, 24, tma),
                                   DecodeConfig(1, 32, 2, 12, tma), DecodeConfig(1, 32, 2, 32, tma, lean=True),
                                   DecodeConfig(1, 32, 2, 48, tma, lean=True)]))

@@ -121,7 +121,7 @@ class TritonNvfp4Decode:
         self.decode_config = decode_config  # None: default_decode_config(head_dim, ..., kernel) per plan
         self.target = target  # None: the GPU the tensors are on
         self.kernel = kernel  # None: the GPU's default (default_decode_config)
-        self._partials: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # see _partial_buffers
+        self._partials: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}  # _partial_buffers
         self._partials_lock = threading.Lock()
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
@@ -150,23 +150,20 @@ class TritonNvfp4Decode:
     def _partial_buffers(self, dev: torch.device, batch: int, num_qo_heads: int, splits: int, head_dim: int
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """A plan's split outputs [B, Hq, splits, D] and LSEs [B, Hq, splits] (fp32): views of one buffer pair per
-        device that every plan of this part shares, grown by doubling. A decode writes them and its merge reads
-        them within the one call, and an engine's decodes run one after another on one stream (as the layers of
-        one plan always shared them), so no two plans need them at once. One pair, not one per plan: an engine
+        device and head_dim that every plan of this part shares, grown by doubling. A decode writes them and its
+        merge reads them within the one call, and an engine's decodes run one after another on one stream (as the
+        layers of one plan always shared them), so no two plans need them at once. One pair, not one per plan: an engine
         keeps a plan per (batch, width) bucket it captured, hundreds in a long run, and whole split-KV waves
         reach up to 4 x 32 programs per SM (35 MB each at D 128, group 4). A plan made before a growth keeps the
         smaller pair it viewed alive."""
         n = batch * num_qo_heads * splits
         with self._partials_lock:
-            o, lse = self._partials.get(dev, (None, None))
-            if o is None or lse.numel() < n:
+            o, lse = self._partials.get((dev, head_dim), (None, None))
+            if lse is None or lse.numel() < n:
                 size = max(n, 0 if lse is None else 2 * lse.numel())
                 o = torch.empty(size * head_dim, dtype=torch.float32, device=dev)
                 lse = torch.empty(size, dtype=torch.float32, device=dev)
-                self._partials[dev] = (o, lse)
-            elif o.numel() < n * head_dim:  # a wider head_dim than the pair was made for
-                o = torch.empty(max(n * head_dim, 2 * o.numel()), dtype=torch.float32, device=dev)
-                self._partials[dev] = (o, lse)
+                self._partials[dev, head_dim] = (o, lse)
         return o[:n * head_dim].view(batch, num_qo_heads, splits, head_dim), lse[:n].view(batch, num_qo_heads, splits)
 
     def prepare(self, plan: DecodePlan, options: DecodeOptions) -> None:
