@@ -276,14 +276,16 @@ _INTERPRETED = textwrap.dedent("""
             assert ((got - want).norm() / want.norm()).item() < 1e-2
     # the merge walks the splits in tiles: one split, part of a tile, a whole tile, and several tiles with a
     # partial last one; empty splits (lse -inf) weigh nothing, and a head whose every split is empty gets zeros
-    from nvfp4_kernels.triton.nvfp4_decode import MERGE_ELEMENTS, merge_kernel
-    tile = MERGE_ELEMENTS.value // 64
-    for splits in (1, 5, tile, 2 * tile + 3):
+    from nvfp4_kernels.triton.nvfp4_decode import MERGE_ELEMENTS, MIN_MERGE_TILE, merge_kernel, merge_tile
+    tile = MERGE_ELEMENTS // 64
+    assert [merge_tile(n, 64) for n in (1, 16, 17, 100, tile, tile + 1)] == [MIN_MERGE_TILE, 16, 32, 128, tile, tile]
+    for splits in (1, 5, 16, 40, tile, 2 * tile + 3):
         op, lse = torch.randn(2, 3, splits, 64), torch.randn(2, 3, splits) * 4
         lse[0, 0, ::2] = float("-inf")
         lse[1, 2] = float("-inf")
         out = torch.empty(2, 3, 64, dtype=torch.bfloat16)
-        merge_kernel[(2, 3)](op, lse, out, splits, out.stride(0), out.stride(1), D=64)
+        merge_kernel[(2, 3)](op, lse, out, splits, out.stride(0), out.stride(1), D=64,
+                             SPLIT_TILE=merge_tile(splits, 64))
         m = lse.amax(-1, keepdim=True)
         w = torch.exp2(lse - torch.where(torch.isinf(m), torch.zeros_like(m), m))
         den = w.sum(-1, keepdim=True)

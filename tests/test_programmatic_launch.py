@@ -67,7 +67,7 @@ def test_the_nvfp4_decode_kernels_never_wait_on_a_grid_dependency(tmp_path):
     kernels = [_compile(nvfp4_decode_kernel, _DECODE_SIG, {"HK": 8, "G": 4, "GP": 16, "D": 128, "PAGE": 16, "NW": 4,
                                                            "BW": 32, "MODE": 0}, 90),
                _compile(merge_kernel, {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", "num_splits": "i32",
-                                       "stride_ob": "i32", "stride_oh": "i32"}, {"D": 128}, 90),
+                                       "stride_ob": "i32", "stride_oh": "i32"}, {"D": 128, "SPLIT_TILE": 16}, 90),
                _compile_gluon(128, 32, 2, 4)]
     for k in kernels:
         assert "griddepcontrol" not in k.asm["ptx"]

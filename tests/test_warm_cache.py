@@ -97,6 +97,25 @@ def test_why_not_names_a_missing_libcuda(tmp_path):
     assert why is not None and ("libcuda.so.1" in why or "compiler" in why or "Python.h" in why)
 
 
+def _merge_tiles(shapes: list[tuple[int, int]]) -> set[int]:
+    """The merge's split tiles of the tiny model's decode plans on the default sm_90a target, both TMA steps."""
+    import torch
+
+    from nvfp4_kernels.backends.triton_backend import DeviceTarget, TritonBackend
+    from nvfp4_kernels.triton.nvfp4_decode import merge_tile
+    from offline.warm_cache import DEFAULT_NUM_SMS
+
+    hq, hk, d = _TINY["num_heads"], _TINY["num_kv_heads"], _TINY["head_dim"]
+    tiles = set()
+    for lean in (False, True):
+        backend = TritonBackend(target=DeviceTarget(DEFAULT_NUM_SMS, (9, 0), lean_step=lean))
+        for b, w in shapes:
+            plan = backend.plan_decode(torch.zeros(b, w, dtype=torch.int32), torch.ones(b, dtype=torch.int32), hq, hk,
+                                       d, 16)
+            tiles.add(merge_tile(plan.backend_state.num_splits, d))
+    return tiles
+
+
 def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(tiny_model, tmp_path):
     import torch
 
@@ -121,8 +140,10 @@ def test_warm_cache_compiles_every_decode_shape_and_the_write_kernels_for_sm90a(
     assert launches["nvfp4_decode_tma_kernel"][0] == 2 * len(shapes) == launches["merge_kernel"][0] - 2
     # and the cp.async kernel that eager launches use instead (decode_choice.eager_config), once per step's warm-up
     assert launches["nvfp4_decode_gluon_kernel"] == (2, 1)
-    # one compile per step serves every (batch, width): nothing the plan derives from the shape is specialized
-    assert launches["nvfp4_decode_tma_kernel"][1] == 2 and launches["merge_kernel"][1] == 1, res.stdout
+    # one compile per step serves every (batch, width): nothing the plan derives from the shape is specialized;
+    # the merge compiles once per split tile its plans take (merge_tile: powers of two from 16)
+    assert launches["nvfp4_decode_tma_kernel"][1] == 2, res.stdout
+    assert launches["merge_kernel"][1] == len(_merge_tiles(shapes)), res.stdout
     cubins = _cubins(cache)
     for name in ("nvfp4_decode_tma_kernel", "nvfp4_decode_gluon_kernel", "merge_kernel", "nvfp4_quantize_kernel", "nvfp4_to_fp8_kernel",
                  "rmsnorm_kernel", "silu_mul_kernel", "qk_norm_rope_kernel", "kv_write_kernel", "skinny_linear_kernel"):

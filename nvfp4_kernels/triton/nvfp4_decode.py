@@ -32,9 +32,10 @@ sequence lengths, so one CUDA graph per batch bucket (fixed max_pages) replays f
 
 One compile per model and tiling. The ints a plan derives from the batch shape (the table's row stride, the
 split count and the partial buffers' strides that follow it) are not specialized (``PLAN_INTS``), and the merge
-walks the splits in fixed tiles (``MERGE_ELEMENTS``): every (batch, table width) a server meets runs the same
-binary, where Triton compiled a variant per value class of those ints (4 decode and 16 merge variants over the
-966 graph shapes of an H200 server at 256K context), each compile stalling the batch that met it first.
+walks the splits in tiles of a few fixed sizes (``merge_tile``): every (batch, table width) a server meets runs one
+decode binary and one of at most four merge binaries, where Triton compiled a variant per value class of those
+ints (4 decode and 16 merge variants over the 966 graph shapes of an H200 server at 256K context), each compile
+stalling the batch that met it first.
 """
 
 from __future__ import annotations
@@ -47,10 +48,19 @@ from nvfp4_kernels.triton.e2m1 import e2m1x4
 # The decode kernels' ints that follow the batch shape (see the module docstring); the partial buffers' other
 # strides are multiples of D, so they specialize the same way for every shape.
 PLAN_INTS = ("stride_ptb", "stride_lb", "stride_lh")
-# ``merge_kernel`` merges splits in tiles of MERGE_ELEMENTS // D ([tile, D] fp32: 128 registers a thread over 4
-# warps). At D 128 that is 128 splits, as many as the old one-shot merge loaded for the split counts plans make up to
-# 128 (1 x 32K on 132 SMs: 128), so those stay one load round trip; longer plans (1 x 1M: 395) loop.
-MERGE_ELEMENTS = tl.constexpr(16384)
+# ``merge_kernel`` merges splits in tiles of SPLIT_TILE rows ([tile, D] fp32 over 4 warps): the power of two that
+# holds the plan's splits, from MIN_MERGE_TILE up to MERGE_ELEMENTS // D (128 at D 128; longer plans, 1 x 1M on 132
+# SMs: 395 splits, loop). A tile's work is paid whatever part of it holds splits: one tile of 128 for every plan cost a
+# 128 x 4K decode (3 splits, 4,096 merges of 16,384 elements) about 40 us of 291 on an H100. So the merge compiles
+# once per tile size (at most four per D), not per split count.
+MERGE_ELEMENTS = 16384
+MIN_MERGE_TILE = 16
+
+
+def merge_tile(num_splits: int, head_dim: int) -> int:
+    """``merge_kernel``'s SPLIT_TILE for a plan of ``num_splits`` splits of head_dim ``head_dim``."""
+    return min(MERGE_ELEMENTS // head_dim, max(MIN_MERGE_TILE, triton.next_power_of_2(num_splits)))
+
 
 @triton.jit
 def _block_scales(ptrs, ok, NW: tl.constexpr, BW: tl.constexpr, NS: tl.constexpr, DW: tl.constexpr):
@@ -169,11 +179,11 @@ def nvfp4_decode_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def merge_kernel(O_PART, LSE_PART, O, num_splits, stride_ob, stride_oh, D: tl.constexpr):
-    """out[b, hq] = sum_s 2**(lse_s - lse) * o_s, lse = log2(sum_s 2**lse_s): merge of the splits, a tile of them
-    at a time with a running max. O_PART [B, Hq, num_splits, D] and LSE_PART [B, Hq, num_splits] fp32 are contiguous
-    (the plan makes them), so their offsets follow from num_splits and D alone: no stride is an argument."""
-    SPLIT_TILE: tl.constexpr = MERGE_ELEMENTS // D
+def merge_kernel(O_PART, LSE_PART, O, num_splits, stride_ob, stride_oh, D: tl.constexpr, SPLIT_TILE: tl.constexpr):
+    """out[b, hq] = sum_s 2**(lse_s - lse) * o_s, lse = log2(sum_s 2**lse_s): merge of the splits, SPLIT_TILE of them
+    at a time with a running max (``merge_tile``). O_PART [B, Hq, num_splits, D] and LSE_PART [B, Hq, num_splits]
+    fp32 are contiguous (the plan makes them), so their offsets follow from num_splits and D alone: no stride is an
+    argument."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     row = (b * tl.num_programs(1) + hq).to(tl.int64) * num_splits  # this head's first split
