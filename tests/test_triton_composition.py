@@ -140,7 +140,7 @@ def test_the_backend_names_its_decode_kernel_per_kv_dtype_and_gpu():
     assert TritonBackend().decode_kernel("nvfp4", 128, 4, cpu, **_POOL) == "triton-nvfp4-decode:triton_nw4_bw32_st2_p8"
     hopper = TritonBackend(target=DeviceTarget(132, (9, 0)))
     # Hopper: the TMA-fed Gluon kernel where the pool's geometry takes it, else the cp.async one
-    assert hopper.decode_kernel("nvfp4", 128, 4, cpu, **_POOL) == "triton-nvfp4-decode:gluon-tma_nw1_bw32_st2_p24"
+    assert hopper.decode_kernel("nvfp4", 128, 4, cpu, **_POOL) == "triton-nvfp4-decode:gluon-tma_nw1_bw32_st2_p12"
     assert hopper.decode_kernel("nvfp4", 128, 4, cpu, num_kv_heads=1, page_size=16).endswith(":gluon_nw1_bw32_st2_p24")
     assert hopper.decode_kernel("nvfp4", 128, 4, cpu, num_kv_heads=8, page_size=64).endswith(":gluon_nw1_bw32_st2_p24")
     assert hopper.decode_kernel("nvfp4", 96, 4, cpu, **_POOL).startswith("triton-nvfp4-decode:triton_")  # no Gluon tiling
@@ -161,7 +161,7 @@ def test_nvfp4_decode_kernel_flag_picks_the_kernel_and_other_backends_refuse_it(
     assert get_backend("triton", cpu, "gluon").decode_kernel("nvfp4", 128, 4, cpu, **_POOL).endswith(":gluon_nw1_bw32_st2_p24")
     assert get_backend("triton", cpu, "triton").decode_kernel("nvfp4", 128, 4, cpu, **_POOL).endswith(":triton_nw4_bw32_st2_p8")
     assert get_backend("triton", cpu, "gluon-tma").decode_kernel("nvfp4", 128, 4, cpu, **_POOL).endswith(
-        ":gluon-tma_nw1_bw32_st2_p24")
+        ":gluon-tma_nw1_bw32_st2_p12")
     assert get_backend("triton-block-select", cpu, "gluon").decode_kernel("nvfp4", 128, 4, cpu, **_POOL).endswith(":gluon_nw1_bw32_st2_p24")
     with pytest.raises(ValueError, match="picks a kernel of the triton backends"):
         get_backend("auto", cpu, "gluon")  # auto on the CPU is the reference backend

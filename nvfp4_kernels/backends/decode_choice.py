@@ -21,7 +21,7 @@ class DecodeConfig:
     num_warps: int = 4
     block_w: int = 32
     num_stages: int = 2
-    # split-KV: the grid fills whole waves of this many programs per SM (wave_programs: two rounds of what fits)
+    # split-KV: the grid fills whole waves of this many programs per SM (wave_programs: rounds of what fits)
     programs_per_sm: int = 8
     kernel: DecodeKernel = DecodeKernel.TRITON
     max_registers: int | None = None  # ptxas register cap per thread (maxnreg); None: the compiler's choice
@@ -90,14 +90,19 @@ def resident_programs(kernel: DecodeKernel, lean: bool, head_dim: int, group: in
     return RESIDENT_PROGRAMS.get((kernel, lean, head_dim, max(8, triton.next_power_of_2(group))), _RESIDENT_ELSEWHERE)
 
 
+def wave_rounds(kernel: DecodeKernel, lean: bool) -> int:
+    """Rounds of the programs that fit on an SM in one wave of ``kernel``'s split-KV grid, as measured fastest on
+    an H100 (docs/benchmarks/kernel-notes.md). The TMA kernel's kept step: one round of its 12 (3-5% faster than
+    two at 84 x 32K and 10 x 160K over three runs, never slower). Its lean step: two of its 16 (one ran up to 25%
+    slower: programs that all start at once end unevenly across SMs and nothing takes the place of the early
+    ones). The cp.async kernel: two of its 12 (one ran 5% slower at 1 x 1M)."""
+    return 1 if kernel is DecodeKernel.GLUON_TMA and not lean else 2
+
+
 def wave_programs(kernel: DecodeKernel, lean: bool, head_dim: int, group: int) -> int:
-    """``programs_per_sm`` of a Gluon kernel's default config: the split-KV grid fills whole waves of two rounds
-    of the programs that fit on an SM (``triton_decode.split_geometry``). Measured on an H100
-    (docs/benchmarks/kernel-notes.md): programs that all start at once end unevenly across SMs, and with one
-    round nothing takes the place of the early ones; the lean step in one round of its 16 ran up to 25% slower
-    than in two, the cp.async kernel in one of its 12 5% slower at 1 x 1M; two rounds of the lean step's 16 ran
-    0-5% faster than 24 programs per SM (1.5 rounds), the rule before."""
-    return 2 * resident_programs(kernel, lean, head_dim, group)
+    """``programs_per_sm`` of a Gluon kernel's default config: the split-KV grid fills whole waves of
+    ``wave_rounds`` rounds of the programs that fit on an SM (``triton_decode.split_geometry``)."""
+    return wave_rounds(kernel, lean) * resident_programs(kernel, lean, head_dim, group)
 
 
 # GPUs (by name) where the TMA kernel's lean step measured faster than its kept one: 5.5 / 9-10 / 5 / 2.5% at
@@ -122,8 +127,8 @@ def default_decode_config(head_dim: int, capability: tuple[int, int] | None = No
     faster than the cp.async one on the H200 and 1.16-1.19x on an H100 (docs/benchmarks/kernels.md,
     kernel-notes.md), else the cp.async one, itself
     1.3-1.4x faster than the Triton kernel on the H200 (docs/benchmarks/kernels.md). Both run one warp per
-    program, 32-token steps, a 2-stage ring; the split-KV grid fills whole waves of two rounds of the programs
-    that fit on an SM (``wave_programs``). Other GPUs get the Triton kernel, whose D=256
+    program, 32-token steps, a 2-stage ring; the split-KV grid fills whole waves of one or two rounds of the
+    programs that fit on an SM (``wave_programs``). Other GPUs get the Triton kernel, whose D=256
     tiling halves the warp slice to stay in registers (docs/benchmarks/kernel-notes.md). ``kernel``
     (``--nvfp4-decode-kernel``) forces one kernel with its default tiling; a Gluon kernel still needs what
     ``kernel_unfit`` checks (at start-up, svc_common/preflight.py; again at the launch). ``lean_step``: the TMA

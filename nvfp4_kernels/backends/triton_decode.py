@@ -32,7 +32,7 @@ from nvfp4_kernels.backends.decode_choice import (
 from nvfp4_kernels.backends.decode_kernels import DecodeKernel, kernel_unfit
 from nvfp4_kernels.backends.triton_nvfp4 import check_nvfp4_layer, u8
 from nvfp4_kernels.kv_layout import LayerKV
-from nvfp4_kernels.triton.nvfp4_decode import merge_kernel, merge_tile, nvfp4_decode_kernel
+from nvfp4_kernels.triton.nvfp4_decode import merge_kernel, merge_tile, merge_warps, nvfp4_decode_kernel
 
 _LOG2E = math.log2(math.e)
 _MIN_SPLIT_TOKENS = 256
@@ -235,8 +235,9 @@ class TritonNvfp4Decode:
             self._launch_triton(plan, q, layer, sm_scale)
         op, lse = st.o_part, st.lse_part
         out = torch.empty_like(q)
-        merge_kernel[(batch, hq)](op, lse, out, st.num_splits, out.stride(0), out.stride(1), D=d,
-                                  SPLIT_TILE=merge_tile(st.num_splits, d))
+        tile = merge_tile(st.num_splits, d)
+        merge_kernel[(batch, hq)](op, lse, out, st.num_splits, out.stride(0), out.stride(1), D=d, SPLIT_TILE=tile,
+                                  num_warps=merge_warps(tile, d))
         return out
 
     @staticmethod

@@ -62,6 +62,13 @@ def merge_tile(num_splits: int, head_dim: int) -> int:
     return min(MERGE_ELEMENTS // head_dim, max(MIN_MERGE_TILE, triton.next_power_of_2(num_splits)))
 
 
+def merge_warps(tile: int, head_dim: int) -> int:
+    """``merge_kernel``'s warps for a [tile, head_dim] tile: 64 elements a thread, 1 to 4 warps. A merge is a load
+    round trip or two per program, and a 128 x 4K decode has 4,096 of them: one warp each fits them on the SMs at
+    once where four warps each took two rounds."""
+    return max(1, min(4, tile * head_dim // 2048))
+
+
 @triton.jit
 def _block_scales(ptrs, ok, NW: tl.constexpr, BW: tl.constexpr, NS: tl.constexpr, DW: tl.constexpr):
     """E4M3 scale bytes of [NW, BW] token rows -> fp16 [NW, BW, DW], one per code word (exact conversion).
