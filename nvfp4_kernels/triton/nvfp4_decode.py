@@ -33,8 +33,8 @@ sequence lengths, so one CUDA graph per batch bucket (fixed max_pages) replays f
 One compile per model and tiling. The ints a plan derives from the batch shape (the table's row stride, the
 split count and the partial buffers' strides that follow it) are not specialized (``PLAN_INTS``), and the merge
 walks the splits in tiles of a few fixed sizes (``merge_tile``): every (batch, table width) a server meets runs one
-decode binary and one of at most four merge binaries, where Triton compiled a variant per value class of those
-ints (4 decode and 16 merge variants over the 966 graph shapes of an H200 server at 256K context), each compile
+decode binary and one merge binary per tile size, where Triton compiled a variant per value class of those ints
+(4 decode and 16 merge variants over the 966 graph shapes of an H200 server at 256K context), each compile
 stalling the batch that met it first.
 """
 
@@ -48,11 +48,11 @@ from nvfp4_kernels.triton.e2m1 import e2m1x4
 # The decode kernels' ints that follow the batch shape (see the module docstring); the partial buffers' other
 # strides are multiples of D, so they specialize the same way for every shape.
 PLAN_INTS = ("stride_ptb", "stride_lb", "stride_lh")
-# ``merge_kernel`` merges splits in tiles of SPLIT_TILE rows ([tile, D] fp32 over 4 warps): the power of two that
-# holds the plan's splits, from MIN_MERGE_TILE up to MERGE_ELEMENTS // D (128 at D 128; longer plans, 1 x 1M on 132
-# SMs: 395 splits, loop). A tile's work is paid whatever part of it holds splits: one tile of 128 for every plan cost a
-# 128 x 4K decode (3 splits, 4,096 merges of 16,384 elements) about 40 us of 291 on an H100. So the merge compiles
-# once per tile size (at most four per D), not per split count.
+# ``merge_kernel`` merges splits in tiles of SPLIT_TILE rows ([tile, D] fp32 over ``merge_warps`` warps): the power
+# of two that holds the plan's splits, from MIN_MERGE_TILE up to MERGE_ELEMENTS // D (128 at D 128; longer plans,
+# 1 x 1M on 132 SMs: 395 splits, loop). A tile's work is paid whatever part of it holds splits: with one tile of 128
+# for every plan, a 128 x 4K decode (3 splits, 4,096 merges of 16,384 elements) took 289 us on an H100, 265 with
+# tiles sized to it. So the merge compiles once per tile size (four at D 128, five at D 64), not per split count.
 MERGE_ELEMENTS = 16384
 MIN_MERGE_TILE = 16
 
