@@ -23,8 +23,8 @@ for NIXL), so captures are thread-local: only the capturing thread is barred fro
 forbids. A capture that fails anyway turns capture off for good (torch leaves the pool recording after a
 failed capture, so a second one could not start): that entry and every later one run eagerly, with one error
 logged; serving goes on, slower. Every shape runs once at start-up (``warm_kernels``), so a
-capture never JIT-compiles: the NVFP4 decode and merge compile once (nothing a plan derives from the shape is
-specialized), the first shape compiles them and the rest only launch.
+capture never JIT-compiles: the NVFP4 decode compiles once (nothing a plan derives from the shape is
+specialized) and its merge once per split tile size, and the rest only launch.
 
 ``capture=False`` runs the same fixed-buffer path eagerly (CPU, or CUDA with graphs disabled for
 debugging); tests check it against the plain decode path.

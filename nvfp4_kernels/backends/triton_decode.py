@@ -191,11 +191,12 @@ class TritonNvfp4Decode:
     def warm(self, layer: LayerKV, shapes: list[tuple[int, int]], num_qo_heads: int,
              q_dtype: torch.dtype, sm_scale: float, fill_page: int) -> int:
         """Run every shape once, so that no serving step waits for a first-use compile (with a ``target`` on CPU
-        tensors too: ``nvfp4-serve warm-cache`` compiles for that GPU, launching nothing). The decode and merge
-        kernels do not specialize on what follows a plan's shape (``nvfp4_decode.PLAN_INTS``, the merge's
-        split count), so all shapes share one compile of each: the first shape compiles it (about a second),
-        the rest only launch. Running them all keeps that true where a shape would specialize after all (a
-        variant compiled here rather than mid-serving, where it stalled every running request)."""
+        tensors too: ``nvfp4-serve warm-cache`` compiles for that GPU, launching nothing). The decode kernel does
+        not specialize on what follows a plan's shape (``nvfp4_decode.PLAN_INTS``), so all shapes share one
+        compile of it: the first shape compiles it (about a second), the rest only launch; the merge compiles
+        once per split tile its plans take (``merge_tile``: four at D 128). Running them all keeps that true where
+        a shape would specialize after all (a variant compiled here rather than mid-serving, where it stalled
+        every running request)."""
         if (layer.k.device.type != "cuda" and self.target is None) or not shapes:
             return 0
         dev = layer.k.device
