@@ -49,9 +49,9 @@ stage tests 420 python3 -m pytest -q -p no:cacheprovider --continue-on-collectio
 stage kernels 900 python3 -m benchmarks.kernels.bench_decode ${KERNELS_ARGS:-} --out docs/benchmarks/kernels.json
 # the TMA-fed Gluon decode variant against the committed kernel (checks, then both timed in alternation)
 stage tma_probe 480 python3 -m benchmarks.kernels.probe_tma ${TMA_PROBE_ARGS:-} --out $R/probe_tma.json
-# on demand: Nsight Compute on the default decode at four shapes (84 x 32K: the lean step's least efficient goal point on an H100) (occupancy, issue, stalls, pipes, DRAM; clocks left alone)
+# on demand: Nsight Compute on the default decode and its merge at four shapes (84 x 32K: the lean step's least efficient goal point on an H100) (occupancy, issue, stalls, pipes, DRAM; clocks left alone)
 stage tma_ncu 540 bash -c 'for sh in 44x32768 10x163840 128x4096 84x32768; do PATH=$PATH:/usr/local/cuda/bin ncu --clock-control none \
-  --kernel-name regex:nvfp4_decode --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy \
+  --kernel-name regex:"merge|nvfp4_decode" --launch-skip 4 --launch-count 2 --section SpeedOfLight --section Occupancy \
   --section LaunchStats --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
   --csv --page details python3 -m benchmarks.kernels.probe_tma --launch-only $sh > '$R'/ncu_$sh.csv; done'
 # on demand: our skinny linear against cuBLAS on the step's projections at 1 / 16 / 44 rows (36 calls per graph)
