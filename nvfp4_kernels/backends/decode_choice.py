@@ -93,7 +93,7 @@ def resident_programs(kernel: DecodeKernel, lean: bool, head_dim: int, group: in
 def wave_rounds(kernel: DecodeKernel, lean: bool) -> int:
     """Rounds of the programs that fit on an SM in one wave of ``kernel``'s split-KV grid, as measured fastest on
     an H100 (docs/benchmarks/kernel-notes.md). The TMA kernel's kept step: one round of its 12 (3-5% faster than
-    two at 84 x 32K and 10 x 160K over three runs, never slower). Its lean step: two of its 16 (one ran up to 25%
+    two at 84 x 32K and 10 x 160K in two runs, never slower). Its lean step: two of its 16 (one ran up to 25%
     slower: programs that all start at once end unevenly across SMs and nothing takes the place of the early
     ones). The cp.async kernel: two of its 12 (one ran 5% slower at 1 x 1M)."""
     return 1 if kernel is DecodeKernel.GLUON_TMA and not lean else 2
