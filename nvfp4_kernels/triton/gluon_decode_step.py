@@ -222,7 +222,7 @@ def attend(k_slot, ks_slot, v_slot, vs_slot, q0, q1, q2, q3, t0, end, qk_scale, 
 
     LAZY (with LEAN; not timed yet): m_i, the max that P is taken against, moves only on a step where some head's
     max rose past it by more than LAZY_RESCALE_LOG2. Every other step skips the accumulators' and sums' rescale
-    (32 multiplies a lane) and its exponentials. Then P = exp2(s - m_i) <= 2**LAZY_RESCALE_LOG2: exact in fp16's
+    (32 multiplies a lane) and its exponentials. Then P = exp2(s - m_i) <= 2**LAZY_RESCALE_LOG2, within fp16's
     range, and the result is the same function of (m_i, l_i, acc), since the output divides by l_i and the LSE
     adds m_i. The branch is uniform: one warp owns the program."""
     mma: gl.constexpr = ACC_LAYOUT
