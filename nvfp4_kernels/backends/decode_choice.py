@@ -26,8 +26,8 @@ class DecodeConfig:
     kernel: DecodeKernel = DecodeKernel.TRITON
     max_registers: int | None = None  # ptxas register cap per thread (maxnreg); None: the compiler's choice
     lean: bool = False  # the TMA kernel's shorter step (gluon_decode_step.attend, LEAN): faster on an H200 only
-    # the lean step's lazy rescale (attend's LAZY: the running max moves only when it rose past a margin); not
-    # timed yet, so no default config takes it
+    # the lean step's lazy rescale (attend's LAZY: the running max moves only when it rose past a margin); no
+    # default config takes it: on an H200 it ran 0.6-7% slower than the lean step (docs/benchmarks/kernel-notes.md)
     lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
