@@ -119,42 +119,30 @@ def test_a_transfer_written_in_runs_equals_one_launch_per_message_and_finish_che
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8_e4m3", "bf16"])
-@pytest.mark.parametrize("ids", [list(range(40, 47)) + list(range(3, 12)) + [60], random.Random(6).sample(range(64), 23)],
-                         ids=["three-runs", "scattered"])
-def test_an_export_is_byte_for_byte_the_encoded_runs_of_its_pages(device, kv_dtype, ids):
-    """Pages in three runs out of pool order, crossing the messages' boundaries (7 + 9 + 1 pages, 5 a message;
-    on a GPU a copy per part, message and run), and pages in more runs than that (on a GPU gathered first): each
-    message is ``encode_page_run`` of its pages' rows, every part at its aligned offset."""
-    from svc_common.kv_wire import encode_page_run
+@pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8_e4m3"])
+def test_pages_in_runs_go_to_host_in_the_gathers_layout(device, kv_dtype):
+    """A GPU export of pages in a few runs copies each run of each part to host (no gather kernel): the host
+    buffer it fills is byte for byte the part-after-part layout of a gather of the same pages, and the messages
+    made from it carry the pages (on a GPU through ``messages``, on the CPU through the copy helper itself)."""
+    from svc_common.kv_transfer_ipc import page_runs
+    from svc_common.page_export import _copy_runs_to_host
 
     src = _pool(kv_dtype, device)
-    msgs = PageExporter(pool_view(src)).messages("req-7", 1, 3, ids, 5, None)
-    lkv = src.layers[1]
-    rows = [None if t is None else t.view(torch.uint8)[ids].cpu().reshape(len(ids), -1)
-            for t in (lkv.k, lkv.k_sf, lkv.v, lkv.v_sf)]
-    assert len(msgs) == -(-len(ids) // 5)
-    for i, msg in enumerate(msgs):
-        chunk = slice(5 * i, 5 * (i + 1))
-        parts = [[] if r is None else [bytes(r[chunk].reshape(-1).numpy())] for r in rows]
-        assert isinstance(msg, bytes) and msg == encode_page_run("req-7", 1, 3 + 5 * i, len(ids[chunk]), parts)
-
-
-def test_the_exports_copies_keep_the_gil():
-    """The calls an export makes per part and message are Python-API functions (``ctypes.PyDLL``,
-    ``PYFUNCTYPE``): they do not give the GIL up, so none waits to win it back from the gRPC thread."""
-    import ctypes
-
-    from svc_common import native_copy
-
-    assert native_copy.host_copy._flags_ & ctypes._FUNCFLAG_PYTHONAPI
-    assert native_copy.bytes_at is ctypes.string_at and ctypes._string_at._flags_ & ctypes._FUNCFLAG_PYTHONAPI
-    src = (ctypes.c_ubyte * 8)(*range(8))
-    dst = (ctypes.c_ubyte * 8)()
-    native_copy.host_copy(ctypes.addressof(dst), ctypes.addressof(src), 8)
-    assert bytes(dst) == bytes(range(8)) == native_copy.bytes_at(ctypes.addressof(src), 8)
-    if torch.cuda.is_available():
-        assert isinstance(native_copy.DeviceToHost().lib, ctypes.PyDLL)
+    ids = list(range(40, 47)) + list(range(3, 12)) + [60]  # three runs, out of pool order
+    parts = [t for t in (src.layers[1].k, src.layers[1].k_sf, src.layers[1].v, src.layers[1].v_sf)]
+    sizes = [0 if t is None else len(ids) * t[0].numel() * t.element_size() for t in parts]
+    host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=device == "cuda")
+    _copy_runs_to_host(parts, sizes, page_runs(ids, list(range(len(ids)))), host)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    want = torch.cat([t.view(torch.uint8).view(t.shape[0], -1)[ids].reshape(-1).cpu() for t in parts if t is not None])
+    assert torch.equal(host, want)
+    if device == "cuda":  # the exporter takes this path for these pages
+        msgs = PageExporter(pool_view(src)).messages("r", 1, 0, ids, 5, None)
+        got = [bytes(p) for msg in msgs for p in decode_page_run(msg).parts]
+        rows = _rows(src, 1, ids)
+        assert b"".join(got) == b"".join(bytes(r[i:i + 5].reshape(-1).numpy()) for i in range(0, len(ids), 5)
+                                         for r in rows)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -312,39 +300,29 @@ def test_a_message_built_in_place_is_the_protobuf_serialization(sizes):
     assert all(a % 64 == 0 for (a, _), n in zip(run.spans, sizes, strict=True) if n)
 
 
-def test_messages_staged_from_runs_each_equal_their_own_encoding():
-    """``stage_messages`` (what an export lays out at once): parts part-major in one host buffer, read in runs
-    that cross the messages' boundaries, messages of different page counts (a layer's last message is
-    shorter), nvfp4 parts and fp8's absent scales."""
-    import numpy as np
-
+def test_several_messages_framed_in_one_call_each_equal_their_own_encoding():
+    """``messages_from`` (what an export frames at once): views of one host buffer as sources, messages of
+    different page counts (a layer's last message is shorter), nvfp4 parts and fp8's absent scales."""
     from svc_common.kv_wire import encode_page_run, frame_page_run
-    from svc_common.native_copy import host_copy
-    from svc_common.page_export import PartSource, stage_messages
+    from svc_common.page_export import messages_from
 
     g = torch.Generator().manual_seed(5)
-    runs = [(4, 0, 2), (0, 2, 3), (9, 5, 2)]  # (row, position, pages): 7 pages from rows 4-5, 0-2, 9-10
-    order = [4, 5, 0, 1, 2, 9, 10]
     for page in ((128, 16, 128, 16), (256, 0, 256, 0)):
-        host = torch.randint(0, 256, (sum(page) * 11,), generator=g, dtype=torch.uint8)
-        sources, offset = [], 0
-        for b in page:
-            sources.append(PartSource(host.data_ptr() + offset, b, runs) if b else None)
-            offset += 11 * b
-        counts, frames, want, first = (3, 3, 1), [], [], 0
-        for m in counts:
-            frames.append(frame_page_run("r", 2, 40 + first, m, [m * b for b in page]))
+        host = torch.randint(0, 256, (sum(page) * 7,), generator=g, dtype=torch.uint8)
+        frames, payloads, want = [], [], []
+        first = 0
+        for m in (3, 3, 1):  # pages per message; parts lie part-major in the buffer, as an export's gather
             parts, offset = [], 0
             for b in page:
-                rows = [host[offset + r * b:offset + (r + 1) * b] for r in order[first:first + m]]
-                parts.append([bytes(torch.cat(rows).numpy())] if b else [])
-                offset += 11 * b
-            want.append(encode_page_run("r", 2, 40 + first, m, parts))
+                parts.append(host[offset + first * b:offset + (first + m) * b] if b else None)
+                offset += 7 * b
+            frames.append(frame_page_run("r", 2, 40 + first, m, [m * b for b in page]))
+            payloads.append(parts)
+            want.append(encode_page_run("r", 2, 40 + first, m, [[bytes(p.numpy())] if p is not None else []
+                                                              for p in parts]))
             first += m
-        staging = np.empty(sum(f.total for f in frames), dtype=np.uint8)
-        offsets = stage_messages(frames, counts, sources, staging.ctypes.data, host_copy)
-        got = [staging[o:o + f.total].tobytes() for o, f in zip(offsets, frames, strict=True)]
-        assert offsets == [0, frames[0].total, frames[0].total + frames[1].total] and got == want
+        got = messages_from(frames, payloads)
+        assert all(isinstance(x, bytes) for x in got) and got == want
 
 
 def test_aligned_framing_puts_every_part_at_a_multiple_of_64_whatever_the_header():

@@ -1,13 +1,12 @@
-"""The host work of one gRPC export, without a GPU: framing a run of page messages (``kv_wire.frame_page_run``),
-laying them out with their pages (``page_export.stage_messages``) and copying each out as its bytes, the part of a
-sender's export that runs Python; alone, and beside a thread that runs Python all the time (as the sender's gRPC
-thread does while it sends).
+"""The host work of one gRPC export, without a GPU: framing a run of page messages (``kv_wire.frame_page_run``) and
+building them from a host buffer (``page_export.messages_from``), the part of a sender's export that runs Python;
+alone, and beside a thread that runs Python all the time (as the sender's gRPC thread does while it sends).
 
     python -m benchmarks.transfer.bench_framing [--out-json docs/benchmarks/framing_cpu.json --out-md ...]
 
 Shapes are the grpc path's: 8 messages of one layer per export, 4 MiB of NVFP4 or FP8 pages each (8 KV heads x
-head_dim 128, 16-token pages), the pages in one run. Two payload sizes: the real one (the copies of the bytes
-dominate), and 1/128 of it (the same messages and parts: what is left is the Python work per message). Medians of
+head_dim 128, 16-token pages). Two payload sizes: the real one (the copy of the bytes dominates; it runs without the
+GIL), and 1/128 of it (the same messages and parts: what is left is the Python work per message). Medians of
 ``--repeats`` calls, with the senders' heap setting (``svc_common/host_malloc.py``).
 """
 
@@ -24,13 +23,11 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from svc_common.host_malloc import keep_freed_blocks
 from svc_common.kv_wire import frame_page_run
-from svc_common.native_copy import bytes_at, host_copy
-from svc_common.page_export import PartSource, stage_messages
+from svc_common.page_export import messages_from
 
 PAGE_PARTS = {"nvfp4": (16 * 8 * 64, 16 * 8 * 8, 16 * 8 * 64, 16 * 8 * 8), "fp8_e4m3": (16 * 8 * 128, 0, 16 * 8 * 128, 0)}
 MESSAGE_BYTES = 4 << 20
@@ -49,23 +46,25 @@ def _median_us(fn, repeats: int) -> float:
 
 
 def measure(kv_dtype: str, scale: int, repeats: int) -> dict:
-    """One export's framing and staging at 1/``scale`` of the real part sizes, alone and beside a busy thread."""
+    """One export's framing and building at 1/``scale`` of the real part sizes, alone and beside a busy thread."""
     page = [b // scale for b in PAGE_PARTS[kv_dtype]]
     m = MESSAGE_BYTES // sum(PAGE_PARTS[kv_dtype])  # pages per message
-    n = MESSAGES_PER_EXPORT * m
-    pool = [torch.randint(0, 256, (n * b,), dtype=torch.uint8) if b else None for b in page]  # one layer's parts
-    sources = [PartSource(t.data_ptr(), b, [(0, 0, n)]) if b else None for t, b in zip(pool, page, strict=True)]
-    counts = [m] * MESSAGES_PER_EXPORT
+    host = torch.randint(0, 256, (MESSAGES_PER_EXPORT * m * sum(page),), dtype=torch.uint8)
+    sizes = [MESSAGES_PER_EXPORT * m * b for b in page]
 
     def frames() -> list:
         return [frame_page_run("req-0123456789", 3, i * m, m, [m * b for b in page])
                 for i in range(MESSAGES_PER_EXPORT)]
 
     def export() -> list[bytes]:
-        fr = frames()
-        staging = np.empty(sum(f.total for f in fr), dtype=np.uint8)
-        offsets = stage_messages(fr, counts, sources, staging.ctypes.data, host_copy)
-        return [bytes_at(staging.ctypes.data + o, f.total) for o, f in zip(offsets, fr, strict=True)]
+        payloads = []
+        for i in range(MESSAGES_PER_EXPORT):
+            parts, offset = [], 0
+            for size, b in zip(sizes, page, strict=True):
+                parts.append(host[offset + i * m * b:offset + (i + 1) * m * b] if b else None)
+                offset += size
+            payloads.append(parts)
+        return messages_from(frames(), payloads)
 
     total = sum(len(x) for x in export())
     row = {"kv_dtype": kv_dtype, "payload_scale": scale, "export_bytes": total,
