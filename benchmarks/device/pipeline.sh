@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; tma_probe, tma_ncu, tma_sanitize, gemv_probe, transfer_ahead, one_user, engine_direct, itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big, transfer_thread are on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; tma_probe, tma_ncu, tma_sanitize, gemv_probe, transfer_ahead, one_user, engine_direct, itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big, transfer_thread, transfer_alt are on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -175,6 +175,13 @@ stage transfer_ahead 400 python3 -m benchmarks.transfer.bench_transfer --prefill
   --num-layers 8 --lengths 32768 --kv-dtypes nvfp4 --paths grpc grpc-lanes --kv-exports-ahead ${EXPORTS_AHEAD:-6} \
   --log-dir $R/logs_tr_ahead --out-json docs/benchmarks/transfer_exports_ahead.json \
   --out-md docs/benchmarks/transfer_exports_ahead.md
+# on demand: an A/B of two builds on one lease: stage transfer's command again, on a copy of this tree with the files
+# under ALT_DIR (a folder of this tree mirroring its paths, e.g. alt/svc_common/page_export.py, carried untracked)
+# laid over it; TRANSFER_ALT_ARGS names its outputs (absolute paths under /tmp/w/docs/benchmarks, so they are kept)
+stage transfer_alt 600 bash -c 'test -n "$ALT_DIR" && test -d "/tmp/w/$ALT_DIR" && rm -rf /tmp/alt && cp -r /tmp/w /tmp/alt \
+  && cp -r "/tmp/w/$ALT_DIR"/. /tmp/alt/ && cd /tmp/alt && PYTHONPATH=/tmp/site:/tmp/alt python3 -m benchmarks.transfer.bench_transfer \
+  --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b --num-layers 8 --lengths 32768 --paths ${TRANSFER_PATHS:-grpc} \
+  --log-dir '$R'/logs_tr_alt ${TRANSFER_ALT_ARGS:-}'
 # on demand: the gRPC path sent by the prefill's engine process itself (--kv-sender thread), beside stage transfer's
 # sender process: the before/after of the same run
 stage transfer_thread 600 python3 -m benchmarks.transfer.bench_transfer --prefill-gpu 0 --decode-gpu 0 --model /tmp/q8b \
