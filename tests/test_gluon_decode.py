@@ -117,9 +117,9 @@ def test_gluon_decode_on_cpu_tensors_is_refused_with_a_clear_error():
 @pytest.mark.parametrize("group,d,lens", [(4, 128, (5000, 17, 1, 33)), (1, 128, (3001, 640)), (8, 64, (2049, 100)),
                                           (4, 256, (1500, 16))])
 @pytest.mark.parametrize("bt,stages,cap", [(32, 3, None), (64, 2, None), (16, 4, None), (32, 2, 112)])
-@pytest.mark.parametrize("kernel,lean,lazy", [(DecodeKernel.GLUON, False, False), (DecodeKernel.GLUON_TMA, False, False),
-                                              (DecodeKernel.GLUON_TMA, True, False), (DecodeKernel.GLUON_TMA, True, True)])
-def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, cap, kernel, lean, lazy):
+@pytest.mark.parametrize("kernel,lean", [(DecodeKernel.GLUON, False), (DecodeKernel.GLUON_TMA, False),
+                                         (DecodeKernel.GLUON_TMA, True)])
+def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, cap, kernel, lean):
     dev = torch.device("cuda")
     hk = 4
     maxp = max(-(-n // 16) for n in lens) + 1
@@ -130,7 +130,7 @@ def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, c
     q = torch.randn(len(lens), hk * group, d, device=dev).to(torch.bfloat16)
     sm = 1 / math.sqrt(d)
     # programs_per_sm 64: long rows get many splits, so split edges and empty splits are exercised too
-    tb = TritonBackend(DecodeConfig(1, bt, stages, 64, kernel, cap, lean, lazy))
+    tb = TritonBackend(DecodeConfig(1, bt, stages, 64, kernel, cap, lean))
     plan = tb.plan_decode(pt, seq, hk * group, hk, d, 16)
     ours = tb.decode(plan, q, layer, sm).float()
     ref = ReferenceBackend().decode(ReferenceBackend().plan_decode(pt, seq, hk * group, hk, d, 16), q, layer, sm).float()
@@ -141,14 +141,12 @@ def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, c
 
 
 @pytest.mark.parametrize("npg,stages", [(2, 2), (1, 3)])
-@pytest.mark.parametrize("lean,lazy", [(False, False), (True, False), (True, True)])
-def test_the_tma_fed_decode_compiles_for_sm90a_with_tma_and_ldmatrix_and_no_spills(npg, stages, lean, lazy):
+@pytest.mark.parametrize("lean", [False, True])
+def test_the_tma_fed_decode_compiles_for_sm90a_with_tma_and_ldmatrix_and_no_spills(npg, stages, lean):
     from benchmarks.kernels.probe_tma import compile_sm90, sass_report
 
-    r = sass_report(compile_sm90(npg=npg, stages=stages, lean=lean, lazy=lazy))
+    r = sass_report(compile_sm90(npg=npg, stages=stages, lean=lean))
     assert not r["spills"] and r["registers"] <= 168, r
-    if lazy:  # as many programs per SM as the lean step it varies (the same split-KV wave)
-        assert r["registers"] <= sass_report(compile_sm90(npg=npg, stages=stages, lean=True))["registers"], r
     assert r["common_path_instructions"] < r["loop_instructions"], r  # the tail step's scale zeroing is branched around
     assert r["tma_loads"] >= 4 * npg and r["ldmatrix"] > 0, r  # four TMA copies per page of a step
     assert r["loop_ops"].get("HMMA", 0) == 16 * npg, r  # 8 QK + 8 PV products per page of 16 tokens
@@ -235,9 +233,9 @@ def test_a_forced_tma_decode_on_a_pool_it_cannot_take_is_refused_with_a_clear_er
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kernel,lean,lazy", [(DecodeKernel.GLUON, False, False), (DecodeKernel.GLUON_TMA, False, False),
-                                              (DecodeKernel.GLUON_TMA, True, False), (DecodeKernel.GLUON_TMA, True, True)])
-def test_nan_scales_past_a_prompt_never_reach_the_output_on_gpu(kernel, lean, lazy):
+@pytest.mark.parametrize("kernel,lean", [(DecodeKernel.GLUON, False), (DecodeKernel.GLUON_TMA, False),
+                                         (DecodeKernel.GLUON_TMA, True)])
+def test_nan_scales_past_a_prompt_never_reach_the_output_on_gpu(kernel, lean):
     """A reused page holds any bytes past a prompt's end (here NaN block scales, 0x7F): both kernels mask them."""
     dev = torch.device("cuda")
     hk, d, lens = 4, 128, (1001, 40, 17, 1)
@@ -252,7 +250,7 @@ def test_nan_scales_past_a_prompt_never_reach_the_output_on_gpu(kernel, lean, la
         last = int(pt[i, (n - 1) // 16])
         layer.k_sf.view(torch.uint8)[last, (n - 1) % 16 + 1:] = 0x7F
         layer.v_sf.view(torch.uint8)[last, (n - 1) % 16 + 1:] = 0x7F
-    tb = TritonBackend(DecodeConfig(1, 32, 2, 24, kernel, lean=lean, lazy_rescale=lazy))
+    tb = TritonBackend(DecodeConfig(1, 32, 2, 24, kernel, lean=lean))
     ours = tb.decode(tb.plan_decode(pt, seq, hk * 4, hk, d, 16), q, layer, 0.1).float()
     assert torch.isfinite(ours).all()
     assert float((ours - ref).norm() / ref.norm()) < 5e-3
@@ -293,12 +291,6 @@ def test_the_lean_step_is_the_tma_kernels_and_h200s_get_it_by_default():
     assert eager_config(lean) == DecodeConfig(1, 32, 2, 32, DecodeKernel.GLUON)  # the same plan geometry
     with pytest.raises(ValueError, match="lean step is the TMA kernel's"):
         DecodeConfig(1, 32, 2, 24, DecodeKernel.GLUON, lean=True)
-    # the lazy rescale: a variant of the lean step that no default takes, dropped by an eager launch with the step
-    lazy = DecodeConfig(1, 32, 2, 32, DecodeKernel.GLUON_TMA, lean=True, lazy_rescale=True)
-    assert lazy.label.endswith("_p32_lean_lazy") and not lean.lazy_rescale
-    assert eager_config(lazy) == DecodeConfig(1, 32, 2, 32, DecodeKernel.GLUON)
-    with pytest.raises(ValueError, match="lazy_rescale .* needs lean=True"):
-        DecodeConfig(1, 32, 2, 32, DecodeKernel.GLUON_TMA, lazy_rescale=True)
     from nvfp4_kernels.backends.base import DecodeOptions
     from nvfp4_kernels.backends.triton_backend import DeviceTarget
 
@@ -311,7 +303,6 @@ def test_the_lean_step_is_the_tma_kernels_and_h200s_get_it_by_default():
 
 
 @pytest.mark.parametrize("args", [["--configs", "32:2:24:foo"], ["--configs", "32:2"], ["--configs", "48:2:24"],
-                                  ["--configs", "32:2:24:lazy"], ["--configs", "32:2:24:lean:lazy:x"],
                                   ["--launch-only", "4x"], ["--shapes", "1x100"], ["--rounds", "0"]])
 def test_the_tma_probe_refuses_bad_arguments_before_any_gpu_work(args, capsys):
     from benchmarks.kernels.probe_tma import main

@@ -341,12 +341,11 @@ def main(argv: list[str] | None = None) -> int:
                                     page_size=PAGE, lean_step=prefers_lean_step(torch.cuda.get_device_name(dev)))
     report["default_config"] = default.label  # what the engine runs on this GPU (auto)
     # the TMA kernel with each step (kept and lean: the default picks by GPU), its grid in waves of whole rounds of
-    # the programs that fit on an SM (kept: one and two rounds of 12; lean: two and three of 16; the lean step
-    # with the lazy rescale: two of 16); the cp.async kernel's in two rounds of its 12
+    # the programs that fit on an SM (kept: one and two rounds of 12; lean: two and three of 16); the cp.async
+    # kernel's in two rounds of its 12
     configs = list(dict.fromkeys([default, triton_cfg, DecodeConfig(1, 32, 2, 24, gluon), DecodeConfig(1, 32, 2, 24, tma),
                                   DecodeConfig(1, 32, 2, 12, tma), DecodeConfig(1, 32, 2, 32, tma, lean=True),
-                                  DecodeConfig(1, 32, 2, 48, tma, lean=True),
-                                  DecodeConfig(1, 32, 2, 32, tma, lean=True, lazy_rescale=True)]))
+                                  DecodeConfig(1, 32, 2, 48, tma, lean=True)]))
     if args.sweep:
         configs += [DecodeConfig(1, 32, 3, 24, tma), DecodeConfig(1, 16, 3, 24, tma)]
         configs += [DecodeConfig(4, 32, 2, 16), DecodeConfig(1, 32, 2, 32), DecodeConfig(1, 32, 4, 24, gluon),

@@ -21,8 +21,7 @@ from benchmarks.kernels import bench_decode as bd
 from benchmarks.kernels.probe_gluon import write_json
 
 
-def compile_sm90(d: int = 128, npg: int = 2, stages: int = 2, group: int = 4, page: int = 16, lean: bool = False,
-                 lazy: bool = False):
+def compile_sm90(d: int = 128, npg: int = 2, stages: int = 2, group: int = 4, page: int = 16, lean: bool = False):
     """The variant compiled for sm_90a with Triton's bundled ptxas (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -40,7 +39,7 @@ def compile_sm90(d: int = 128, npg: int = 2, stages: int = 2, group: int = 4, pa
            "SEQ_LENS": "*i32", "O_PART": "*fp32", "LSE_PART": "*fp32", "qk_scale": "fp32", "out_scale": "fp32",
            **{n: "i32" for n in ints}}
     cx = {"HK": 8, "G": group, "GN": max(8, triton.next_power_of_2(group)), "D": d, "PAGE": page, "NPG": npg,
-          "STAGES": stages, "SW": max(16, ns), "LEAN": lean, "LAZY": lazy}
+          "STAGES": stages, "SW": max(16, ns), "LEAN": lean}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
              if sig[n].startswith("*") or n.startswith("stride_") and n != "stride_ptb"}
     src = GluonASTSource(fn=nvfp4_decode_tma_kernel, signature=dict(sig, **{k: "constexpr" for k in cx}),
@@ -134,15 +133,14 @@ def check(dev) -> list[dict]:
         seq = torch.tensor(lens, dtype=torch.int32, device=dev)
         q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
         ref = bd.fp32_decode_reference(layer, pt, seq, q, 1 / math.sqrt(d))
-        for lean, lazy in ((False, False), (True, False), (True, True)):  # each step of the TMA kernel
-            gb = TritonBackend(DecodeConfig(1, bt, st, 24, DecodeKernel.GLUON_TMA, lean=lean, lazy_rescale=lazy))
-            print(f"check case g {g} d {d} lens {lens} bt {bt} page {pg} stages {st} lean {lean} lazy {lazy}",
-                  flush=True)
+        for lean in (False, True):  # both steps of the TMA kernel
+            gb = TritonBackend(DecodeConfig(1, bt, st, 24, DecodeKernel.GLUON_TMA, lean=lean))
+            print(f"check case g {g} d {d} lens {lens} bt {bt} page {pg} stages {st} lean {lean}", flush=True)
             o = gb.decode(gb.plan_decode(pt, seq, hq, bd.HK, d, pg), q, layer, 1 / math.sqrt(d)).float()
             torch.cuda.synchronize(dev)  # a fault shows at the case that made it
             err = float((o - ref).norm() / ref.norm())
-            out.append({"g": g, "d": d, "lens": lens, "bt": bt, "page": pg, "stages": st, "lean": lean, "lazy": lazy,
-                        "rel_err": err, "finite": bool(torch.isfinite(o).all())})
+            out.append({"g": g, "d": d, "lens": lens, "bt": bt, "page": pg, "stages": st, "lean": lean, "rel_err": err,
+                        "finite": bool(torch.isfinite(o).all())})
     return out
 
 
@@ -166,15 +164,14 @@ def launch_only(batch: int, seq_len: int) -> int:
 
 
 def _tma_config(ap: argparse.ArgumentParser, text: str):
-    """``BT:STAGES:PROGRAMS_PER_SM[:lean[:lazy]]`` as the TMA kernel's DecodeConfig (argparse's error otherwise)."""
+    """``BT:STAGES:PROGRAMS_PER_SM[:lean]`` as the TMA kernel's DecodeConfig (argparse's error otherwise)."""
     from nvfp4_kernels.backends.triton_backend import DecodeConfig, DecodeKernel
 
     parts = text.split(":")
-    if not all(p.isdigit() for p in parts[:3]) or len(parts) < 3 or parts[3:] not in ([], ["lean"], ["lean", "lazy"]):
-        ap.error(f"--configs takes BT:STAGES:PROGRAMS_PER_SM, then :lean or :lean:lazy, got {text!r}")
+    if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts[:3]) or parts[3:] not in ([], ["lean"]):
+        ap.error(f"--configs takes BT:STAGES:PROGRAMS_PER_SM or BT:STAGES:PROGRAMS_PER_SM:lean, got {text!r}")
     try:
-        return DecodeConfig(1, *map(int, parts[:3]), DecodeKernel.GLUON_TMA, lean=len(parts) >= 4,
-                            lazy_rescale=len(parts) == 5)
+        return DecodeConfig(1, *map(int, parts[:3]), DecodeKernel.GLUON_TMA, lean=len(parts) == 4)
     except ValueError as e:
         ap.error(f"--configs {text}: {e}")
 
@@ -190,10 +187,8 @@ def _shape(ap: argparse.ArgumentParser, text: str) -> tuple[int, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=[f"{b}x{n}" for b, n in bd.SHAPES])
-    ap.add_argument("--configs", nargs="*", default=["32:2:24", "32:2:12", "32:2:32:lean", "32:2:48:lean",
-                                                     "32:2:32:lean:lazy"],
-                    help="TMA kernel tilings BT:STAGES:programs_per_sm, ':lean' for its lean step, ':lean:lazy' for "
-                         "that step with the lazy rescale")
+    ap.add_argument("--configs", nargs="*", default=["32:2:24", "32:2:12", "32:2:32:lean", "32:2:48:lean"],
+                    help="TMA kernel tilings BT:STAGES:programs_per_sm, ':lean' for its lean step")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile-only", action="store_true")
@@ -209,12 +204,10 @@ def main(argv=None) -> int:
     if a.launch_only:
         return launch_only(*_shape(ap, a.launch_only))
     if a.compile_only:
-        for npg, stages, lean, lazy in ((2, 2, False, False), (2, 2, True, False), (2, 2, True, True),
-                                        (1, 3, False, False), (1, 4, False, False), (2, 3, False, False)):
-            k = compile_sm90(npg=npg, stages=stages, lean=lean, lazy=lazy)
+        for npg, stages, lean in ((2, 2, False), (2, 2, True), (1, 3, False), (1, 4, False), (2, 3, False)):
+            k = compile_sm90(npg=npg, stages=stages, lean=lean)
             r = sass_report(k)
-            print(f"BT {16 * npg} stages {stages}{' lean' if lean else ''}{' lazy' if lazy else ''}: "
-                  f"{r['registers']} registers, spills "
+            print(f"BT {16 * npg} stages {stages}{' lean' if lean else ''}: {r['registers']} registers, spills "
                   f"{r['spills']}, {sm90_resident_programs(r['registers'], k.metadata.shared)} programs per SM, "
                   f"{r['loop_instructions']} loop instructions ({r['common_path_instructions']} on the steps' common "
                   f"path) {r['loop_ops']}", flush=True)

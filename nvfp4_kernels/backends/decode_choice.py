@@ -26,9 +26,6 @@ class DecodeConfig:
     kernel: DecodeKernel = DecodeKernel.TRITON
     max_registers: int | None = None  # ptxas register cap per thread (maxnreg); None: the compiler's choice
     lean: bool = False  # the TMA kernel's shorter step (gluon_decode_step.attend, LEAN): faster on an H200 only
-    # the lean step's lazy rescale (attend's LAZY: the running max moves only when it rose past a margin); no
-    # default config takes it: on an H200 it ran 0.6-7% slower than the lean step (docs/benchmarks/kernel-notes.md)
-    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         if self.block_w < 16 or self.block_w & (self.block_w - 1):
@@ -41,8 +38,6 @@ class DecodeConfig:
             raise ValueError(f"max_registers must be in [32, 255] or None, got {self.max_registers}")
         if self.lean and self.kernel is not DecodeKernel.GLUON_TMA:
             raise ValueError(f"the lean step is the TMA kernel's (DecodeKernel.GLUON_TMA), got {self.kernel.value}")
-        if self.lazy_rescale and not self.lean:
-            raise ValueError("lazy_rescale is a variant of the TMA kernel's lean step: it needs lean=True")
         if self.kernel is not DecodeKernel.TRITON and (self.num_warps != 1 or self.block_w > 64 or self.num_stages < 2):
             raise ValueError("the Gluon decode runs one warp per program with block_w <= 64 and num_stages >= 2, got "
                              f"num_warps={self.num_warps} block_w={self.block_w} num_stages={self.num_stages}")
@@ -51,7 +46,7 @@ class DecodeConfig:
     def label(self) -> str:
         cap = "" if self.max_registers is None else f"_r{self.max_registers}"
         return (f"{self.kernel.value}_nw{self.num_warps}_bw{self.block_w}_st{self.num_stages}"
-                f"_p{self.programs_per_sm}{cap}{'_lean' if self.lean else ''}{'_lazy' if self.lazy_rescale else ''}")
+                f"_p{self.programs_per_sm}{cap}{'_lean' if self.lean else ''}")
 
     @property
     def launch_options(self) -> dict:
@@ -154,5 +149,5 @@ def eager_config(config: DecodeConfig) -> DecodeConfig:
     an H200: 42.5 ms a step against 35.7 with the cp.async kernel, 36 layers), more than the kernel saves; a
     captured graph encodes them once. Any other config is its own."""
     if config.kernel is DecodeKernel.GLUON_TMA:
-        return replace(config, kernel=DecodeKernel.GLUON, lean=False, lazy_rescale=False)
+        return replace(config, kernel=DecodeKernel.GLUON, lean=False)
     return config

@@ -314,8 +314,7 @@ class TritonNvfp4Decode:
         args[1:5] = tma_views(layer)
         nvfp4_decode_tma_kernel[(hk, st.num_splits, batch)](
             *args, layer.k.shape[0] * page, HK=hk, G=hq // hk, GN=max(8, triton.next_power_of_2(hq // hk)), D=d,
-            PAGE=page, NPG=cfg.block_w // page, STAGES=cfg.num_stages, SW=max(16, d // 16), LEAN=cfg.lean,
-            LAZY=cfg.lazy_rescale, num_warps=1,
+            PAGE=page, NPG=cfg.block_w // page, STAGES=cfg.num_stages, SW=max(16, d // 16), LEAN=cfg.lean, num_warps=1,
             **cfg.launch_options)
 
 

@@ -203,14 +203,9 @@ def store_empty(O_PART, LSE_PART, b, split, h, stride_pb, stride_ph, stride_ps, 
                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, G, GN, DW, mma)
 
 
-# LAZY (``attend``): the running max moves only when some head's max rose by more than this (base 2), so P <= 2**8
-LAZY_RESCALE_LOG2 = gl.constexpr(8.0)
-
-
 @gluon.jit
 def attend(k_slot, ks_slot, v_slot, vs_slot, q0, q1, q2, q3, t0, end, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3,
-           BT: gl.constexpr, GN: gl.constexpr, NS: gl.constexpr, LEAN: gl.constexpr, bufs,
-           LAZY: gl.constexpr = False):
+           BT: gl.constexpr, GN: gl.constexpr, NS: gl.constexpr, LEAN: gl.constexpr, bufs):
     """One step of BT tokens from one ring slot (shared memory: codes [BT, D/4] int16, scales [BT, D/16] uint8):
     S^T = K Q^T, the online softmax over tokens (those at or past ``end`` masked), O^T += V^T P^T. Returns the
     new (m_i, l_i, acc0..acc3). V is read only after the softmax, so K's and V's operands are never live at once.
@@ -218,13 +213,7 @@ def attend(k_slot, ks_slot, v_slot, vs_slot, q0, q1, q2, q3, t0, end, qk_scale, 
     LEAN: the shorter step (about 14% fewer instructions, 128 registers; 5-10% faster on an H200, 13-15% slower on
     H100s: docs/benchmarks/kernel-notes.md): each scale byte converted once through ``bufs`` (``scale_buffers``;
     every lane is past the previous step's reads of them, by the caller's barrier at the top of a step, before
-    they are rewritten), the mask on the tail step only, the softmax sum kept per lane (``lane_sums``).
-
-    LAZY (with LEAN; not timed yet): m_i, the max that P is taken against, moves only on a step where some head's
-    max rose past it by more than LAZY_RESCALE_LOG2. Every other step skips the accumulators' and sums' rescale
-    (32 multiplies a lane) and its exponentials. Then P = exp2(s - m_i) <= 2**LAZY_RESCALE_LOG2, within fp16's
-    range, and the result is the same function of (m_i, l_i, acc), since the output divides by l_i and the LSE
-    adds m_i. The branch is uniform: one warp owns the program."""
+    they are rewritten), the mask on the tail step only, the softmax sum kept per lane (``lane_sums``)."""
     mma: gl.constexpr = ACC_LAYOUT
     op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -251,48 +240,25 @@ def attend(k_slot, ks_slot, v_slot, vs_slot, q0, q1, q2, q3, t0, end, qk_scale, 
     else:
         s = gl.where(((t0 + ts) < end)[:, None], s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 0))  # finite: every step has >= 1 token below `end`
-    if LAZY:
-        # the first step moves it (m_i = -inf): alpha = 0 on zero state
-        if gl.max(m_new - m_i, 0) > LAZY_RESCALE_LOG2:
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(0, l_i.type.layout))[None, :]
-            a2 = alpha[None, :]
-            acc0 = acc0 * a2
-            acc1 = acc1 * a2
-            acc2 = acc2 * a2
-            acc3 = acc3 * a2
-            m_i = m_new
-        m_new = m_i
-        p = gl.exp2(s - m_new[None, :])
-        l_i = l_i + lane_sums(p, BT, GN)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[None, :])
+    if LEAN:
+        l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(0, l_i.type.layout))[None, :] + lane_sums(p, BT, GN)
     else:
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        if LEAN:
-            l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(0, l_i.type.layout))[None, :] + lane_sums(p, BT, GN)
-        else:
-            l_i = l_i * alpha + gl.sum(p, 0)
+        l_i = l_i * alpha + gl.sum(p, 0)
     pb = gl.convert_layout(p.to(gl.float16), op_b)
     if LEAN:
         vs = v_scales(vs_slot, bufs[1], op_a, BT, NS)
     else:
         vs = operand_scales(vs_slot, v_sl, op_a, BT, NS, True)
     vw = v_slot.permute((1, 0)).load(op_a)
-    if LAZY:  # the accumulators were rescaled above, on the steps that moved m_i
-        v0, v2 = decode_half(vw, vs, _LO_ASM)
-        acc0 = mma_v2(v0, pb, acc0)
-        acc2 = mma_v2(v2, pb, acc2)
-        v1, v3 = decode_half(vw, vs, _HI_ASM)
-        acc1 = mma_v2(v1, pb, acc1)
-        acc3 = mma_v2(v3, pb, acc3)
-    else:
-        a2 = alpha[None, :]
-        v0, v2 = decode_half(vw, vs, _LO_ASM)
-        acc0 = mma_v2(v0, pb, acc0 * a2)
-        acc2 = mma_v2(v2, pb, acc2 * a2)
-        v1, v3 = decode_half(vw, vs, _HI_ASM)
-        acc1 = mma_v2(v1, pb, acc1 * a2)
-        acc3 = mma_v2(v3, pb, acc3 * a2)
+    a2 = alpha[None, :]
+    v0, v2 = decode_half(vw, vs, _LO_ASM)
+    acc0 = mma_v2(v0, pb, acc0 * a2)
+    acc2 = mma_v2(v2, pb, acc2 * a2)
+    v1, v3 = decode_half(vw, vs, _HI_ASM)
+    acc1 = mma_v2(v1, pb, acc1 * a2)
+    acc3 = mma_v2(v3, pb, acc3 * a2)
     return m_new, l_i, acc0, acc1, acc2, acc3
 
 

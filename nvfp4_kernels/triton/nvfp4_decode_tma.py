@@ -78,7 +78,7 @@ def _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, t0, end, stage,
 @gluon.jit
 def _run(ring, bars, bufs, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2, q3,
          qk_scale, stride_ptb, GN: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, NPG: gl.constexpr,
-         STAGES: gl.constexpr, SW: gl.constexpr, SOFF: gl.constexpr, LEAN: gl.constexpr, LAZY: gl.constexpr):
+         STAGES: gl.constexpr, SW: gl.constexpr, SOFF: gl.constexpr, LEAN: gl.constexpr):
     """The split's tokens [start, end) of head h through the TMA ring (``ring``, ``bars``: fresh), this head's
     scales at byte SOFF of each scale row. Returns the softmax state and accumulators."""
     DW: gl.constexpr = D // 4
@@ -108,7 +108,7 @@ def _run(ring, bars, bufs, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, s
         m_i, l_i, acc0, acc1, acc2, acc3 = attend(
             k_smem.index(stage), ks_smem.index(stage).slice(SOFF, NS, dim=1), v_smem.index(stage),
             vs_smem.index(stage).slice(SOFF, NS, dim=1), q0, q1, q2, q3, t0, end, qk_scale, m_i, l_i, acc0, acc1, acc2,
-            acc3, BT, GN, NS, LEAN, bufs, LAZY)
+            acc3, BT, GN, NS, LEAN, bufs)
     if LEAN:  # the copies issued past the last step have landed before the program's shared memory is freed
         n = gl.cdiv(end - start, BT)
         for j in gl.static_range(STAGES - 1):
@@ -126,7 +126,7 @@ def nvfp4_decode_tma_kernel(
     stride_lb, stride_lh,
     chunk_tokens, oob_row,
     HK: gl.constexpr, G: gl.constexpr, GN: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
-    NPG: gl.constexpr, STAGES: gl.constexpr, SW: gl.constexpr, LEAN: gl.constexpr, LAZY: gl.constexpr = False,
+    NPG: gl.constexpr, STAGES: gl.constexpr, SW: gl.constexpr, LEAN: gl.constexpr,
 ):
     """Descriptors: k/v [P*PAGE, HK*D/4] int16, box [PAGE, D/4]; ks/vs [P*PAGE, HK*D/16] uint8, box [PAGE, SW]
     (HK*D/16 a multiple of SW). ``oob_row`` = P*PAGE (a row past the pool). num_warps=1."""
@@ -157,7 +157,7 @@ def nvfp4_decode_tma_kernel(
         if (h * NS) % SW == v * NS:
             m_i, l_i, acc0, acc1, acc2, acc3 = _run(
                 ring, bars, bufs, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE, b, h, start, end, oob_row, q0, q1, q2,
-                q3, qk_scale, stride_ptb, GN, D, PAGE, NPG, STAGES, SW, v * NS, LEAN, LAZY)
+                q3, qk_scale, stride_ptb, GN, D, PAGE, NPG, STAGES, SW, v * NS, LEAN)
 
     l_i = total_sums(l_i, LEAN)
     inv = (out_scale / l_i)[None, :]
