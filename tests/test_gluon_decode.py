@@ -117,9 +117,12 @@ def test_gluon_decode_on_cpu_tensors_is_refused_with_a_clear_error():
 @pytest.mark.parametrize("group,d,lens", [(4, 128, (5000, 17, 1, 33)), (1, 128, (3001, 640)), (8, 64, (2049, 100)),
                                           (4, 256, (1500, 16))])
 @pytest.mark.parametrize("bt,stages,cap", [(32, 3, None), (64, 2, None), (16, 4, None), (32, 2, 112)])
-@pytest.mark.parametrize("kernel,lean", [(DecodeKernel.GLUON, False), (DecodeKernel.GLUON_TMA, False),
-                                         (DecodeKernel.GLUON_TMA, True)])
-def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, cap, kernel, lean):
+@pytest.mark.parametrize("kernel,lean,hg", [(DecodeKernel.GLUON, False, 1), (DecodeKernel.GLUON_TMA, False, 1),
+                                            (DecodeKernel.GLUON_TMA, True, 1), (DecodeKernel.GLUON_TMA, False, 4),
+                                            (DecodeKernel.GLUON_TMA, True, 4)])
+def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, cap, kernel, lean, hg):
+    if hg != 1 and (d != 128 or cap is not None):
+        pytest.skip("the grouped TMA decode is built for head_dim 128 under its own register cap")
     dev = torch.device("cuda")
     hk = 4
     maxp = max(-(-n // 16) for n in lens) + 1
@@ -130,7 +133,7 @@ def test_gluon_decode_matches_the_reference_on_gpu(group, d, lens, bt, stages, c
     q = torch.randn(len(lens), hk * group, d, device=dev).to(torch.bfloat16)
     sm = 1 / math.sqrt(d)
     # programs_per_sm 64: long rows get many splits, so split edges and empty splits are exercised too
-    tb = TritonBackend(DecodeConfig(1, bt, stages, 64, kernel, cap, lean))
+    tb = TritonBackend(DecodeConfig(1, bt, stages, 64, kernel, cap, lean, head_group=hg))
     plan = tb.plan_decode(pt, seq, hk * group, hk, d, 16)
     ours = tb.decode(plan, q, layer, sm).float()
     ref = ReferenceBackend().decode(ReferenceBackend().plan_decode(pt, seq, hk * group, hk, d, 16), q, layer, sm).float()
@@ -150,6 +153,44 @@ def test_the_tma_fed_decode_compiles_for_sm90a_with_tma_and_ldmatrix_and_no_spil
     assert r["common_path_instructions"] < r["loop_instructions"], r  # the tail step's scale zeroing is branched around
     assert r["tma_loads"] >= 4 * npg and r["ldmatrix"] > 0, r  # four TMA copies per page of a step
     assert r["loop_ops"].get("HMMA", 0) == 16 * npg, r  # 8 QK + 8 PV products per page of 16 tokens
+
+
+@pytest.mark.parametrize("npg,stages,lean", [(1, 4, True), (2, 2, True), (1, 4, False)])
+def test_the_grouped_tma_decode_compiles_for_sm90a_with_a_copy_partition_that_gives_its_registers_up(npg, stages,
+                                                                                                       lean):
+    """4 KV heads per CTA (nvfp4_decode_tma_grouped): a 4-warp copy partition and a one-warp partition per head, 8
+    warps; setmaxnreg moves the copy partition's registers to the heads' warps (24 and 136 a thread within the
+    launch's cap of 80), no spills, and each partition's barriers stay inside its own warps (bar.warp.sync)."""
+    from benchmarks.kernels.probe_tma import compile_sm90_grouped, sass_report
+
+    k = compile_sm90_grouped(npg=npg, stages=stages, lean=lean)
+    ptx = k.asm["ptx"]
+    assert k.metadata.num_warps == 8
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx and "setmaxnreg.inc.sync.aligned.u32 \t136" in ptx
+    assert "bar.warp.sync" in ptx
+    r = sass_report(k)
+    assert not r["spills"] and r["registers"] <= 80 and r["tma_loads"] > 0 and r["ldmatrix"] > 0, r
+
+
+def test_the_grouped_tma_config_is_validated_and_refused_where_its_heads_do_not_group():
+    """head_group is the TMA kernel's, 1 or 4; a pool whose KV heads or head_dim do not group is refused at the
+    launch with an error that names why."""
+    from nvfp4_kernels.backends.triton_backend import DeviceTarget
+
+    assert DecodeConfig(1, 16, 4, 12, DecodeKernel.GLUON_TMA, lean=True, head_group=4).label == (
+        "gluon-tma_nw1_bw16_st4_p12_lean_hg4")
+    assert DecodeConfig(1, 16, 4, 12, DecodeKernel.GLUON_TMA, head_group=4).launch_options == {"maxnreg": 80}
+    with pytest.raises(ValueError, match="head_group must be 1 or 4, got 2"):
+        DecodeConfig(1, 32, 2, 12, DecodeKernel.GLUON_TMA, head_group=2)
+    with pytest.raises(ValueError, match="head_group is the TMA kernel's"):
+        DecodeConfig(1, 32, 2, 12, DecodeKernel.GLUON, head_group=4)
+    layer = _layer(torch.device("cpu"), 8, 2, 128, seed=1)
+    pt = torch.arange(4, dtype=torch.int32).reshape(1, 4)
+    tb = TritonBackend(DecodeConfig(1, 32, 2, 12, DecodeKernel.GLUON_TMA, head_group=4),
+                       target=DeviceTarget(132, (9, 0)))
+    plan = tb.plan_decode(pt, torch.tensor([40], dtype=torch.int32), 8, 2, 128, 16)
+    with pytest.raises(ValueError, match="needs head_dim 128 and KV heads a multiple of 4, got head_dim 128 and 2"):
+        tb.decode(plan, torch.zeros(1, 8, 128, dtype=torch.bfloat16), layer, 0.1)
 
 
 @pytest.mark.parametrize("key", sorted(RESIDENT_PROGRAMS, key=str), ids=str)
@@ -233,9 +274,9 @@ def test_a_forced_tma_decode_on_a_pool_it_cannot_take_is_refused_with_a_clear_er
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kernel,lean", [(DecodeKernel.GLUON, False), (DecodeKernel.GLUON_TMA, False),
-                                         (DecodeKernel.GLUON_TMA, True)])
-def test_nan_scales_past_a_prompt_never_reach_the_output_on_gpu(kernel, lean):
+@pytest.mark.parametrize("kernel,lean,hg", [(DecodeKernel.GLUON, False, 1), (DecodeKernel.GLUON_TMA, False, 1),
+                                            (DecodeKernel.GLUON_TMA, True, 1), (DecodeKernel.GLUON_TMA, True, 4)])
+def test_nan_scales_past_a_prompt_never_reach_the_output_on_gpu(kernel, lean, hg):
     """A reused page holds any bytes past a prompt's end (here NaN block scales, 0x7F): both kernels mask them."""
     dev = torch.device("cuda")
     hk, d, lens = 4, 128, (1001, 40, 17, 1)
@@ -250,7 +291,7 @@ def test_nan_scales_past_a_prompt_never_reach_the_output_on_gpu(kernel, lean):
         last = int(pt[i, (n - 1) // 16])
         layer.k_sf.view(torch.uint8)[last, (n - 1) % 16 + 1:] = 0x7F
         layer.v_sf.view(torch.uint8)[last, (n - 1) % 16 + 1:] = 0x7F
-    tb = TritonBackend(DecodeConfig(1, 32, 2, 24, kernel, lean=lean))
+    tb = TritonBackend(DecodeConfig(1, 32, 2, 24, kernel, lean=lean, head_group=hg))
     ours = tb.decode(tb.plan_decode(pt, seq, hk * 4, hk, d, 16), q, layer, 0.1).float()
     assert torch.isfinite(ours).all()
     assert float((ours - ref).norm() / ref.norm()) < 5e-3

@@ -18,7 +18,7 @@ rm -rf /tmp/w && cp -r "$SRC" /tmp/w && cd /tmp/w   # later calls re-sync the ch
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .gpu-carry/activate
 export PYTHONPATH=/tmp/site:/tmp/w FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; tma_probe, tma_ncu, tma_sanitize, gemv_probe, transfer_ahead, one_user, engine_direct, itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big, transfer_thread, transfer_alt are on demand
+STAGES=${STAGES:-"kernels engine model issue5 issue7 issue5_1m ramp issue9 gpu_unit profile transfer pd tests"}  # file order; issue9x2 needs 2 GPUs; tma_probe, tma_ncu, tma_ncu_bytes, tma_sanitize, gemv_probe, transfer_ahead, one_user, engine_direct, itl_check, spy, engine_blocksel, engine_nofused, engine_rotation, large_eval, iso_capacity, host_copy, transfer_big, transfer_thread, transfer_alt are on demand
 TESTS=${TESTS:-tests}  # the GPU tests to run, e.g. TESTS=tests/test_decode_graphs.py
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { local name=$1; shift; want "$name" || return 0
@@ -49,11 +49,18 @@ stage tests 420 python3 -m pytest -q -p no:cacheprovider --continue-on-collectio
 stage kernels 900 python3 -m benchmarks.kernels.bench_decode ${KERNELS_ARGS:-} --out docs/benchmarks/kernels.json
 # the TMA-fed Gluon decode variant against the committed kernel (checks, then both timed in alternation)
 stage tma_probe 480 python3 -m benchmarks.kernels.probe_tma ${TMA_PROBE_ARGS:-} --out $R/probe_tma.json
-# on demand: Nsight Compute on the default decode and its merge at four shapes (84 x 32K: the lean step's least efficient goal point on an H100) (occupancy, issue, stalls, pipes, DRAM; clocks left alone)
+# on demand: Nsight Compute on the default decode (NCU_LAUNCH_ARGS="--launch-config 32:2:32:lean": that config) and its merge at four shapes (84 x 32K: the lean step's least efficient goal point on an H100) (occupancy, issue, stalls, pipes, DRAM; clocks left alone)
 stage tma_ncu 540 bash -c 'for sh in 44x32768 10x163840 128x4096 84x32768; do PATH=$PATH:/usr/local/cuda/bin ncu --clock-control none \
   --kernel-name regex:"merge|nvfp4_decode" --launch-skip 4 --launch-count 2 --section SpeedOfLight --section Occupancy \
   --section LaunchStats --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
-  --csv --page details python3 -m benchmarks.kernels.probe_tma --launch-only $sh > '$R'/ncu_$sh.csv; done'
+  --csv --page details python3 -m benchmarks.kernels.probe_tma --launch-only $sh ${NCU_LAUNCH_ARGS:-} > '$R'/ncu_$sh.csv; done'
+# on demand: the decode's DRAM bytes against the bytes it must read (dram__bytes_read against the pool's pages, L2
+# sectors the TMA requests, L2 hit rate), the GPU's default config and the lean step at 32 programs per SM
+# (NCU_BYTES_CONFIGS: the --launch-config values, space-separated, "default" for the GPU's own)
+stage tma_ncu_bytes 400 bash -c 'for c in ${NCU_BYTES_CONFIGS:-default 32:2:32:lean 32:2:12}; do cfg=; [ "$c" = default ] || cfg="--launch-config $c"; for sh in 44x32768 84x32768 10x163840 128x4096; do \
+  PATH=$PATH:/usr/local/cuda/bin ncu --clock-control none --kernel-name regex:nvfp4_decode --launch-skip 2 --launch-count 1 \
+  --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_op_read_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read_lookup_miss.sum \
+  --csv python3 -m benchmarks.kernels.probe_tma --launch-only $sh $cfg; done; done > '$R'/ncu_bytes.csv 2>&1'
 # on demand: our skinny linear against cuBLAS on the step's projections at 1 / 16 / 44 rows (36 calls per graph)
 stage gemv_probe 400 python3 -m benchmarks.kernels.probe_gemv --out $R/probe_gemv.json
 # on demand: the TMA variant's checks alone under compute-sanitizer (its first run faulted with an illegal instruction)

@@ -47,6 +47,37 @@ def compile_sm90(d: int = 128, npg: int = 2, stages: int = 2, group: int = 4, pa
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
 
 
+def compile_sm90_grouped(npg: int = 1, stages: int = 4, group: int = 4, page: int = 16, lean: bool = True):
+    """The grouped TMA kernel (4 KV heads per CTA, nvfp4_decode_tma_grouped) compiled for sm_90a, at D 128, as
+    launched (4 warps and the register cap of ``GROUPED_MAX_REGISTERS``; no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from nvfp4_kernels.backends.decode_choice import GROUPED_HEADS, GROUPED_MAX_REGISTERS
+    from nvfp4_kernels.triton.nvfp4_decode_tma_grouped import nvfp4_decode_tma_grouped_kernel
+
+    d = 128
+    dw, ns = d // 4, d // 16
+    cd = f"tensordesc<i16[{page}, {dw}],{gl.NVMMASharedLayout.get_default_for([page, dw], gl.int16)!r}>"
+    sd = (f"tensordesc<u8[{page}, {GROUPED_HEADS * ns}],"
+          f"{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)!r}>")
+    ints = ("stride_qb", "stride_qh", "stride_ptb", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh",
+            "chunk_tokens", "oob_row")
+    sig = {"Q": "*bf16", "k_desc": cd, "ks_desc": sd, "v_desc": cd, "vs_desc": sd, "PAGE_TABLE": "*i32",
+           "SEQ_LENS": "*i32", "O_PART": "*fp32", "LSE_PART": "*fp32", "qk_scale": "fp32", "out_scale": "fp32",
+           **{n: "i32" for n in ints}}
+    cx = {"HK": 8, "G": group, "GN": max(8, triton.next_power_of_2(group)), "D": d, "PAGE": page, "NPG": npg,
+          "STAGES": stages, "LEAN": lean}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if sig[n].startswith("*") or n.startswith("stride_") and n != "stride_ptb"}
+    src = GluonASTSource(fn=nvfp4_decode_tma_grouped_kernel, signature=dict(sig, **{k: "constexpr" for k in cx}),
+                         constexprs=cx, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": GROUPED_MAX_REGISTERS})
+
+
 def sm90_resident_programs(registers: int, shared_bytes: int) -> int:
     """One-warp programs that run at once on one SM90 SM: a warp's registers (allocated 8 a thread at a time) come
     from its scheduler's quarter of the 65,536, a program's shared memory (plus 1 KB the hardware reserves) from
@@ -133,19 +164,23 @@ def check(dev) -> list[dict]:
         seq = torch.tensor(lens, dtype=torch.int32, device=dev)
         q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
         ref = bd.fp32_decode_reference(layer, pt, seq, q, 1 / math.sqrt(d))
-        for lean in (False, True):  # both steps of the TMA kernel
-            gb = TritonBackend(DecodeConfig(1, bt, st, 24, DecodeKernel.GLUON_TMA, lean=lean))
-            print(f"check case g {g} d {d} lens {lens} bt {bt} page {pg} stages {st} lean {lean}", flush=True)
+        # both steps of the TMA kernel, one KV head per program and (at head_dim 128) 4 per CTA
+        for lean, hg in ((False, 1), (True, 1)) + (((False, 4), (True, 4)) if d == 128 else ()):
+            gb = TritonBackend(DecodeConfig(1, bt, st, 24, DecodeKernel.GLUON_TMA, lean=lean, head_group=hg))
+            print(f"check case g {g} d {d} lens {lens} bt {bt} page {pg} stages {st} lean {lean} head_group {hg}",
+                  flush=True)
             o = gb.decode(gb.plan_decode(pt, seq, hq, bd.HK, d, pg), q, layer, 1 / math.sqrt(d)).float()
             torch.cuda.synchronize(dev)  # a fault shows at the case that made it
             err = float((o - ref).norm() / ref.norm())
-            out.append({"g": g, "d": d, "lens": lens, "bt": bt, "page": pg, "stages": st, "lean": lean, "rel_err": err,
+            out.append({"g": g, "d": d, "lens": lens, "bt": bt, "page": pg, "stages": st, "lean": lean,
+                        "head_group": hg, "rel_err": err,
                         "finite": bool(torch.isfinite(o).all())})
     return out
 
 
-def launch_only(batch: int, seq_len: int) -> int:
-    """The default decode (``default_decode_config``) of the benchmark's pool at one shape, launched 4 times."""
+def launch_only(batch: int, seq_len: int, config=None) -> int:
+    """The decode of the benchmark's pool at one shape, launched 4 times: ``config`` (a DecodeConfig), else the
+    GPU's default (``default_decode_config``)."""
     from nvfp4_kernels.backends.triton_backend import TritonBackend
 
     dev = torch.device("cuda")
@@ -153,7 +188,7 @@ def launch_only(batch: int, seq_len: int) -> int:
     pt = bd._page_tables(dev, batch, seq_len, 1)[0]
     seq = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
     q = torch.randn(batch, bd.HQ, bd.D, device=dev).to(torch.bfloat16)
-    tb = TritonBackend()
+    tb = TritonBackend(config)
     plan = tb.plan_decode(pt, seq, bd.HQ, bd.HK, bd.D, bd.PAGE)
     for _ in range(4):
         tb.decode(plan, q, layer, bd.SM_SCALE)
@@ -163,17 +198,21 @@ def launch_only(batch: int, seq_len: int) -> int:
     return 0
 
 
-def _tma_config(ap: argparse.ArgumentParser, text: str):
-    """``BT:STAGES:PROGRAMS_PER_SM[:lean]`` as the TMA kernel's DecodeConfig (argparse's error otherwise)."""
+def _tma_config(ap: argparse.ArgumentParser, text: str, flag: str = "--configs"):
+    """``BT:STAGES:PROGRAMS_PER_SM[:lean][:hg4]`` as the TMA kernel's DecodeConfig (``hg4``: the grouped kernel,
+    4 KV heads per CTA); argparse's error otherwise."""
     from nvfp4_kernels.backends.triton_backend import DecodeConfig, DecodeKernel
 
     parts = text.split(":")
-    if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts[:3]) or parts[3:] not in ([], ["lean"]):
-        ap.error(f"--configs takes BT:STAGES:PROGRAMS_PER_SM or BT:STAGES:PROGRAMS_PER_SM:lean, got {text!r}")
+    tail = parts[3:]
+    if (len(parts) < 3 or not all(p.isdigit() for p in parts[:3])
+            or tail not in ([], ["lean"], ["hg4"], ["lean", "hg4"])):
+        ap.error(f"{flag} takes BT:STAGES:PROGRAMS_PER_SM, then :lean and/or :hg4, got {text!r}")
     try:
-        return DecodeConfig(1, *map(int, parts[:3]), DecodeKernel.GLUON_TMA, lean=len(parts) == 4)
+        return DecodeConfig(1, *map(int, parts[:3]), DecodeKernel.GLUON_TMA, lean="lean" in tail,
+                            head_group=4 if "hg4" in tail else 1)
     except ValueError as e:
-        ap.error(f"--configs {text}: {e}")
+        ap.error(f"{flag} {text}: {e}")
 
 
 def _shape(ap: argparse.ArgumentParser, text: str) -> tuple[int, int]:
@@ -196,13 +235,19 @@ def main(argv=None) -> int:
                     help="the checks alone, each case synchronized (run under compute-sanitizer: stage tma_sanitize)")
     ap.add_argument("--launch-only", default=None, metavar="BxL",
                     help="the GPU's default decode at one shape, launched 4 times and nothing else (for a profiler)")
+    ap.add_argument("--launch-config", default=None, metavar="BT:STAGES:PROGRAMS_PER_SM[:lean][:hg4]",
+                    help="with --launch-only: this TMA config instead of the GPU's default (e.g. 32:2:32:lean, the "
+                         "H200's default, profiled on an H100)")
     a = ap.parse_args(argv)
     if a.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
+    if a.launch_config and not a.launch_only:
+        ap.error("--launch-config names the config --launch-only launches; give --launch-only BxL too")
     tcfgs = [_tma_config(ap, x) for x in a.configs]
     shapes = [(sh, *_shape(ap, sh)) for sh in a.shapes]
     if a.launch_only:
-        return launch_only(*_shape(ap, a.launch_only))
+        return launch_only(*_shape(ap, a.launch_only),
+                           _tma_config(ap, a.launch_config, "--launch-config") if a.launch_config else None)
     if a.compile_only:
         for npg, stages, lean in ((2, 2, False), (2, 2, True), (1, 3, False), (1, 4, False), (2, 3, False)):
             k = compile_sm90(npg=npg, stages=stages, lean=lean)

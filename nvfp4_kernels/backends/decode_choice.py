@@ -11,6 +11,12 @@ import triton
 
 from nvfp4_kernels.backends.decode_kernels import GLUON_HEAD_DIMS, DecodeKernel, tma_fits
 
+# the grouped TMA decode (DecodeConfig.head_group): KV heads per CTA, the heads whose 8 bytes of block scales a token
+# keeps in one 32-byte sector at head_dim 128; its register cap per thread of the CTA's 8 warps: the copy partition
+# gives all but 24 up (setmaxnreg) and each head's warp takes 136, so 3 CTAs (12 heads) run on an SM
+GROUPED_HEADS = 4
+GROUPED_MAX_REGISTERS = 80
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -26,6 +32,9 @@ class DecodeConfig:
     kernel: DecodeKernel = DecodeKernel.TRITON
     max_registers: int | None = None  # ptxas register cap per thread (maxnreg); None: the compiler's choice
     lean: bool = False  # the TMA kernel's shorter step (gluon_decode_step.attend, LEAN): faster on an H200 only
+    # the TMA kernel with this many KV heads per CTA: 1, or 4 (nvfp4_decode_tma_grouped: the heads whose block
+    # scales share a DRAM sector read them once; head_dim 128, KV heads a multiple of 4)
+    head_group: int = 1
 
     def __post_init__(self) -> None:
         if self.block_w < 16 or self.block_w & (self.block_w - 1):
@@ -38,6 +47,10 @@ class DecodeConfig:
             raise ValueError(f"max_registers must be in [32, 255] or None, got {self.max_registers}")
         if self.lean and self.kernel is not DecodeKernel.GLUON_TMA:
             raise ValueError(f"the lean step is the TMA kernel's (DecodeKernel.GLUON_TMA), got {self.kernel.value}")
+        if self.head_group not in (1, GROUPED_HEADS):
+            raise ValueError(f"head_group must be 1 or {GROUPED_HEADS}, got {self.head_group}")
+        if self.head_group != 1 and self.kernel is not DecodeKernel.GLUON_TMA:
+            raise ValueError(f"head_group is the TMA kernel's (DecodeKernel.GLUON_TMA), got {self.kernel.value}")
         if self.kernel is not DecodeKernel.TRITON and (self.num_warps != 1 or self.block_w > 64 or self.num_stages < 2):
             raise ValueError("the Gluon decode runs one warp per program with block_w <= 64 and num_stages >= 2, got "
                              f"num_warps={self.num_warps} block_w={self.block_w} num_stages={self.num_stages}")
@@ -46,10 +59,14 @@ class DecodeConfig:
     def label(self) -> str:
         cap = "" if self.max_registers is None else f"_r{self.max_registers}"
         return (f"{self.kernel.value}_nw{self.num_warps}_bw{self.block_w}_st{self.num_stages}"
-                f"_p{self.programs_per_sm}{cap}{'_lean' if self.lean else ''}")
+                f"_p{self.programs_per_sm}{cap}{'_lean' if self.lean else ''}"
+                f"{f'_hg{self.head_group}' if self.head_group != 1 else ''}")
 
     @property
     def launch_options(self) -> dict:
+        """Extra launch arguments: the register cap (the grouped TMA kernel's: GROUPED_MAX_REGISTERS)."""
+        if self.head_group != 1:
+            return {"maxnreg": self.max_registers or GROUPED_MAX_REGISTERS}
         return {} if self.max_registers is None else {"maxnreg": self.max_registers}
 
     @property

@@ -288,6 +288,9 @@ class TritonNvfp4Decode:
         kernel, cfg = plan.backend_state.config.kernel, plan.backend_state.config
         why = kernel_unfit(kernel, q.shape[2], self._capability(q.device), layer.num_kv_heads, layer.page_size,
                            cfg.block_w)
+        if why is None and cfg.head_group != 1 and (q.shape[2] != 128 or layer.num_kv_heads % cfg.head_group):
+            why = (f"the grouped TMA decode (head_group {cfg.head_group}) needs head_dim 128 and KV heads a multiple "
+                   f"of {cfg.head_group}, got head_dim {q.shape[2]} and {layer.num_kv_heads} KV heads")
         if why is not None:
             raise ValueError(f"the Gluon NVFP4 decode cannot run here: {why} (use DecodeKernel.TRITON)")
 
@@ -311,18 +314,28 @@ class TritonNvfp4Decode:
         st, (batch, hq, d), hk = plan.backend_state, q.shape, layer.num_kv_heads
         page, cfg = layer.page_size, st.config
         args = list(self._kernel_args(plan, q, layer, sm_scale, e2m1_fold(1)))
+        gn = max(8, triton.next_power_of_2(hq // hk))
+        if cfg.head_group != 1:  # one CTA per 4 KV heads: a copy partition (4 warps) and a warp per head
+            from nvfp4_kernels.triton.nvfp4_decode_tma_grouped import nvfp4_decode_tma_grouped_kernel
+
+            args[1:5] = tma_views(layer, cfg.head_group)
+            nvfp4_decode_tma_grouped_kernel[(hk // cfg.head_group, st.num_splits, batch)](
+                *args, layer.k.shape[0] * page, HK=hk, G=hq // hk, GN=gn, D=d, PAGE=page, NPG=cfg.block_w // page,
+                STAGES=cfg.num_stages, LEAN=cfg.lean, num_warps=4, **cfg.launch_options)
+            return
         args[1:5] = tma_views(layer)
         nvfp4_decode_tma_kernel[(hk, st.num_splits, batch)](
-            *args, layer.k.shape[0] * page, HK=hk, G=hq // hk, GN=max(8, triton.next_power_of_2(hq // hk)), D=d,
+            *args, layer.k.shape[0] * page, HK=hk, G=hq // hk, GN=gn, D=d,
             PAGE=page, NPG=cfg.block_w // page, STAGES=cfg.num_stages, SW=max(16, d // 16), LEAN=cfg.lean, num_warps=1,
             **cfg.launch_options)
 
 
-def tma_views(layer: LayerKV) -> tuple:
+def tma_views(layer: LayerKV, head_group: int = 1) -> tuple:
     """K codes, K scales, V codes, V scales of an NVFP4 pool as Gluon tensor descriptors, in the TMA kernel's
     argument order. Codes: [P*PAGE, HK*D/4] int16, box [PAGE, D/4], the shared layout ldmatrix reads without bank
     conflicts (swizzled by the row's width). Scales: [P*PAGE, HK*D/16] uint8, box [PAGE, max(16, D/16)] (a TMA
-    box row is 16 bytes at least; the kernel reads its head's bytes inside it), unswizzled."""
+    box row is 16 bytes at least; the kernel reads its head's bytes inside it), or [PAGE, head_group*D/16] for the
+    grouped kernel (its heads' scales together), unswizzled."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -339,7 +352,7 @@ def tma_views(layer: LayerKV) -> tuple:
                                 codes_layout)
 
     def scales(t: torch.Tensor):
-        return TensorDescriptor(u8(t).view(rows, hk * ns), [rows, hk * ns], [hk * ns, 1], [page, max(16, ns)],
-                                scales_layout)
+        return TensorDescriptor(u8(t).view(rows, hk * ns), [rows, hk * ns], [hk * ns, 1],
+                                [page, max(16, ns * head_group)], scales_layout)
 
     return codes(layer.k), scales(layer.k_sf), codes(layer.v), scales(layer.v_sf)
