@@ -80,8 +80,9 @@ def parse(text: str) -> list[KernelBytes]:
 
 
 def table(rows: list[KernelBytes]) -> str:
-    lines = ["| config | shape | splits | kernel us | DRAM read GB | pages GB | DRAM / pages | L2 sectors / pages "
-             "| L2 hit % | DRAM % of peak |", "|---|---|---|---|---|---|---|---|---|---|"]
+    head = ("| config | shape | splits | kernel us | DRAM read GB | pages GB | DRAM / pages | L2 sectors / pages "
+            "| L2 hit % | DRAM % of peak |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.config} | {r.shape} | {r.splits} | {r.kernel_us:.0f} | {r.dram_read_gb:.3f} | "
                      f"{r.pages_gb:.3f} | {r.dram_over_pages:.3f} | {r.l2_sectors_over_pages:.3f} | "
