@@ -137,8 +137,8 @@ def nvfp4_decode_tma_grouped_kernel(
     NPG: gl.constexpr, STAGES: gl.constexpr, LEAN: gl.constexpr,
 ):
     """Grid (HK / 4, splits, batch). Descriptors: k/v [P*PAGE, HK*D/4] int16, box [PAGE, D/4]; ks/vs
-    [P*PAGE, HK*D/16] uint8, box [PAGE, 4*D/16] = [PAGE, 32]. ``oob_row`` = P*PAGE. num_warps=1 (the default
-    partition) plus 3 one-warp workers."""
+    [P*PAGE, HK*D/16] uint8, box [PAGE, 4*D/16] = [PAGE, 32]. ``oob_row`` = P*PAGE. num_warps=4 (the copy
+    partition, ``_produce``) plus a one-warp partition per head (``_head``): 8 warps."""
     HG: gl.constexpr = 4  # decode_choice.GROUPED_HEADS: the heads of one scale sector at D 128
     W0: gl.constexpr = 0  # the partitions' indices
     W1: gl.constexpr = 1
@@ -168,7 +168,8 @@ def nvfp4_decode_tma_grouped_kernel(
         mbarrier.init(empty.index(si), count=HG)
     fence_async_shared()
 
-    # each partition's arguments written out in place: constexprs in a tuple kept in a variable arrive as tensors
+    # each partition's arguments written out in place (the four head tuples differ only in W): constexprs in a
+    # tuple kept in a variable arrive in the partition as tensors, so the tuple cannot be built once
     gl.warp_specialize([
         (_produce, (k_ring, v_ring, ks_ring, vs_ring, full, empty, k_desc, ks_desc, v_desc, vs_desc, PAGE_TABLE,
                     stride_ptb, b, g, start, end, oob_row, D, PAGE, NPG, STAGES, HG)),
