@@ -55,7 +55,8 @@ stage tma_ncu 540 bash -c 'for sh in 44x32768 10x163840 128x4096 84x32768; do PA
   --section LaunchStats --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
   --csv --page details python3 -m benchmarks.kernels.probe_tma --launch-only $sh ${NCU_LAUNCH_ARGS:-} > '$R'/ncu_$sh.csv; done'
 # on demand: the decode's DRAM bytes against the bytes it must read (dram__bytes_read against the pool's pages, L2
-# sectors the TMA requests, L2 hit rate), the GPU's default config and the lean step at 32 programs per SM
+# sectors the TMA requests, L2 hit rate); by default the GPU's own config, the lean step at 32 programs per SM and
+# the kept step at 12
 # (NCU_BYTES_CONFIGS: the --launch-config values, space-separated, "default" for the GPU's own)
 stage tma_ncu_bytes 400 bash -c 'for c in ${NCU_BYTES_CONFIGS:-default 32:2:32:lean 32:2:12}; do cfg=; [ "$c" = default ] || cfg="--launch-config $c"; for sh in 44x32768 84x32768 10x163840 128x4096; do \
   PATH=$PATH:/usr/local/cuda/bin ncu --clock-control none --kernel-name regex:nvfp4_decode --launch-skip 2 --launch-count 1 \

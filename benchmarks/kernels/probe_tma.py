@@ -21,61 +21,56 @@ from benchmarks.kernels import bench_decode as bd
 from benchmarks.kernels.probe_gluon import write_json
 
 
-def compile_sm90(d: int = 128, npg: int = 2, stages: int = 2, group: int = 4, page: int = 16, lean: bool = False):
-    """The variant compiled for sm_90a with Triton's bundled ptxas (no GPU needed)."""
+def _compile_tma_sm90(fn, d: int, page: int, scale_box_w: int, constexprs: dict, options: dict):
+    """A TMA decode kernel ``fn`` (the one-head or the grouped one: same runtime arguments) compiled for sm_90a
+    with Triton's bundled ptxas (no GPU needed): code descriptors box [page, D/4] int16, scale descriptors box
+    [page, scale_box_w] bytes, ``constexprs`` as launched."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from nvfp4_kernels.triton.nvfp4_decode_tma import nvfp4_decode_tma_kernel
-
-    dw, ns = d // 4, d // 16
+    dw = d // 4
     cd = f"tensordesc<i16[{page}, {dw}],{gl.NVMMASharedLayout.get_default_for([page, dw], gl.int16)!r}>"
-    sd = f"tensordesc<u8[{page}, {max(16, ns)}],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)!r}>"
-    ints = ("stride_qb", "stride_qh", "stride_ptb", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh",
-            "chunk_tokens", "oob_row")
-    sig = {"Q": "*bf16", "k_desc": cd, "ks_desc": sd, "v_desc": cd, "vs_desc": sd, "PAGE_TABLE": "*i32",
-           "SEQ_LENS": "*i32", "O_PART": "*fp32", "LSE_PART": "*fp32", "qk_scale": "fp32", "out_scale": "fp32",
-           **{n: "i32" for n in ints}}
-    cx = {"HK": 8, "G": group, "GN": max(8, triton.next_power_of_2(group)), "D": d, "PAGE": page, "NPG": npg,
-          "STAGES": stages, "SW": max(16, ns), "LEAN": lean}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
-             if sig[n].startswith("*") or n.startswith("stride_") and n != "stride_ptb"}
-    src = GluonASTSource(fn=nvfp4_decode_tma_kernel, signature=dict(sig, **{k: "constexpr" for k in cx}),
-                         constexprs=cx, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
-
-
-def compile_sm90_grouped(npg: int = 1, stages: int = 4, group: int = 4, page: int = 16, lean: bool = True):
-    """The grouped TMA kernel (4 KV heads per CTA, nvfp4_decode_tma_grouped) compiled for sm_90a, at D 128, as
-    launched (4 warps and the register cap of ``GROUPED_MAX_REGISTERS``; no GPU needed)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from nvfp4_kernels.backends.decode_choice import GROUPED_HEADS, GROUPED_MAX_REGISTERS
-    from nvfp4_kernels.triton.nvfp4_decode_tma_grouped import nvfp4_decode_tma_grouped_kernel
-
-    d = 128
-    dw, ns = d // 4, d // 16
-    cd = f"tensordesc<i16[{page}, {dw}],{gl.NVMMASharedLayout.get_default_for([page, dw], gl.int16)!r}>"
-    sd = (f"tensordesc<u8[{page}, {GROUPED_HEADS * ns}],"
+    sd = (f"tensordesc<u8[{page}, {scale_box_w}],"
           f"{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)!r}>")
     ints = ("stride_qb", "stride_qh", "stride_ptb", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh",
             "chunk_tokens", "oob_row")
     sig = {"Q": "*bf16", "k_desc": cd, "ks_desc": sd, "v_desc": cd, "vs_desc": sd, "PAGE_TABLE": "*i32",
            "SEQ_LENS": "*i32", "O_PART": "*fp32", "LSE_PART": "*fp32", "qk_scale": "fp32", "out_scale": "fp32",
            **{n: "i32" for n in ints}}
-    cx = {"HK": 8, "G": group, "GN": max(8, triton.next_power_of_2(group)), "D": d, "PAGE": page, "NPG": npg,
-          "STAGES": stages, "LEAN": lean}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
              if sig[n].startswith("*") or n.startswith("stride_") and n != "stride_ptb"}
-    src = GluonASTSource(fn=nvfp4_decode_tma_grouped_kernel, signature=dict(sig, **{k: "constexpr" for k in cx}),
-                         constexprs=cx, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "maxnreg": GROUPED_MAX_REGISTERS})
+    src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in constexprs}), constexprs=constexprs,
+                         attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _group_constexprs(d: int, group: int, page: int, npg: int, stages: int, lean: bool) -> dict:
+    import triton
+
+    return {"HK": 8, "G": group, "GN": max(8, triton.next_power_of_2(group)), "D": d, "PAGE": page, "NPG": npg,
+            "STAGES": stages, "LEAN": lean}
+
+
+def compile_sm90(d: int = 128, npg: int = 2, stages: int = 2, group: int = 4, page: int = 16, lean: bool = False):
+    """The one-head TMA kernel compiled for sm_90a (no GPU needed)."""
+    from nvfp4_kernels.triton.nvfp4_decode_tma import nvfp4_decode_tma_kernel
+
+    sw = max(16, d // 16)
+    return _compile_tma_sm90(nvfp4_decode_tma_kernel, d, page, sw,
+                             {**_group_constexprs(d, group, page, npg, stages, lean), "SW": sw}, {"num_warps": 1})
+
+
+def compile_sm90_grouped(npg: int = 1, stages: int = 4, group: int = 4, page: int = 16, lean: bool = True):
+    """The grouped TMA kernel (4 KV heads per CTA, nvfp4_decode_tma_grouped) compiled for sm_90a, at D 128, as
+    launched (4 warps and the register cap of ``GROUPED_MAX_REGISTERS``; no GPU needed)."""
+    from nvfp4_kernels.backends.decode_choice import GROUPED_HEADS, GROUPED_MAX_REGISTERS
+    from nvfp4_kernels.triton.nvfp4_decode_tma_grouped import nvfp4_decode_tma_grouped_kernel
+
+    return _compile_tma_sm90(nvfp4_decode_tma_grouped_kernel, 128, page, GROUPED_HEADS * 128 // 16,
+                             _group_constexprs(128, group, page, npg, stages, lean),
+                             {"num_warps": 4, "maxnreg": GROUPED_MAX_REGISTERS})
 
 
 def sm90_resident_programs(registers: int, shared_bytes: int) -> int:
