@@ -1,6 +1,6 @@
-"""Does the host tier's timed store window count the GPU waiting for the host to issue the copy? (CUDA GPU)
+"""Does the host tier's timed store window count the GPU waiting for the host to launch the copy? (CUDA GPU)
 
-    python -m benchmarks.engine.probe_host_tier_issue
+    python -m benchmarks.engine.probe_host_tier_launch
 
 A store of 64 or 160 fp8 pages, or 64 nvfp4 pages (8 layers of Qwen3-8B's KV geometry, page 16, scattered device
 and host pages), timed three ways, each the median of 30, with 0, 1 and 4 Python threads busy beside it (each
@@ -12,8 +12,8 @@ loops over pure Python and a small torch op, as a service's gRPC and tokenizer t
   the kernel are all queued, so the window holds the copy alone.
 
 Every torch call and kernel launch gives up the GIL; once the GPU reaches the start event, each wait of the
-issuing thread to win the GIL back before the kernel (and the end event) are queued is counted as copy time.
-Prints one line per configuration (docs/benchmarks/host_tier_issue_h100.md has a run).
+launching thread to win the GIL back before the kernel (and the end event) are queued is counted as copy time.
+Prints one line per configuration (docs/benchmarks/host_tier_launch_h100.md has a run).
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def _busy(stop: threading.Event) -> None:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        raise SystemExit("probe_host_tier_issue needs a CUDA GPU")
+        raise SystemExit("probe_host_tier_launch needs a CUDA GPU")
     dev, gate = torch.device("cuda"), _Gate()
     print(torch.cuda.get_device_name(dev), file=sys.stderr)
     for nbusy in (0, 1, 4):
