@@ -18,11 +18,11 @@ from offline.evaluation import teacher_forced_logprobs
 from tests.test_services import (
     gen_request,
     generate,
-    integrity,
     procs,  # noqa: F401 - the fixture
     prompt,
     run,
 )
+from tests.test_timeouts import decode_is_idle
 
 
 def test_the_hadamard_rotation_is_orthogonal_fixed_and_refuses_other_head_dims():
@@ -91,7 +91,7 @@ def test_a_decode_refuses_pages_rotated_differently(procs, tiny_model_dir):  # n
         run(generate(d.address, gen_request("m", prompt(20), p.address)))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "kv_rotation" in e.value.details() and "'hadamard'" in e.value.details()
-    rep = run(integrity(d.address))
+    rep = run(decode_is_idle(d.address))
     assert rep.ok and rep.num_in_use == 0
 
 

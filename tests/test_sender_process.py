@@ -16,7 +16,7 @@ import pytest
 
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.service_procs import start_many, stop_all
-from tests.test_services import CPU, gen_request, generate, integrity, metric, prompt, run
+from tests.test_services import CPU, gen_request, generate, metric, prompt, run
 from tests.test_timeouts import decode_is_idle, prefill_is_idle
 
 SENDER = ("--kv-sender", "process")
@@ -74,7 +74,7 @@ def test_greedy_through_a_sender_process_and_its_lanes_equals_the_engine_with_nv
         assert msgs[-1].finish_reason == decode_pb2.FINISH_REASON_LENGTH
         sent[dt] = run(metric(d.address, "nvfp4_decode_kv_transfer_bytes_total"))
         assert "over 2 lanes" in d.output  # the tiny model has two layers: one lane each
-        rep = run(integrity(d.address))
+        rep = run(decode_is_idle(d.address))
         assert rep.ok and rep.num_in_use == 0
         # counted as what the decode got (grpc, pages in bytes), sent by the sender process
         assert run(_prefill_metric(p.address, 'nvfp4_prefill_kv_transfer_path_total{path="grpc"}')) == 1

@@ -11,6 +11,7 @@ import pytest
 
 from nvfp4_serve_proto import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.service_procs import start, start_many, stop_all
+from tests.test_timeouts import decode_is_idle
 
 CPU = ("--device", "cpu", "--dtype", "float32")
 
@@ -107,7 +108,7 @@ def test_mismatched_kv_dtype_or_page_size_is_refused_naming_both_values(procs, t
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     msg = e.value.details()
     assert "'nvfp4'" in msg and "'fp8_e4m3'" in msg and "page_size" in msg and "8" in msg and "16" in msg
-    rep = run(integrity(d.address))
+    rep = run(decode_is_idle(d.address))
     assert rep.ok and rep.num_in_use == 0
 
 
@@ -125,7 +126,7 @@ def test_killing_prefill_mid_stream_fails_the_request_and_leaks_no_page(procs, t
 
     err = run(scenario())
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "prefill" in err.details()
-    rep = run(integrity(d.address))
+    rep = run(decode_is_idle(d.address))
     assert rep.ok and rep.num_in_use == 0 and rep.num_free + rep.num_cached == rep.num_total
 
 

@@ -13,8 +13,8 @@ import pytest
 from decode_svc.transfer_phases import PHASES
 from tests.service_procs import start_many, stop_all
 from tests.test_sender_process import _prefill_metric
-from tests.test_services import CPU, gen_request, generate, integrity, metric, prompt, run
-from tests.test_timeouts import prefill_is_idle
+from tests.test_services import CPU, gen_request, generate, metric, prompt, run
+from tests.test_timeouts import decode_is_idle, prefill_is_idle
 
 
 @pytest.mark.parametrize("lanes", ["1", "2"])
@@ -32,7 +32,7 @@ def test_the_prefill_counts_a_completed_transfer_as_ok_when_its_stream_ends_afte
         assert run(_prefill_metric(p.address, 'nvfp4_prefill_requests_total{outcome="failed"}')) == 0
         sent = run(_prefill_metric(p.address, "nvfp4_prefill_kv_transfer_bytes_total"))  # pages and framing
         assert sent >= run(metric(d.address, "nvfp4_decode_kv_transfer_bytes_total")) > 0
-        rep = run(integrity(d.address))
+        rep = run(decode_is_idle(d.address))
         assert rep.ok and rep.num_in_use == 0
         # the decode's span of the transfer, cut into its phases (decode_svc/transfer_phases.py)
         phases = {name: run(metric(d.address, f'nvfp4_decode_kv_transfer_phase_seconds_total{{phase="{name}"}}'))
@@ -56,7 +56,7 @@ def test_a_prefill_that_holds_its_stream_open_after_prefill_done_is_cancelled_an
         load = run(prefill_is_idle(p.address))  # the cancel ended the prefill's stream: its pages are free
         assert load.pool_pages_in_use == 0 and load.num_running == 0
         assert run(_prefill_metric(p.address, 'nvfp4_prefill_requests_total{outcome="failed"}')) == 1
-        rep = run(integrity(d.address))
+        rep = run(decode_is_idle(d.address))
         assert rep.ok and rep.num_in_use == 0
     finally:
         stop_all([p, d])
