@@ -77,8 +77,15 @@ class Pair:
         return load
 
     async def decode_integrity(self) -> decode_pb2.IntegrityReport:
+        """The decode's pool report once no page is in use, or the last one after 5 s (the decode frees a
+        request's pages between its engine steps, after the request ended or was cancelled)."""
         async with grpc.aio.insecure_channel(self.decode_address) as ch:
-            return await decode_pb2_grpc.DecodeStub(ch).CheckIntegrity(decode_pb2.CheckIntegrityRequest())
+            for _ in range(100):
+                rep = await decode_pb2_grpc.DecodeStub(ch).CheckIntegrity(decode_pb2.CheckIntegrityRequest())
+                if rep.num_in_use == 0:
+                    break
+                await asyncio.sleep(0.05)
+        return rep
 
     def metric(self, role: str, name: str) -> float:
         text = (self.prefill if role == "prefill" else self.decode).metrics.text()
