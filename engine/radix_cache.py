@@ -63,7 +63,7 @@ from engine.radix_node import num_pages as node_pages
 # of 42-76 MB, 50-52 GB/s for 340-600 MB; docs/benchmarks/host_tier_copy.md), and a full pool otherwise evicts a
 # page or two per admission. In bytes, not pages: a page of an 8-layer model is a fifth of a 36-layer one's (64
 # pages of it stored at 38 GB/s in the agentic sweep; 64 MiB batches did too, so the sweep's store rate is not
-# set by the batch size: it counts the launching thread's GIL waits, docs/benchmarks/host_tier_launch_h100.md). The
+# set by the batch size; a probe points at the launching thread's GIL waits, docs/benchmarks/host_tier_launch_h100.md). The
 # extra pages are the least recently used and stay on the host, so a later hit loads them instead of prefilling.
 HOST_STORE_MIN_BYTES = 64 << 20
 
