@@ -50,6 +50,14 @@ from nvfp4_kernels.triton.nvfp4_decode import PLAN_INTS
 
 
 @gluon.jit
+def pool_row(pt_row, tok, end, oob_row, PAGE: gl.constexpr):
+    """The first pool row of the page holding token ``tok`` of the sequence whose page-table row is ``pt_row``, or
+    ``oob_row`` (a row past the pool: TMA reads zeros there) for a token at or past ``end``."""
+    page = gl.load(pt_row + tok // PAGE, mask=tok < end, other=-1)
+    return gl.where(tok < end, page * PAGE, oob_row)
+
+
+@gluon.jit
 def _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, t0, end, stage, h, oob_row,
            DW: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr, NPG: gl.constexpr, SW: gl.constexpr,
            SOFF: gl.constexpr, LEAN: gl.constexpr):
@@ -64,9 +72,7 @@ def _issue(ring, bars, k_desc, v_desc, ks_desc, vs_desc, pt_row, t0, end, stage,
     bar = bars.index(stage)
     mbarrier.expect(bar, NPG * PAGE * (4 * DW + 2 * SW), pred=live)
     for j in gl.static_range(NPG):
-        tok = t0 + j * PAGE
-        page = gl.load(pt_row + tok // PAGE, mask=tok < end, other=-1)
-        row = gl.where(tok < end, page * PAGE, oob_row)
+        row = pool_row(pt_row, t0 + j * PAGE, end, oob_row, PAGE)
         tma.async_copy_global_to_shared(k_desc, [row, h * DW], bar, k_smem.index(stage).slice(j * PAGE, PAGE), pred=live)
         tma.async_copy_global_to_shared(v_desc, [row, h * DW], bar, v_smem.index(stage).slice(j * PAGE, PAGE), pred=live)
         tma.async_copy_global_to_shared(ks_desc, [row, h * NS - SOFF], bar,

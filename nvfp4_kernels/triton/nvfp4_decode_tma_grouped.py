@@ -40,6 +40,7 @@ from nvfp4_kernels.triton.gluon_decode_step import (
     total_sums,
 )
 from nvfp4_kernels.triton.nvfp4_decode import PLAN_INTS
+from nvfp4_kernels.triton.nvfp4_decode_tma import pool_row
 
 # each head partition's registers a thread (setmaxnreg; the step needs 128-131): with the copy partition's 24, the
 # 8 warps fit the launch's cap of decode_choice.GROUPED_MAX_REGISTERS = (4 * 24 + 4 * 136) / 8 = 80
@@ -66,9 +67,7 @@ def _produce(k_ring, v_ring, ks_ring, vs_ring, full, empty, k_desc, ks_desc, v_d
         bar = full.index(stage)
         mbarrier.expect(bar, NPG * PAGE * (HG * 4 * DW + 2 * SWG))
         for j in gl.static_range(NPG):
-            tok = start + i * BT + j * PAGE
-            page = gl.load(pt_row + tok // PAGE, mask=tok < end, other=-1)
-            row = gl.where(tok < end, page * PAGE, oob_row)
+            row = pool_row(pt_row, start + i * BT + j * PAGE, end, oob_row, PAGE)
             for w in gl.static_range(HG):
                 h = g * HG + w
                 tma.async_copy_global_to_shared(k_desc, [row, h * DW], bar,
