@@ -144,3 +144,13 @@ def test_the_host_tier_copy_benchmark_tables_rates_against_the_raw_copy():
            "store_gbps": 40.0, "load_gbps": 30.0, "raw_d2h_gbps": 50.0, "raw_h2d_gbps": 60.0}
     md = render({"gpu": "GPU", "layers": 36, "rows": [row], "command": "c"})
     assert "| nvfp4 | direct | scattered | 8 | 5.3 | 40.0 | 50.0 | 0.80 | 30.0 | 60.0 | 0.50 |" in md
+
+
+@pytest.mark.parametrize("argv, words", [(["--spread-gib", "-1"], "--spread-gib must be >= 0"),
+                                         (["--iters", "0"], "must be >= 1")])
+def test_the_host_tier_copy_benchmark_refuses_bad_arguments_before_it_needs_a_gpu(argv, words, capsys):
+    from benchmarks.engine.bench_host_tier import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err

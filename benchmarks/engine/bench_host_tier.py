@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if min(a.batches) < 1 or a.iters < 1 or a.layers < 1:
         p.error("--batches, --iters and --layers must be >= 1")
+    if a.spread_gib < 0:
+        p.error(f"--spread-gib must be >= 0 (0: no spread rows), got {a.spread_gib}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_host_tier needs a CUDA GPU")
     dev = torch.device("cuda")
